@@ -1,0 +1,260 @@
+"""EMCL's two updates as functions over lists of tensors (SPEC section 3).
+
+``inner_step_``, ``meta_step_`` and ``inner_meta_step_`` update their tensors in place. Each
+validates everything once (SPEC section 4: any bad argument raises a clear ``ValueError`` /
+``TypeError`` / ``RuntimeError`` before a single tensor is written), groups the tensors by
+(device, dtype) and hands every group to one call of the chosen backend.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from numbers import Real
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from emcl_kernels.backends import get_backend
+from emcl_kernels.reference import compute_dtype
+
+__all__ = ["inner_step_", "meta_step_", "inner_meta_step_", "check_hyperparameters",
+           "PARAM_DTYPES", "LR_MODES", "IMPORTANCE_KINDS"]
+
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+LR_MODES = ("recurrent", "inverse", "constant")
+IMPORTANCE_KINDS = ("taylor", "si")
+
+_INF = float("inf")
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+def _number(name: str, value, *, low: float = 0.0, high: float = _INF, low_open: bool = False,
+            allow_inf: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if math.isnan(value) or (math.isinf(value) and not allow_inf):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if value < low or (low_open and value == low) or value > high:
+        lo = "(" if low_open else "["
+        raise ValueError(f"{name} must be in {lo}{low}, {high}], got {value}")
+    return value
+
+
+def _choice(name: str, value, choices) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+def check_hyperparameters(**hp) -> dict:
+    """Check the hyper-parameters that are given against their domains and return them
+    normalized (floats, validated strings). Raises ``TypeError``/``ValueError`` naming the bad one."""
+    out = {}
+    for name, value in hp.items():
+        if name in ("inner_lr", "meta_lr", "reg", "gamma", "lr_scale", "lr_min"):
+            out[name] = _number(name, value)                  # rates and strengths: >= 0
+        elif name == "decay":
+            out[name] = _number(name, value, high=1.0)
+        elif name == "eps":
+            out[name] = _number(name, value, low_open=True)
+        elif name == "lr_max":
+            out[name] = _number(name, value, allow_inf=True)
+        elif name == "lr_mode":
+            out[name] = _choice(name, value, LR_MODES)
+        elif name == "importance":
+            out[name] = _choice(name, value, IMPORTANCE_KINDS)
+        elif name == "prox":
+            if not isinstance(value, bool):
+                raise TypeError(f"prox must be a bool, got {type(value).__name__} {value!r}")
+            out[name] = value
+        else:
+            raise TypeError(f"unknown hyper-parameter {name!r}")
+    if "lr_min" in out and "lr_max" in out and out["lr_max"] < out["lr_min"]:
+        raise ValueError(f"lr_max ({out['lr_max']}) must be >= lr_min ({out['lr_min']})")
+    return out
+
+
+def _as_list(name: str, tensors) -> list:
+    if isinstance(tensors, Tensor) or not isinstance(tensors, Sequence):
+        raise TypeError(f"{name} must be a list or tuple of tensors, "
+                        f"got {type(tensors).__name__}")
+    return list(tensors)
+
+
+def _check_tensor(role: str, i: int, t, param: Tensor, dtype: torch.dtype) -> None:
+    where = f"{role}[{i}]"
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{where} must be a tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise RuntimeError(f"{where} is {t.layout}; EMCL needs dense (strided) tensors, "
+                           "sparse gradients are not supported")
+    if t.dtype != dtype:
+        raise TypeError(f"{where} has dtype {t.dtype}, expected {dtype}")
+    if t.device != param.device:
+        raise RuntimeError(f"{where} is on {t.device} but params[{i}] is on {param.device}")
+    if t.shape != param.shape:
+        raise ValueError(f"{where} has shape {tuple(t.shape)} but params[{i}] has shape "
+                         f"{tuple(param.shape)}")
+    if not t.is_contiguous():
+        raise RuntimeError(f"{where} is not contiguous; call .contiguous() on it first")
+
+
+def _check_lists(params, grads, anchors, importances, meta_lrs, *, need_meta_lrs: bool):
+    params = _as_list("params", params)
+    lists = {"grads": _as_list("grads", grads), "anchors": _as_list("anchors", anchors),
+             "importances": _as_list("importances", importances)}
+    if need_meta_lrs:
+        if meta_lrs is None:
+            raise ValueError("lr_mode='recurrent' needs meta_lrs, the per-element meta learning "
+                             "rates; got None")
+        lists["meta_lrs"] = _as_list("meta_lrs", meta_lrs)
+    for name, lst in lists.items():
+        if len(lst) != len(params):
+            raise ValueError(f"{name} has {len(lst)} tensors but params has {len(params)}")
+    seen = {}
+    for i, p in enumerate(params):
+        if not isinstance(p, Tensor):
+            raise TypeError(f"params[{i}] must be a tensor, got {type(p).__name__}")
+        if p.dtype not in PARAM_DTYPES:
+            raise TypeError(f"params[{i}] has dtype {p.dtype}; EMCL supports "
+                            f"{', '.join(map(str, PARAM_DTYPES))}")
+        _check_tensor("params", i, p, p, p.dtype)
+        _check_tensor("grads", i, lists["grads"][i], p, p.dtype)
+        state_dtype = compute_dtype(p.dtype)
+        for name in ("anchors", "importances", "meta_lrs"):
+            if name in lists:
+                _check_tensor(name, i, lists[name][i], p, state_dtype)
+        if p.numel():
+            key = (p.device, p.data_ptr())
+            if key in seen:
+                raise ValueError(f"params[{i}] and params[{seen[key]}] share storage; "
+                                 "each parameter may appear only once")
+            seen[key] = i
+    return params, lists["grads"], lists["anchors"], lists["importances"], lists.get("meta_lrs")
+
+
+def _check_flag(name: str, t) -> None:
+    if t is None:
+        return
+    if not isinstance(t, Tensor) or t.numel() != 1 or not t.is_floating_point():
+        raise TypeError(f"{name} must be None or a one-element floating-point tensor")
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch
+# ---------------------------------------------------------------------------------------------
+
+def _groups(params):
+    """Indices of the tensors by (device, dtype), in first-seen order."""
+    groups = defaultdict(list)
+    for i, p in enumerate(params):
+        groups[(p.device, p.dtype)].append(i)
+    return groups
+
+
+def _run(op: str, backend: str, params, grads, anchors, importances, meta_lrs, grad_scale,
+         found_inf, hp) -> None:
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+    _check_flag("grad_scale", grad_scale)
+    _check_flag("found_inf", found_inf)
+    groups = _groups(params)
+    # Resolve every group's backend before any tensor is written.
+    plan = [(get_backend(backend, device), device, idx) for (device, _), idx in groups.items()]
+    for mod, device, idx in plan:
+        pick = lambda lst: [lst[i] for i in idx]  # noqa: E731
+        args = [pick(params), pick(grads), pick(anchors), pick(importances)]
+        if op != "inner_step":
+            args.append(None if meta_lrs is None else pick(meta_lrs))
+        flags = {"grad_scale": _on(grad_scale, device), "found_inf": _on(found_inf, device)}
+        getattr(mod, op)(*args, **hp, **flags)
+
+
+def _on(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
+    if t is None:
+        return None
+    return t.reshape(()).to(device=device, dtype=torch.float32)
+
+
+@torch.no_grad()
+def inner_step_(params: Sequence[Tensor], grads: Sequence[Tensor], anchors: Sequence[Tensor],
+                importances: Sequence[Tensor], *, inner_lr: float, reg: float, gamma: float,
+                prox: bool = True, backend: str = "auto", grad_scale: Optional[Tensor] = None,
+                found_inf: Optional[Tensor] = None) -> None:
+    """EMCL's inner step (paper eqs. 14, 15, 19) on every tensor, in place.
+
+    ``prox=True``:  θ ← (θ − β·g + γλh·θ₀) / (1 + γλh);  ``prox=False``: θ ← θ − β·(g + λh·(θ − θ₀)).
+
+    Args:
+        params, grads: θ and g (fp32, bf16, fp16 or fp64; g like θ), contiguous.
+        anchors, importances: θ₀ and h, fp32 (fp64 for fp64 params), shaped like θ.
+        inner_lr, reg, gamma: β, λ, γ (finite, >= 0).
+        prox: the proximal update of eq. 19 (default) or the plain gradient step.
+        backend: a name of :func:`emcl_kernels.available_backends` or ``"auto"``.
+        grad_scale: gradients are divided by it (for ``torch.amp.GradScaler``).
+        found_inf: when non-zero, nothing is written.
+    """
+    hp = check_hyperparameters(inner_lr=inner_lr, reg=reg, gamma=gamma, prox=prox)
+    params, grads, anchors, importances, _ = _check_lists(
+        params, grads, anchors, importances, None, need_meta_lrs=False)
+    if params:
+        _run("inner_step", backend, params, grads, anchors, importances, None, grad_scale,
+             found_inf, hp)
+
+
+@torch.no_grad()
+def meta_step_(params: Sequence[Tensor], grads: Sequence[Tensor], anchors: Sequence[Tensor],
+               importances: Sequence[Tensor], meta_lrs: Optional[Sequence[Tensor]], *,
+               meta_lr: float, reg: float, decay: float, lr_scale: float, lr_mode: str,
+               lr_min: float = 0.0, lr_max: float = _INF, eps: float = 1e-8,
+               importance: str = "taylor", backend: str = "auto",
+               grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
+    """EMCL's meta step (paper eqs. 7, 8, 10, 13) on every tensor, in place.
+
+    h ← η·h + (1−η)·Ω with Ω = |g·θ₀| (``importance="taylor"``) or |g·(θ − θ₀)| (``"si"``);
+    α from ``lr_mode`` (``"recurrent"``: α ← clip(α·r/(h+ε)), stored in ``meta_lrs``;
+    ``"inverse"``: α = clip(α₀·r/(h+ε)); ``"constant"``: α = α₀);
+    θ₀ ← θ₀ − α·λ·h·(θ₀ − θ); θ ← θ₀.
+
+    ``meta_lrs`` may be None unless ``lr_mode="recurrent"``. The other arguments are as in
+    :func:`inner_step_`; ``decay`` is in [0, 1], ``eps`` > 0, ``0 <= lr_min <= lr_max``.
+    """
+    hp = check_hyperparameters(meta_lr=meta_lr, reg=reg, decay=decay, lr_scale=lr_scale,
+                               lr_mode=lr_mode, lr_min=lr_min, lr_max=lr_max, eps=eps,
+                               importance=importance)
+    need = hp["lr_mode"] == "recurrent"
+    params, grads, anchors, importances, meta_lrs = _check_lists(
+        params, grads, anchors, importances, meta_lrs, need_meta_lrs=need)
+    if params:
+        _run("meta_step", backend, params, grads, anchors, importances,
+             meta_lrs if need else None, grad_scale, found_inf, hp)
+
+
+@torch.no_grad()
+def inner_meta_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
+                     anchors: Sequence[Tensor], importances: Sequence[Tensor],
+                     meta_lrs: Optional[Sequence[Tensor]], *, inner_lr: float, meta_lr: float,
+                     reg: float, gamma: float, decay: float, lr_scale: float, lr_mode: str,
+                     lr_min: float = 0.0, lr_max: float = _INF, eps: float = 1e-8,
+                     importance: str = "taylor", prox: bool = True, backend: str = "auto",
+                     grad_scale: Optional[Tensor] = None,
+                     found_inf: Optional[Tensor] = None) -> None:
+    """The inner step, then the meta step with the same gradient, as one pass.
+
+    Equal to :func:`inner_step_` followed by :func:`meta_step_`, except that the fast weight
+    between the two is kept in fp32 rather than rounded to a bf16/fp16 parameter's dtype.
+    """
+    hp = check_hyperparameters(inner_lr=inner_lr, meta_lr=meta_lr, reg=reg, gamma=gamma,
+                               decay=decay, lr_scale=lr_scale, lr_mode=lr_mode, lr_min=lr_min,
+                               lr_max=lr_max, eps=eps, importance=importance, prox=prox)
+    need = hp["lr_mode"] == "recurrent"
+    params, grads, anchors, importances, meta_lrs = _check_lists(
+        params, grads, anchors, importances, meta_lrs, need_meta_lrs=need)
+    if params:
+        _run("inner_meta_step", backend, params, grads, anchors, importances,
+             meta_lrs if need else None, grad_scale, found_inf, hp)
