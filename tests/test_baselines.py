@@ -300,3 +300,30 @@ def test_mer_fast_path_rejects_other_models():
     cfg = small_config("mer")
     method = get_method("mer")(Odd(), tiny_info(), cfg, torch.device("cpu"))
     assert not method.uses_fast_path
+
+
+def test_ewc_summed_penalty_has_the_per_task_gradient():
+    """EWC keeps one summed quadratic; its gradient equals the GEM code's sum over tasks."""
+    torch.set_num_threads(1)
+    tasks = tiny_tasks()
+    model, method = build("ewc")
+    fishers, anchors = [], []
+    gen = torch.Generator().manual_seed(7)
+    for k, (train, _) in enumerate(tasks):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+        method.current_task, method.mem_x, method.mem_y = k, train[0][:10], train[1][:10]
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(train[0][:10], k), train[1][:10]).backward()
+        fishers.append([p.grad.detach().pow(2) for p in model.parameters()])
+        anchors.append([p.detach().clone() for p in model.parameters()])
+        method._consolidate()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    model.zero_grad()
+    method.penalty().backward()
+    for i, p in enumerate(model.parameters()):
+        expected = sum(2 * f[i] * (p.detach() - a[i]) for f, a in zip(fishers, anchors))
+        torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-6)
