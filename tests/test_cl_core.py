@@ -268,3 +268,25 @@ def test_cli_show_config_and_errors(capsys):
         cli.main(["--stream", "nope"])
     with pytest.raises(SystemExit):
         cli.main(["--set", "novalue", "--show-config"])
+
+
+def test_ablation_script_resumes_and_tables(tmp_path, capsys):
+    from emcl_continual import ablation
+
+    out = str(tmp_path / "abl")
+    args = ["--seeds", "0", "1", "--n-tasks", "2", "--samples-per-task", "20", "--out", out,
+            "--backend", "foreach", "--only", "default", "lr_scale=2/reg"]
+    assert ablation.main(args) == 0
+    obj = json.load(open(os.path.join(out, "ablation.json")))
+    assert sorted(obj["runs"]) == ["default|0", "default|1", "lr_scale=2/reg|0", "lr_scale=2/reg|1"]
+    assert obj["runs"]["lr_scale=2/reg|0"]["config"]["lr_scale"] == pytest.approx(2 / 10.0)
+    row = obj["table"][0]
+    assert row["config"] == "default" and row["acc_mean"] == pytest.approx(
+        (obj["runs"]["default|0"]["acc"] + obj["runs"]["default|1"]["acc"]) / 2)
+    md = open(os.path.join(out, "ablation.md")).read()
+    assert "| default |" in md and "| lr_scale=2/reg |" in md
+    capsys.readouterr()
+    assert ablation.main(args) == 0  # everything done: nothing runs again
+    assert "seed 0: ACC" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        ablation.main(["--only", "nope", "--out", out])

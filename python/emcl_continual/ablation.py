@@ -91,9 +91,13 @@ def main(argv: list | None = None) -> int:
     p.add_argument("--only", nargs="+", default=None, help="run only these configuration names")
     p.add_argument("--data-root", default=None)
     p.add_argument("--n-tasks", type=int, default=None)
+    p.add_argument("--samples-per-task", type=int, default=None)
     p.add_argument("--backend", default=None)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="change the base configuration")
+    p.add_argument("--default-from", default=None, metavar="RESULTS_JSON",
+                   help="take the 'default' rows from a CLI results.json of the same base configuration "
+                        "(e.g. the final 5-seed run) instead of running them again")
     args = p.parse_args(argv)
 
     import platform
@@ -117,6 +121,14 @@ def main(argv: list | None = None) -> int:
     base.pop("seed")
     path = os.path.join(args.out, "ablation.json")
     done = json.load(open(path))["runs"] if os.path.isfile(path) else {}
+    if args.default_from:
+        same = lambda c: {k: v for k, v in c.items() if k not in ("seed", "backend")}  # noqa: E731
+        for r in json.load(open(args.default_from))["runs"]:
+            if r["method"] == "emcl" and r["stream"] == args.stream and same(r["config"]) == same(base):
+                done.setdefault(f"default|{r['seed']}", r)
+            else:
+                raise SystemExit(f"error: {args.default_from} seed {r['seed']} was not run with the base "
+                                 f"configuration: {same(r['config'])} != {same(base)}")
     meta = {"stream": args.stream, "base": base, "data": "", "n_tasks": args.n_tasks,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
                        f"{args.threads} thread(s)"}
@@ -127,7 +139,8 @@ def main(argv: list | None = None) -> int:
             key = f"{name}|{seed}"
             if key in done:
                 continue
-            stream = make_stream(args.stream, seed, data_root=args.data_root, n_tasks=args.n_tasks)
+            stream = make_stream(args.stream, seed, data_root=args.data_root, n_tasks=args.n_tasks,
+                                 samples_per_task=args.samples_per_task)
             meta["data"] = stream.info.source
             start = time.perf_counter()
             ov = _overrides(base_ov, extra, float(extra.get("reg", base["reg"])))
