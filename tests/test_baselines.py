@@ -327,3 +327,19 @@ def test_ewc_summed_penalty_has_the_per_task_gradient():
     for i, p in enumerate(model.parameters()):
         expected = sum(2 * f[i] * (p.detach() - a[i]) for f, a in zip(fishers, anchors))
         torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_gem_batched_memory_grads_match_loop():
+    """GEM's vmap over the task memories gives the per-task backward passes' gradients."""
+    torch.set_num_threads(1)
+    tasks = tiny_tasks()
+    model, method = build("gem")
+    for k, (train, _) in enumerate(tasks):
+        train_task(method, train[0][:40], train[1][:40], task=k)
+    assert method.batched
+    past = method.memory.tasks()
+    batched = method.memory_grads(past)
+    method.batched = False
+    looped = method.memory_grads(past)
+    assert batched.shape == (len(past), sum(p.numel() for p in model.parameters()))
+    torch.testing.assert_close(batched, looped, rtol=1e-4, atol=1e-6)

@@ -33,7 +33,7 @@ import scipy.optimize
 import torch
 from torch import Tensor
 
-__all__ = ["solve_gem_dual", "gem_project", "agem_project"]
+__all__ = ["solve_gem_dual", "solve_gem_dual_gram", "gem_project", "agem_project"]
 
 
 def solve_gem_dual(G: np.ndarray, g: np.ndarray, margin: float = 0.0, eps: float = 1e-3) -> np.ndarray:
@@ -42,12 +42,20 @@ def solve_gem_dual(G: np.ndarray, g: np.ndarray, margin: float = 0.0, eps: float
     g = np.asarray(g, dtype=np.float64).reshape(-1)
     if G.ndim != 2 or G.shape[1] != g.shape[0]:
         raise ValueError(f"GEM dual: G must be (t, {g.shape[0]}), got {G.shape}")
+    return solve_gem_dual_gram(G @ G.T, G @ g, margin, eps)
+
+
+def solve_gem_dual_gram(GGt: np.ndarray, Gg: np.ndarray, margin: float = 0.0, eps: float = 1e-3) -> np.ndarray:
+    """The same dual from its small ingredients: the Gram matrix ``G G^T`` (t x t) and ``G g`` (t)."""
+    GGt = np.asarray(GGt, dtype=np.float64)
+    Gg = np.asarray(Gg, dtype=np.float64).reshape(-1)
+    t = Gg.shape[0]
+    if GGt.shape != (t, t):
+        raise ValueError(f"GEM dual: Gram matrix must be ({t}, {t}), got {GGt.shape}")
     if margin < 0 or eps < 0:
         raise ValueError(f"GEM dual: margin and eps must be >= 0, got {margin}, {eps}")
-    t = G.shape[0]
-    P = G @ G.T
-    P = 0.5 * (P + P.T) + eps * np.eye(t)
-    b = P @ np.full(t, float(margin)) + G @ g
+    P = 0.5 * (GGt + GGt.T) + eps * np.eye(t)
+    b = P @ np.full(t, float(margin)) + Gg
     try:
         L = scipy.linalg.cholesky(P, lower=True)
     except np.linalg.LinAlgError as exc:  # only reachable with eps == 0 and rank-deficient G
@@ -58,11 +66,18 @@ def solve_gem_dual(G: np.ndarray, g: np.ndarray, margin: float = 0.0, eps: float
 
 
 def gem_project(g: Tensor, G: Tensor, margin: float = 0.0, eps: float = 1e-3) -> Tensor:
-    """GEM's projected gradient ``G^T v + g`` (returned in ``g``'s dtype and device)."""
-    v = solve_gem_dual(G.detach().double().cpu().numpy(), g.detach().double().cpu().numpy(), margin, eps)
+    """GEM's projected gradient ``G^T v + g`` (returned in ``g``'s dtype and device).
+
+    The large products (``G G^T``, ``G g``, ``G^T v``) run in torch float64; only the t x t
+    dual goes to SciPy.
+    """
+    if G.ndim != 2 or G.shape[1] != g.numel():
+        raise ValueError(f"GEM: G must be (t, {g.numel()}), got {tuple(G.shape)}")
+    Gd = G.detach().double()
+    gd = g.detach().double().reshape(-1)
+    v = solve_gem_dual_gram((Gd @ Gd.T).cpu().numpy(), (Gd @ gd).cpu().numpy(), margin, eps)
     v_t = torch.from_numpy(v).to(device=g.device, dtype=torch.float64)
-    out = G.detach().double().T @ v_t + g.detach().double()
-    return out.to(g.dtype)
+    return (Gd.T @ v_t + gd).to(g.dtype).reshape(g.shape)
 
 
 def agem_project(g: Tensor, g_ref: Tensor) -> Tensor:
