@@ -310,13 +310,14 @@ def run_device(device: torch.device, args, settings: Settings, log) -> DeviceRun
                         common.time_once(calls[0], device)
                         warmed.add(key)
                     estimate = common.time_once(calls[0], device)
+                    budget = settings.reference_budget_s if is_ref else settings.budget_s
+                    min_reps = settings.reference_min_reps if is_ref else settings.min_reps
                     reps = common.repeats_for(
-                        estimate,
-                        settings.reference_budget_s if is_ref else settings.budget_s,
-                        settings.reference_min_reps if is_ref else settings.min_reps,
+                        estimate, budget, min_reps,
                         settings.reference_max_reps if is_ref else settings.max_reps)
                     order = [calls[(i + 1) % n_sets] for i in range(reps)]
-                    stats = common.Stats.of(common.time_calls(order, device))
+                    stats = common.Stats.of(common.time_calls(
+                        order, device, max_total_s=4 * budget, min_calls=min_reps))
                     launches = None
                     if device.type == "cuda":
                         try:
@@ -339,7 +340,7 @@ def run_device(device: torch.device, args, settings: Settings, log) -> DeviceRun
                     }
                     run.records.append(rec)
                     log(f"   {layout.name:>16} {layout.numel:>10} {dname} {op:<15} {backend:<9} "
-                        f"{stats.median_ms:10.4f} ms {rec['gbps']:8.2f} GB/s  ({reps} reps)")
+                        f"{stats.median_ms:10.4f} ms {rec['gbps']:8.2f} GB/s  ({stats.repeats} reps)")
             finite = all(bool(torch.isfinite(t.float()).all()) for s in sets for t in s.state())
             for rec in run.records:
                 if rec["layout"] == layout.name and rec["numel"] == layout.numel \

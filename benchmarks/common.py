@@ -144,9 +144,13 @@ def time_once(fn: Callable[[], None], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def time_calls(fns: Sequence[Callable[[], None]], device: torch.device) -> list:
+def time_calls(fns: Sequence[Callable[[], None]], device: torch.device, *,
+               max_total_s: Optional[float] = None, min_calls: int = 1) -> list:
     """Seconds of each call of ``fns`` (in order): CUDA events on a GPU (device time between
-    the call's first and last launch), ``time.perf_counter`` around each call on CPU."""
+    the call's first and last launch), ``time.perf_counter`` around each call on CPU.
+
+    On CPU, ``max_total_s`` stops early (after at least ``min_calls`` calls) once the calls
+    have taken that long, so a machine that turns slow mid-run cannot stretch the run."""
     if device.type == "cuda":
         starts = [torch.cuda.Event(enable_timing=True) for _ in fns]
         ends = [torch.cuda.Event(enable_timing=True) for _ in fns]
@@ -162,6 +166,8 @@ def time_calls(fns: Sequence[Callable[[], None]], device: torch.device) -> list:
         start = time.perf_counter()
         fn()
         out.append(time.perf_counter() - start)
+        if max_total_s is not None and len(out) >= min_calls and sum(out) > max_total_s:
+            break
     return out
 
 
