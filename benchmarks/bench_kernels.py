@@ -71,6 +71,7 @@ class Settings:
     copy_numel: int            # 0: chosen from the cache size
     max_sets: int = 4096       # at most this many rotated input sets
     rotate_factor: float = 4.0  # rotated sets total at least this many last-level caches
+    rotate_bytes: int = 0      # instead of rotate_factor x the cache: this many bytes (0: unset)
 
     @classmethod
     def full(cls) -> "Settings":
@@ -194,7 +195,8 @@ def make_input_set(layout: Layout, dtype: torch.dtype, device: torch.device, gen
 
 def n_sets_for(set_bytes: int, llc_bytes: int, settings: Settings) -> int:
     """Enough input sets that cycling through them never finds the last one in cache."""
-    need = -(-int(settings.rotate_factor * llc_bytes) // max(1, set_bytes))
+    target = settings.rotate_bytes or int(settings.rotate_factor * llc_bytes)
+    need = -(-target // max(1, set_bytes))
     return int(max(1, min(settings.max_sets, need)))
 
 
@@ -495,6 +497,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds of repeats per measurement (full 0.25, quick 0.02)")
     p.add_argument("--min-reps", type=int, default=None)
     p.add_argument("--max-reps", type=int, default=None)
+    p.add_argument("--rotate-mb", type=float, default=None,
+                   help="total MiB of the rotated input sets (default: 4 x the last-level cache)")
+    p.add_argument("--copy-mb", type=float, default=None,
+                   help="MiB of the copy-bandwidth tensor (default: the larger of 256 MiB and the "
+                        "cache, 1 GiB on a GPU; quick: 64 MiB)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--cpu-triton", action="store_true",
                    help="also time Triton on CPU tensors (interpreted: very slow)")
@@ -535,10 +542,25 @@ def main(argv: Optional[list] = None) -> dict:
     if args.max_reps is not None:
         settings.max_reps = args.max_reps
         settings.reference_max_reps = min(settings.reference_max_reps, args.max_reps)
+        if args.min_reps is None:
+            settings.min_reps = min(settings.min_reps, args.max_reps)
+            settings.reference_min_reps = min(settings.reference_min_reps, args.max_reps)
     if settings.min_reps < 1 or settings.max_reps < settings.min_reps:
         raise SystemExit("need 1 <= --min-reps <= --max-reps")
+    if args.rotate_mb is not None:
+        settings.rotate_bytes = max(1, int(args.rotate_mb * 2 ** 20))
+    if args.copy_mb is not None:
+        settings.copy_numel = max(1, int(args.copy_mb * 2 ** 20) // 4)
+    threads_before = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    try:
+        return _main(args, argv, settings)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _main(args, argv, settings: Settings) -> dict:
     log = (lambda *_: None) if args.quiet else (lambda msg: print(msg, flush=True))
 
     started = time.perf_counter()

@@ -176,9 +176,16 @@ def main(argv: Optional[list] = None) -> dict:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device here")
+    threads_before = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        return _main(args, argv, train, METHODS, get_method, make_stream, n_tasks, per_task, device)
+    finally:
+        torch.set_num_threads(threads_before)
 
+
+def _main(args, argv, train, METHODS, get_method, make_stream, n_tasks, per_task, device) -> dict:
     present, skipped_methods = available_methods(METHODS, get_method)
     if args.methods:
         unknown = [m for m in args.methods if m not in METHODS]
