@@ -82,7 +82,7 @@ class Settings:
     @classmethod
     def quick(cls) -> "Settings":
         return cls("quick", [10, 14, 18], [10, 14, 18, 22], budget_s=0.02, min_reps=2,
-                   max_reps=10, reference_cap=2 ** 22, reference_budget_s=0.01,
+                   max_reps=10, reference_cap=2 ** 20, reference_budget_s=0.01,
                    reference_min_reps=1, reference_max_reps=3, copy_reps=5,
                    copy_numel=2 ** 24)
 
@@ -286,6 +286,8 @@ def run_device(device: torch.device, args, settings: Settings, log) -> DeviceRun
     with_meta_lrs = args.lr_mode == "recurrent"
     gen = torch.Generator(device=device).manual_seed(args.seed)
     warmed = set()
+    if "triton" in backends and device.type == "cpu":
+        run.notes.append("triton on CPU tensors runs through the Triton interpreter (--cpu-triton)")
     if "reference" in backends and any(l.numel > settings.reference_cap for l in layouts):
         run.notes.append(f"reference backend timed only up to {settings.reference_cap} elements "
                          f"(it is slow), with {settings.reference_min_reps}-"
@@ -492,7 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr-mode", default="inverse", choices=common.LR_MODES,
                    help="lr_mode of the meta and combined steps (recurrent moves 8 B more)")
     p.add_argument("--reference-cap", type=int, default=None, metavar="LOG2",
-                   help="time the reference backend only up to 2**LOG2 elements (default 22)")
+                   help="time the reference backend only up to 2**LOG2 elements (default 22, quick 20)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds of repeats per measurement (full 0.25, quick 0.02)")
     p.add_argument("--min-reps", type=int, default=None)
@@ -504,7 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "cache, 1 GiB on a GPU; quick: 64 MiB)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--cpu-triton", action="store_true",
-                   help="also time Triton on CPU tensors (interpreted: very slow)")
+                   help="also time Triton on CPU tensors through its interpreter (very slow; "
+                        "sets TRITON_INTERPRET=1, so not with --device cuda)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=common.RESULTS_DIR)
     p.add_argument("--name", default=None, help="file stem (default kernels_<UTC stamp>_<devices>)")
@@ -531,6 +534,12 @@ def _devices(names) -> list:
 def main(argv: Optional[list] = None) -> dict:
     """Run the benchmark; return the results dict (also written to ``--out-dir``)."""
     args = build_parser().parse_args(argv)
+    if args.cpu_triton:
+        if "cuda" in args.device:
+            raise SystemExit("--cpu-triton runs Triton through its interpreter everywhere; "
+                             "do not combine it with --device cuda")
+        # Triton reads this when its backend module is first imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     settings = Settings.quick() if args.quick else Settings.full()
     if args.reference_cap is not None:
         settings.reference_cap = 2 ** args.reference_cap

@@ -127,7 +127,7 @@ def plot(result: dict, path: str) -> None:
     ax.barh(list(ys), [r["train_time_s"] for r in rows], xerr=[r["train_time_s_std"] for r in rows],
             color=colors)
     for y, r in zip(ys, rows):
-        ax.text(r["train_time_s"], y, f"  {r['train_time_s']:.1f} s", va="center", fontsize=8)
+        ax.text(r["train_time_s"], y, f"  {r['train_time_s']:.3g} s", va="center", fontsize=8)
     ax.set_yticks(list(ys))
     ax.set_yticklabels([r["label"] for r in rows])
     ax.invert_yaxis()
@@ -168,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list] = None) -> dict:
     args = build_parser().parse_args(argv)
+    if args.cpu_triton:
+        if args.device != "cpu":
+            raise SystemExit("--cpu-triton runs Triton through its interpreter; use it with --device cpu")
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton backend is imported
     train, METHODS, get_method, STREAMS, make_stream = _import_continual()
     if args.stream not in STREAMS:
         raise SystemExit(f"unknown stream {args.stream!r}; choose one of {', '.join(STREAMS)}")

@@ -114,8 +114,11 @@ def backends_for(device: torch.device, *, include_cpu_triton: bool = False,
             get_backend(name, device)
         except Exception as exc:  # BackendUnavailableError: the message says why
             reason = str(exc)
-            if status.get(name, "available") != "available" and status[name] not in reason:
-                reason = f"{reason} ({status[name]})"
+            general = status.get(name, "available")
+            if general != "available" and "tensors, not on" in reason:
+                reason = f"{reason}; and here: {general}"
+            if name == "triton" and device.type == "cpu" and not include_cpu_triton:
+                reason = "excluded on CPU by default (interpreter only; --cpu-triton): " + reason
             skipped[name] = reason
             continue
         if name == "triton" and device.type == "cpu" and not include_cpu_triton:
