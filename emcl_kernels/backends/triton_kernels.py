@@ -61,7 +61,7 @@ CHUNK_COLUMNS = 2   # tensor index, start
 
 
 @triton.jit
-def _update(p_ptr, g_ptr, a_ptr, h_ptr, lr_ptr, mask, hyper, grad_scale, skip,
+def _update(p_ptr, g_ptr, a_ptr, h_ptr, lr_ptr, mask, hyper, grad_scale, ok,
             PARAM: tl.constexpr, DO_INNER: tl.constexpr, DO_META: tl.constexpr,
             PROX: tl.constexpr, SI: tl.constexpr, LR_MODE: tl.constexpr,
             HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr):
@@ -71,7 +71,7 @@ def _update(p_ptr, g_ptr, a_ptr, h_ptr, lr_ptr, mask, hyper, grad_scale, skip,
     milliseconds per program."""
     cdt = a_ptr.dtype.element_ty     # compute dtype = state dtype: fp32, or fp64 for fp64 params
     if HAS_FOUND_INF:
-        mask = mask & (skip == 0)    # found_inf != 0: read nothing, write nothing
+        mask = mask & ok             # found_inf != 0: read nothing, write nothing
     theta = tl.load(p_ptr, mask=mask, other=0.0).to(cdt)
     g = tl.load(g_ptr, mask=mask, other=0.0).to(cdt)
     theta0 = tl.load(a_ptr, mask=mask, other=0.0)
@@ -180,20 +180,22 @@ def emcl_kernel(chunks, tensors, grads, hyper, grad_scale_ptr, found_inf_ptr,
     grad_scale = 1.0
     if HAS_GRAD_SCALE:
         grad_scale = tl.load(grad_scale_ptr).to(a_ptr.dtype.element_ty)
-    skip = 0.0
-    if HAS_FOUND_INF:
-        skip = tl.load(found_inf_ptr)
-
     offs = tl.arange(0, BLOCK)
+    ok = offs < BLOCK
+    if HAS_FOUND_INF:
+        # Compared as a block: the interpreter cannot combine a comparison of a loaded scalar
+        # with a block mask (numpy raises on the '&').
+        ok = (tl.zeros([BLOCK], tl.float32) + tl.load(found_inf_ptr)) == 0
+
     count = numel - start
     # Full chunks get a mask the compiler can prove constant (vector accesses); the last chunk
     # of each tensor masks its tail. The same code runs in both branches, only the mask differs
     # (one mask chosen at run time would hide its constancy from the compiler).
     if count >= BLOCK:
         _update(p_ptr + offs, g_ptr + offs, a_ptr + offs, h_ptr + offs, lr_ptr + offs,
-                offs < BLOCK, hyper, grad_scale, skip, PARAM, DO_INNER, DO_META, PROX, SI,
+                offs < BLOCK, hyper, grad_scale, ok, PARAM, DO_INNER, DO_META, PROX, SI,
                 LR_MODE, HAS_GRAD_SCALE, HAS_FOUND_INF)
     else:
         _update(p_ptr + offs, g_ptr + offs, a_ptr + offs, h_ptr + offs, lr_ptr + offs,
-                offs < count, hyper, grad_scale, skip, PARAM, DO_INNER, DO_META, PROX, SI,
+                offs < count, hyper, grad_scale, ok, PARAM, DO_INNER, DO_META, PROX, SI,
                 LR_MODE, HAS_GRAD_SCALE, HAS_FOUND_INF)
