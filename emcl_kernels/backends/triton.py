@@ -121,28 +121,42 @@ def clear_cache() -> None:
     _hypers.clear()
 
 
+_data_ptr = torch.Tensor.data_ptr
+_numel = torch.Tensor.numel
+
+
 def _plan(params, grads, anchors, importances, meta_lrs, block):
     """The tables for these tensors (only the non-empty ones get rows), from the cache when the
-    tensors have not moved; None when every tensor is empty."""
-    live = [i for i, p in enumerate(params) if p.numel()]
-    if not live:
-        return None
+    tensors have not moved; None when every tensor is empty.
+
+    The cache key is every address and size (``map`` over the unbound methods: about a
+    microsecond per tensor, so a step over 1,000 tensors spends ~1 ms here)."""
+    numels = tuple(map(_numel, params))
+    if 0 in numels:                                    # empty tensors get no rows
+        live = [i for i, n in enumerate(numels) if n]
+        if not live:
+            return None
+        pick = lambda lst: [lst[i] for i in live]  # noqa: E731
+        params, grads, anchors, importances = map(pick, (params, grads, anchors, importances))
+        meta_lrs = None if meta_lrs is None else pick(meta_lrs)
+        numels = tuple(numels[i] for i in live)
     device = params[0].device
-    rows = [(params[i].data_ptr(), anchors[i].data_ptr(), importances[i].data_ptr(),
-             0 if meta_lrs is None else meta_lrs[i].data_ptr(), params[i].numel())
-            for i in live]
-    key = (device, params[0].dtype, block, tuple(rows))
+    columns = (tuple(map(_data_ptr, params)), tuple(map(_data_ptr, anchors)),
+               tuple(map(_data_ptr, importances)),
+               (0,) * len(params) if meta_lrs is None else tuple(map(_data_ptr, meta_lrs)))
+    key = (device, params[0].dtype, block, numels) + columns
     plan = _plans.get(key)
     if plan is None:
-        aligned = all(r[c] % 16 == 0 for r in rows for c in range(4))
-        plan = _Plan(device, block, [r[4] for r in rows], rows, aligned)
+        rows = list(zip(*columns, numels))
+        aligned = all(a % 16 == 0 for col in columns for a in col)
+        plan = _Plan(device, block, numels, rows, aligned)
         build_counts["state"] += 1
         _plans[key] = plan
         while len(_plans) > _MAX_PLANS:
             _plans.popitem(last=False)
     else:
         _plans.move_to_end(key)
-    grad_key = tuple(grads[i].data_ptr() for i in live)
+    grad_key = tuple(map(_data_ptr, grads))
     if plan.grad_key != grad_key:
         plan.set_grads(grad_key, device)
         build_counts["grads"] += 1
