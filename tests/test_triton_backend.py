@@ -243,3 +243,53 @@ def test_past_2_31_elements():
     emcl_kernels.reference.inner_step_(want_p, g[tail], a[tail], h[tail], **hyper)
     F.inner_step_([p], [g], [a], [h], backend="triton", **hyper)
     assert_close(p[tail], want_p, torch.bfloat16, "the last 4101 of 2**31 + 5 elements")
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled path, checked without a GPU: compile for sm_90 and read the PTX
+# ---------------------------------------------------------------------------------------------
+
+_COMPILE_SCRIPT = r"""
+import json, re, sys
+import triton
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from emcl_kernels.backends import triton_kernels as K
+assert type(K.emcl_kernel).__name__ == "JITFunction", type(K.emcl_kernel)
+names = ["PARAM", "DO_INNER", "DO_META", "PROX", "SI", "LR_MODE", "HAS_GRAD_SCALE",
+         "HAS_FOUND_INF", "ALIGNED", "BLOCK"]
+signature = {"chunks": "*i64", "tensors": "*i64", "grads": "*i64", "hyper": "*fp64",
+             "grad_scale_ptr": "*fp32", "found_inf_ptr": "*fp32"}
+signature.update({n: "constexpr" for n in names})
+out = []
+for combo in json.loads(sys.argv[1]):
+    src = ASTSource(fn=K.emcl_kernel, signature=signature, constexprs=dict(zip(names, combo)))
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+    out.append(sorted(set(re.findall(r"(?:ld|st)\.global\.v\d\.b\d+", ptx))))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the other tests run compiled")
+def test_compiles_for_the_gpu_with_vector_access():
+    """The GPU source compiles (front end to PTX, no GPU needed) for every dtype and the
+    combined step, and aligned full chunks use 16-byte vector loads and stores."""
+    import json
+    import subprocess
+    combos = [[p, True, True, True, False, 0, True, True, True, 4096] for p in range(4)]
+    combos.append([1, True, True, False, True, 1, False, False, False, 4096])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(combos)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0 and "ptxas" in proc.stderr.lower() and "not found" in proc.stderr.lower():
+        pytest.skip("Triton's ptxas is missing here")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    vectors = json.loads(proc.stdout.strip().splitlines()[-1])
+    for combo, v in zip(combos, vectors):
+        if combo[8]:                          # aligned: loads and stores of 16 bytes
+            assert any(x.startswith("ld") and x.endswith(("v4.b32", "v2.b64")) for x in v), (combo, v)
+            assert any(x.startswith("st") and x.endswith(("v4.b32", "v2.b64")) for x in v), (combo, v)
+        else:                                 # unaligned addresses: no vector access promised
+            assert v == [], (combo, v)
