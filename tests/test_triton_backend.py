@@ -172,6 +172,39 @@ def test_grad_scale_and_found_inf(op, dtype):
             assert torch.equal(a, b), f"found_inf=1 but {name} was written"
 
 
+def _assert_same_values(actual, expected, dtype, what):
+    """NaN where the reference has NaN, the same infinities, the finite values close."""
+    a, e = actual.detach().double().cpu().reshape(-1), expected.detach().double().cpu().reshape(-1)
+    assert torch.equal(a.isnan(), e.isnan()), f"{what}: NaN at different places"
+    inf = e.isinf()
+    assert torch.equal(a[inf], e[inf]), f"{what}: different infinities"
+    fin = e.isfinite()
+    assert_close(a[fin], e[fin], dtype, what)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, inf*0
+@pytest.mark.parametrize("mode", [m for m in MODES if m.prox and m.lr_mode != "constant"],
+                         ids=lambda m: m.id)
+@pytest.mark.parametrize("op", ("meta_step", "inner_meta_step"))
+def test_non_finite_gradients_propagate_like_the_reference(op, mode):
+    """Without found_inf, NaN/inf gradients give the reference's NaN/inf (the clamp of the
+    meta learning rate keeps NaN as torch.clamp does), never silently finite values."""
+    hyper = mode.hyper(op)
+    case = make_case([37, 5], torch.float32, seed=8, device=DEVICE)
+    for g in case.grads:
+        flat = g.view(-1)
+        flat[1], flat[3] = float("nan"), float("inf")
+        flat[4] = -float("inf")
+    expected = clone_case(case, torch.float64, device="cpu")
+    apply(op, "triton", case, hyper)
+    apply(op, "reference", expected, hyper)
+    for name, lst in case.tensors().items():
+        if name == "meta_lrs" and mode.lr_mode != "recurrent":
+            continue
+        for i, (a, e) in enumerate(zip(lst, expected.tensors()[name])):
+            _assert_same_values(a, e, torch.float32, f"{op} {mode.id} {name}[{i}]")
+
+
 # ---------------------------------------------------------------------------------------------
 # One launch per group and step; the tables are cached while the tensors do not move
 # ---------------------------------------------------------------------------------------------

@@ -109,7 +109,9 @@ def _update(p_ptr, g_ptr, a_ptr, h_ptr, lr_ptr, mask, hyper, grad_scale, ok,
                 rate = alpha * tl.load(hyper + 5).to(cdt) / (h + eps)
             else:                                                 # inverse: α₀·r / (h + ε)
                 rate = tl.load(hyper + 6).to(cdt) / (h + eps)
-            rate = tl.minimum(tl.maximum(rate, lr_min), lr_max)
+            # clamp as torch.clamp does it: NaN stays NaN
+            rate = tl.minimum(tl.maximum(rate, lr_min, propagate_nan=tl.PropagateNan.ALL),
+                              lr_max, propagate_nan=tl.PropagateNan.ALL)
             if LR_MODE == 0:
                 tl.store(lr_ptr, rate, mask=mask)
             theta0 = theta0 - rate * reg * h * (theta0 - theta)   # eq. 10
