@@ -163,7 +163,7 @@ def _plan(params, grads, anchors, importances, meta_lrs, block):
     return plan
 
 
-def _hyper(device, dtype, values):
+def _hyper(device, values):
     """The hyper-parameters as a cached fp64 tensor on ``device`` (see ``HYPER_FIELDS``)."""
     key = (device, values)
     t = _hypers.get(key)
@@ -194,7 +194,7 @@ def _launch(params, grads, anchors, importances, meta_lrs, *, do_inner, do_meta,
     if plan is None:
         return
     device = params[0].device
-    hyper_t = _hyper(device, params[0].dtype, _hyper_values(**hyper))
+    hyper_t = _hyper(device, _hyper_values(**hyper))
     code = _kernels.PARAM_CODES[str(params[0].dtype).replace("torch.", "")]
     args = (plan.chunks, plan.tensors, plan.grads, hyper_t,
             hyper_t if grad_scale is None else grad_scale,   # placeholders are never read
