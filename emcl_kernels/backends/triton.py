@@ -9,10 +9,10 @@ rebuilt alone when the gradients are reallocated (``zero_grad(set_to_none=True)`
 
 Where it runs:
 
-- compiled, on CUDA tensors (an NVIDIA or AMD GPU that torch and Triton can use);
+- compiled, on CUDA tensors (a GPU that torch and Triton support);
 - interpreted, on CPU tensors, when ``TRITON_INTERPRET=1`` was set in the environment before
   this module was first imported (Triton decides at import which of the two its kernels are).
-  The interpreter is slow (about half a millisecond per chunk): it is for tests and CI.
+  The interpreter is slow (about 20 ms per chunk of this kernel): it is for tests and CI.
   It cannot run CUDA tensors here: the kernel follows raw addresses from its tables, and the
   interpreter only copies the tensors passed as arguments to the host.
 
