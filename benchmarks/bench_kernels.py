@@ -270,6 +270,10 @@ def run_device(device: torch.device, args, settings: Settings, log) -> DeviceRun
         raise SystemExit(f"no backend to time on {device}: " +
                          "; ".join(f"{k}: {v}" for k, v in skipped.items()))
     log(f"== {common.device_name(device)}: timing {', '.join(backends)}")
+    busy = common.busy_warning(device)
+    if busy:
+        run.notes.append(busy)
+        log(f"   warning: {busy}")
     for name, why in skipped.items():
         log(f"   not timed: {name}: {why}")
 
