@@ -81,6 +81,11 @@ def _write(out: str, done: dict, meta: dict) -> None:
                      f"{r['bwt_mean']:.2f} ± {r['bwt_std']:.2f} | {r['train_time_s_mean']:.1f} |")
     with open(os.path.join(out, "ablation.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
+    from .plots import plot_acc_bwt
+
+    labelled = [dict(r, method=k.split("|")[0]) for k, r in done.items()]
+    if labelled:
+        plot_acc_bwt(labelled, os.path.join(out, "ablation_acc_bwt.png"))
 
 
 def main(argv: list | None = None) -> int:
