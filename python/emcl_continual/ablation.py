@@ -33,6 +33,8 @@ CONFIGS = [
     ("lr_mode=recurrent", "lr_mode", {"lr_mode": "recurrent", "lr_scale": 1e-4, "lr_max": 1e3}),
     ("prox=False", "Table IV: no proximal step", {"prox": False}),
     ("inner_lr_modulation", "Table IV: inner LR modulation, no inner regularization", {"inner_lr_modulation": True}),
+    ("inner_lr_modulation, α ≤ β", "Table IV variant: α clipped at the inner lr β instead of α₀",
+     {"inner_lr_modulation": True, "modulation_lr_max": 0.03}),
     ("importance=si", "EMCL-SI importance", {"importance": "si"}),
     ("no replay in inner loop", "which samples the inner loop visits", {"inner_replay": False}),
     ("reg=1000", "importance scale: the inner pull γ·λ·h (h ~ 1e-4), meta step unchanged (r = 1/λ)",
