@@ -13,6 +13,16 @@ import torch
 from emcl_continual import data, streams
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: these are batch-1 steps, and on a loaded machine extra OpenMP threads
+    only spin (10x slower here)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _write_idx(path: str, array: np.ndarray, gz: bool = False) -> None:
     header = bytes([0, 0, 0x08, array.ndim]) + b"".join(struct.pack(">I", d) for d in array.shape)
     payload = header + array.astype(np.uint8).tobytes()

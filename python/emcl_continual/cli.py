@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task-file", default=None, help="a GEM / La-MAML .pt task file to read the stream from")
     p.add_argument("--backend", default=None, help="FusedEMCLOptimizer backend for emcl (default: auto)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (default 1: the steps are on single samples, where more threads "
+                        "only add overhead, and spin on a loaded machine); 0 = torch's choice")
     p.add_argument("--n-tasks", type=int, default=None, help="use only the first N tasks")
     p.add_argument("--samples-per-task", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=BATCH_SIZE)
