@@ -110,8 +110,8 @@ class FusedEMCLOptimizer(Optimizer):
         F.check_hyperparameters(**hp)
 
     def add_param_group(self, param_group: dict) -> None:
+        self._check_group({**self.defaults, **param_group})  # before the group is added
         super().add_param_group(param_group)
-        self._check_group(self.param_groups[-1])
 
     @staticmethod
     def _hyper(group: dict, keys) -> dict:
