@@ -4,6 +4,15 @@
 validates everything once (SPEC section 4: any bad argument raises a clear ``ValueError`` /
 ``TypeError`` / ``RuntimeError`` before a single tensor is written), groups the tensors by
 (device, dtype) and hands every group to one call of the chosen backend.
+
+[note: non-finite gradients] With ``check_finite=True`` (the default) a call whose gradients hold
+an inf or a NaN writes nothing at all. :func:`found_non_finite` computes one 0-d fp32 flag per
+call on the device, in one fused pass over the gradients per (device, dtype) group
+(``torch._amp_foreach_non_finite_check_and_unscale_`` with a unit scale, the op GradScaler uses:
+it only reads the gradients' values and rewrites them unchanged), combines it with a
+``found_inf`` the caller passes (GradScaler) and hands it to every backend as ``found_inf``; the
+backends skip on it without a host sync in the fused kernels. This is the only place the flag
+is made, so every backend skips the same steps.
 """
 from __future__ import annotations
 
@@ -19,7 +28,7 @@ from emcl_kernels.backends import get_backend
 from emcl_kernels.reference import compute_dtype
 
 __all__ = ["inner_step_", "meta_step_", "inner_meta_step_", "check_hyperparameters",
-           "PARAM_DTYPES", "LR_MODES", "IMPORTANCE_KINDS"]
+           "found_non_finite", "PARAM_DTYPES", "LR_MODES", "IMPORTANCE_KINDS"]
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 LR_MODES = ("recurrent", "inverse", "constant")
@@ -158,14 +167,18 @@ def _groups(params):
 
 
 def _run(op: str, backend: str, params, grads, anchors, importances, meta_lrs, grad_scale,
-         found_inf, hp) -> None:
+         found_inf, hp, check_finite: bool = False) -> Optional[Tensor]:
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+    if not isinstance(check_finite, bool):
+        raise TypeError(f"check_finite must be a bool, got {type(check_finite).__name__}")
     _check_flag("grad_scale", grad_scale)
     _check_flag("found_inf", found_inf)
     groups = _groups(params)
     # Resolve every group's backend before any tensor is written.
     plan = [(get_backend(backend, device), device, idx) for (device, _), idx in groups.items()]
+    if check_finite:
+        found_inf = found_non_finite(grads, found_inf)
     for mod, device, idx in plan:
         pick = lambda lst: [lst[i] for i in idx]  # noqa: E731
         args = [pick(params), pick(grads), pick(anchors), pick(importances)]
@@ -173,6 +186,39 @@ def _run(op: str, backend: str, params, grads, anchors, importances, meta_lrs, g
             args.append(None if meta_lrs is None else pick(meta_lrs))
         flags = {"grad_scale": _on(grad_scale, device), "found_inf": _on(found_inf, device)}
         getattr(mod, op)(*args, **hp, **flags)
+    return found_inf
+
+
+def found_non_finite(grads: Sequence[Tensor],
+                     found_inf: Optional[Tensor] = None) -> Optional[Tensor]:
+    """A 0-d fp32 flag on ``grads[0]``'s device: 1 when any gradient holds an inf or a NaN or
+    ``found_inf`` is non-zero, else 0 (None when ``grads`` is empty and ``found_inf`` is None).
+
+    One fused pass over the gradients of each (device, dtype) group, no host sync (unless the
+    gradients live on several devices: the flags of the other devices are then copied to the
+    first one). The gradients are only read: GradScaler's check-and-unscale op runs with a unit
+    scale, which leaves every value bit for bit as it was. See [note: non-finite gradients].
+    """
+    grads = _as_list("grads", grads)
+    _check_flag("found_inf", found_inf)
+    by_device = defaultdict(lambda: defaultdict(list))
+    for i, g in enumerate(grads):
+        if not isinstance(g, Tensor):
+            raise TypeError(f"grads[{i}] must be a tensor, got {type(g).__name__}")
+        if g.numel():
+            by_device[g.device][g.dtype].append(g)
+    if not by_device:
+        return None if found_inf is None else (found_inf.reshape(()) != 0).to(torch.float32)
+    flag = None
+    for device, by_dtype in by_device.items():
+        here = torch.zeros((), dtype=torch.float32, device=device)
+        unit = torch.ones((), dtype=torch.float32, device=device)
+        for lst in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(lst, here, unit)
+        flag = here if flag is None else torch.maximum(flag, here.to(flag.device))
+    if found_inf is not None:
+        flag = torch.maximum(flag, (found_inf.reshape(()) != 0).to(flag.device, torch.float32))
+    return flag
 
 
 def _on(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
@@ -185,7 +231,8 @@ def _on(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
 def inner_step_(params: Sequence[Tensor], grads: Sequence[Tensor], anchors: Sequence[Tensor],
                 importances: Sequence[Tensor], *, inner_lr: float, reg: float, gamma: float,
                 prox: bool = True, backend: str = "auto", grad_scale: Optional[Tensor] = None,
-                found_inf: Optional[Tensor] = None) -> None:
+                found_inf: Optional[Tensor] = None,
+                check_finite: bool = True) -> Optional[Tensor]:
     """EMCL's inner step (paper eqs. 14, 15, 19) on every tensor, in place.
 
     ``prox=True``:  θ ← (θ − β·g + γλh·θ₀) / (1 + γλh);  ``prox=False``: θ ← θ − β·(g + λh·(θ − θ₀)).
@@ -198,13 +245,21 @@ def inner_step_(params: Sequence[Tensor], grads: Sequence[Tensor], anchors: Sequ
         backend: a name of :func:`emcl_kernels.available_backends` or ``"auto"``.
         grad_scale: gradients are divided by it (for ``torch.amp.GradScaler``).
         found_inf: when non-zero, nothing is written.
+        check_finite: when True (default), a call whose gradients hold an inf or a NaN writes
+            nothing (the flag is computed on the device, combined with ``found_inf``; see
+            [note: non-finite gradients]). False skips the check, for speed.
+
+    Returns:
+        The skip flag the backends were given (a 0-d fp32 tensor, non-zero when nothing was
+        written), or None when there was none (no check and no ``found_inf``, or no tensors).
     """
     hp = check_hyperparameters(inner_lr=inner_lr, reg=reg, gamma=gamma, prox=prox)
     params, grads, anchors, importances, _ = _check_lists(
         params, grads, anchors, importances, None, need_meta_lrs=False)
     if params:
-        _run("inner_step", backend, params, grads, anchors, importances, None, grad_scale,
-             found_inf, hp)
+        return _run("inner_step", backend, params, grads, anchors, importances, None, grad_scale,
+                    found_inf, hp, check_finite)
+    return None
 
 
 @torch.no_grad()
@@ -213,7 +268,8 @@ def meta_step_(params: Sequence[Tensor], grads: Sequence[Tensor], anchors: Seque
                meta_lr: float, reg: float, decay: float, lr_scale: float, lr_mode: str,
                lr_min: float = 0.0, lr_max: float = _INF, eps: float = 1e-8,
                importance: str = "taylor", backend: str = "auto",
-               grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
+               grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None,
+               check_finite: bool = True) -> Optional[Tensor]:
     """EMCL's meta step (paper eqs. 7, 8, 10, 13) on every tensor, in place.
 
     h ← η·h + (1−η)·Ω with Ω = |g·θ₀| (``importance="taylor"``) or |g·(θ − θ₀)| (``"si"``);
@@ -222,7 +278,8 @@ def meta_step_(params: Sequence[Tensor], grads: Sequence[Tensor], anchors: Seque
     θ₀ ← θ₀ − α·λ·h·(θ₀ − θ); θ ← θ₀.
 
     ``meta_lrs`` may be None unless ``lr_mode="recurrent"``. The other arguments are as in
-    :func:`inner_step_`; ``decay`` is in [0, 1], ``eps`` > 0, ``0 <= lr_min <= lr_max``.
+    :func:`inner_step_` (as are ``check_finite`` and the returned flag); ``decay`` is in
+    [0, 1], ``eps`` > 0, ``0 <= lr_min <= lr_max``.
     """
     hp = check_hyperparameters(meta_lr=meta_lr, reg=reg, decay=decay, lr_scale=lr_scale,
                                lr_mode=lr_mode, lr_min=lr_min, lr_max=lr_max, eps=eps,
@@ -231,8 +288,9 @@ def meta_step_(params: Sequence[Tensor], grads: Sequence[Tensor], anchors: Seque
     params, grads, anchors, importances, meta_lrs = _check_lists(
         params, grads, anchors, importances, meta_lrs, need_meta_lrs=need)
     if params:
-        _run("meta_step", backend, params, grads, anchors, importances,
-             meta_lrs if need else None, grad_scale, found_inf, hp)
+        return _run("meta_step", backend, params, grads, anchors, importances,
+                    meta_lrs if need else None, grad_scale, found_inf, hp, check_finite)
+    return None
 
 
 @torch.no_grad()
@@ -243,11 +301,13 @@ def inner_meta_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
                      lr_min: float = 0.0, lr_max: float = _INF, eps: float = 1e-8,
                      importance: str = "taylor", prox: bool = True, backend: str = "auto",
                      grad_scale: Optional[Tensor] = None,
-                     found_inf: Optional[Tensor] = None) -> None:
+                     found_inf: Optional[Tensor] = None,
+                     check_finite: bool = True) -> Optional[Tensor]:
     """The inner step, then the meta step with the same gradient, as one pass.
 
     Equal to :func:`inner_step_` followed by :func:`meta_step_`, except that the fast weight
     between the two is kept in fp32 rather than rounded to a bf16/fp16 parameter's dtype.
+    ``check_finite`` and the returned flag are as in :func:`inner_step_`.
     """
     hp = check_hyperparameters(inner_lr=inner_lr, meta_lr=meta_lr, reg=reg, gamma=gamma,
                                decay=decay, lr_scale=lr_scale, lr_mode=lr_mode, lr_min=lr_min,
@@ -256,5 +316,6 @@ def inner_meta_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
     params, grads, anchors, importances, meta_lrs = _check_lists(
         params, grads, anchors, importances, meta_lrs, need_meta_lrs=need)
     if params:
-        _run("inner_meta_step", backend, params, grads, anchors, importances,
-             meta_lrs if need else None, grad_scale, found_inf, hp)
+        return _run("inner_meta_step", backend, params, grads, anchors, importances,
+                    meta_lrs if need else None, grad_scale, found_inf, hp, check_finite)
+    return None
