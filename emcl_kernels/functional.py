@@ -8,8 +8,9 @@ validates everything once (SPEC section 4: any bad argument raises a clear ``Val
 [note: non-finite gradients] With ``check_finite=True`` (the default) a call whose gradients hold
 an inf or a NaN writes nothing at all. :func:`found_non_finite` computes one 0-d fp32 flag per
 call on the device, in one fused pass over the gradients per (device, dtype) group
-(``torch._amp_foreach_non_finite_check_and_unscale_`` with a unit scale, the op GradScaler uses:
-it only reads the gradients' values and rewrites them unchanged), combines it with a
+(``torch._amp_foreach_non_finite_check_and_unscale_`` with a unit scale, the op GradScaler uses;
+it rewrites every gradient with its own value: finite values and infs bit for bit, a NaN stays a
+NaN though a bf16 NaN's payload bits may change), combines it with a
 ``found_inf`` the caller passes (GradScaler) and hands it to every backend as ``found_inf``; the
 backends skip on it without a host sync in the fused kernels. This is the only place the flag
 is made, so every backend skips the same steps.
@@ -196,8 +197,9 @@ def found_non_finite(grads: Sequence[Tensor],
 
     One fused pass over the gradients of each (device, dtype) group, no host sync (unless the
     gradients live on several devices: the flags of the other devices are then copied to the
-    first one). The gradients are only read: GradScaler's check-and-unscale op runs with a unit
-    scale, which leaves every value bit for bit as it was. See [note: non-finite gradients].
+    first one). The gradients keep their values: GradScaler's check-and-unscale op runs with a
+    unit scale (a NaN stays a NaN, though its payload bits may change). See
+    [note: non-finite gradients].
     """
     grads = _as_list("grads", grads)
     _check_flag("found_inf", found_inf)
