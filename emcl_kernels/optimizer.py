@@ -360,6 +360,8 @@ class FusedEMCLOptimizer(Optimizer):
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"the state has {len(saved_groups)} param groups, "
                              f"this optimizer has {len(self.param_groups)}")
+        for i, saved in enumerate(saved_groups):
+            self._check_group(saved, f"param group {i} of the state")
         id_to_param = {}
         for saved, group in zip(saved_groups, self.param_groups):
             if len(saved["params"]) != len(group["params"]):
@@ -395,8 +397,6 @@ class FusedEMCLOptimizer(Optimizer):
                                      f"{tuple(st[key].shape)} but the parameter has "
                                      f"{tuple(p.shape)}: was it saved for another model or "
                                      "another parameter order?")
-        for i, saved in enumerate(saved_groups):
-            self._check_group(saved, f"param group {i} of the state")
         self._poll(wait=True)
         super().load_state_dict(state_dict)
         # torch casts floating state to the parameter's dtype; put back the saved fp32 values.
