@@ -326,11 +326,12 @@ class FusedEMCLOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._step_calls += 1
-        if self.meta_every is not None and self._step_calls % self.meta_every == 0:
+        calls = self._step_calls + 1
+        if self.meta_every is not None and calls % self.meta_every == 0:
             self.inner_meta_step()
         else:
             self.inner_step()
+        self._step_calls = calls  # a call that raised is not counted
         return loss
 
     # -- checkpoints ----------------------------------------------------------------------------
