@@ -157,7 +157,9 @@ def test_optimizer_skips_counts_and_warns(backend, device, call):
     before = optimizer_snapshot(opt)
     with pytest.warns(NonFiniteGradientWarning, match="inf or a NaN"):
         getattr(opt, call)()
-    assert opt.skipped_steps == 1
+        # on CPU the warning comes with the step; on a GPU when the flag is read back, at the
+        # latest when skipped_steps (or state_dict) is read
+        assert opt.skipped_steps == 1
     expected = dict(before)
     expected["counters"] = (before["counters"][0] + (call == "step"), 1)
     assert_optimizer_unchanged(expected, opt)
