@@ -176,10 +176,10 @@ class FusedEMCLOptimizer(Optimizer):
         appears twice or shares memory with another parameter of any group, or the backend
         cannot run on a parameter's device.
         """
+        self._check_group({**self.defaults, **param_group})  # before the group is added
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
-            self._check_group(group)
             seen = {}
             for gi, other in enumerate(self.param_groups):
                 for pi, p in enumerate(other["params"]):
@@ -374,10 +374,10 @@ class FusedEMCLOptimizer(Optimizer):
                                                  self.param_groups)):
             for pi, (shape, p) in enumerate(zip(shapes, group["params"])):
                 if tuple(shape) != tuple(p.shape):
-                    raise ValueError(f"parameter {pi} of param group {gi} had shape "
-                                     f"{tuple(shape)} when the state was saved but has "
-                                     f"{tuple(p.shape)} here: was it saved for another model "
-                                     "or another parameter order?")
+                    raise ValueError(f"parameter {pi} of param group {gi} has shape "
+                                     f"{tuple(p.shape)} but had {tuple(shape)} when the state "
+                                     "was saved: was it saved for another model or another "
+                                     "parameter order?")
         saved_state = state_dict["state"]
         for pid, st in saved_state.items():
             p = id_to_param.get(pid)
