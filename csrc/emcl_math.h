@@ -1,0 +1,173 @@
+// EMCL's per-element math (SPEC section 2), once, for the CPU and the CUDA kernels.
+//
+// Every function is a template over the value type V: float or double on the GPU and in scalar
+// CPU code, at::vec::Vectorized<float|double> in the vectorized CPU kernel (define
+// EMCL_MATH_AT_VEC before including this header to get the Vectorized overloads of abs_/clamp_).
+// The arithmetic follows emcl_kernels/reference.py term by term, in the same order, so the
+// backends agree with the oracle to rounding.
+//
+// Symbols (SPEC section 1):
+//   θ theta (param)   g grad   θ₀ theta0 (anchor)   h importance   α alpha (meta_lrs state)
+//   β inner_lr   λ reg   γ gamma   η decay   α₀ meta_lr   r lr_scale
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define EMCL_HD __host__ __device__ __forceinline__
+#else
+#define EMCL_HD inline
+#endif
+
+#ifdef EMCL_MATH_AT_VEC
+#include <ATen/cpu/vec/vec.h>
+#endif
+
+namespace emcl {
+
+// Which update a kernel does: the inner step, the meta step, or both in one pass.
+enum class Op : int { kInner = 0, kMeta = 1, kInnerMeta = 2 };
+// How the importance sample Ω is taken (eq. 13, or the EMCL-SI ablation).
+enum class Importance : int { kTaylor = 0, kSI = 1 };
+// How the meta learning rate α is formed (eq. 8 recurrent, inverse in h, or constant α₀).
+enum class LrMode : int { kRecurrent = 0, kInverse = 1, kConstant = 2 };
+
+constexpr bool has_inner(Op op) { return op != Op::kMeta; }
+constexpr bool has_meta(Op op) { return op != Op::kInner; }
+
+// ---------------------------------------------------------------------------------------------
+// The few non-arithmetic functions the math needs, for every value type.
+// ---------------------------------------------------------------------------------------------
+EMCL_HD float abs_(float x) { return fabsf(x); }
+EMCL_HD double abs_(double x) { return fabs(x); }
+// clamp that lets NaN through, like torch.clamp.
+EMCL_HD float clamp_(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
+EMCL_HD double clamp_(double x, double lo, double hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+#ifdef EMCL_MATH_AT_VEC
+template <typename T>
+inline at::vec::Vectorized<T> abs_(const at::vec::Vectorized<T>& x) { return x.abs(); }
+template <typename T>
+inline at::vec::Vectorized<T> clamp_(const at::vec::Vectorized<T>& x,
+                                     const at::vec::Vectorized<T>& lo,
+                                     const at::vec::Vectorized<T>& hi) {
+  return at::vec::clamp(x, lo, hi);
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// The hyper-parameters, pre-combined on the host exactly as reference.py combines its Python
+// floats (e.g. γ·λ is one scalar there too), then held in the compute type V.
+// ---------------------------------------------------------------------------------------------
+template <typename V>
+struct Hyper {
+  V one;             // 1
+  V inner_lr;        // β
+  V gamma_reg;       // γ·λ
+  V reg;             // λ
+  V decay;           // η
+  V one_minus_decay; // 1 − η
+  V lr_scale;        // r                  (recurrent)
+  V base_rate;       // α₀·r               (inverse)
+  V const_rate_reg;  // α₀·λ               (constant)
+  V lr_min, lr_max;  // clip bounds of α
+  V eps;             // ε
+  V grad_scale;      // gradients are divided by it when `scaled`
+  bool scaled;
+
+  // The same hyper-parameters in another value type (e.g. broadcast into a Vectorized).
+  template <typename W>
+  Hyper<W> as() const {
+    return Hyper<W>{W(one),   W(inner_lr),     W(gamma_reg), W(reg),    W(decay),
+                    W(one_minus_decay), W(lr_scale), W(base_rate), W(const_rate_reg),
+                    W(lr_min), W(lr_max), W(eps),    W(grad_scale), scaled};
+  }
+};
+
+// The hyper-parameters as the host receives them (Python floats are doubles).
+struct StepArgs {
+  Op op;
+  bool prox;
+  Importance importance;
+  LrMode lr_mode;
+  double inner_lr, meta_lr, reg, gamma, decay, lr_scale, lr_min, lr_max, eps;
+
+  // Combined in double like the Python reference, then rounded once to the compute type T.
+  template <typename T>
+  Hyper<T> hyper(double grad_scale, bool scaled) const {
+    return Hyper<T>{T(1),
+                    T(inner_lr),
+                    T(gamma * reg),
+                    T(reg),
+                    T(decay),
+                    T(1.0 - decay),
+                    T(lr_scale),
+                    T(meta_lr * lr_scale),
+                    T(meta_lr * reg),
+                    T(lr_min),
+                    T(lr_max),
+                    T(eps),
+                    T(grad_scale),
+                    scaled};
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// The updates.
+// ---------------------------------------------------------------------------------------------
+
+// Inner step on the regularized inner loss (eq. 6): returns the new fast weight θ.
+template <bool kProx, typename V>
+EMCL_HD V inner_update(const V& theta, const V& g, const V& theta0, const V& h,
+                       const Hyper<V>& hp) {
+  if constexpr (kProx) {
+    const V theta_hat = theta - hp.inner_lr * g;    // eq. 14: gradient step on the risk
+    const V c = hp.gamma_reg * h;                   // γ·λ·h
+    return (theta_hat + c * theta0) / (hp.one + c); // eq. 19: prox of (λ/2)·h·(θ − θ₀)²
+  } else {
+    // ablation: plain gradient step on eq. 6
+    return theta - hp.inner_lr * (g + hp.reg * h * (theta - theta0));
+  }
+}
+
+// Meta step: updates h (eq. 7), α (eq. 8, recurrent mode only) and θ₀ (eq. 10) in place.
+template <Importance kImp, LrMode kLr, typename V>
+EMCL_HD void meta_update(const V& theta, const V& g, V& theta0, V& h, V& alpha,
+                         const Hyper<V>& hp) {
+  V omega;
+  if constexpr (kImp == Importance::kTaylor) {
+    omega = abs_(g * theta0);                       // eq. 13: |∂L/∂θ₀ · θ₀|
+  } else {
+    omega = abs_(g * (theta - theta0));             // EMCL-SI: gradient times the update
+  }
+  h = hp.decay * h + hp.one_minus_decay * omega;    // eq. 7: moving average of Ω
+
+  V rate_reg;                                       // α·λ
+  if constexpr (kLr == LrMode::kRecurrent) {
+    alpha = clamp_(alpha * hp.lr_scale / (h + hp.eps), hp.lr_min, hp.lr_max);  // eq. 8
+    rate_reg = alpha * hp.reg;
+  } else if constexpr (kLr == LrMode::kInverse) {
+    rate_reg = clamp_(hp.base_rate / (h + hp.eps), hp.lr_min, hp.lr_max) * hp.reg;
+  } else {
+    rate_reg = hp.const_rate_reg;
+  }
+  theta0 = theta0 - rate_reg * h * (theta0 - theta);  // eq. 10: ∇θ₀ = λ·H²·(θ₀ − θ_k)
+}
+
+// One element of one step, in the compute type: reads θ, g, θ₀, h (and α); leaves in the
+// references what the step writes (θ for the inner step; θ, θ₀, h, α for the meta steps, with
+// θ ← θ₀). The fast weight between the inner and the meta update of kInnerMeta stays in V.
+template <Op kOp, bool kProx, Importance kImp, LrMode kLr, typename V>
+EMCL_HD void step(V& theta, V g, V& theta0, V& h, V& alpha, const Hyper<V>& hp) {
+  if (hp.scaled) g = g / hp.grad_scale;
+  if constexpr (has_inner(kOp)) {
+    theta = inner_update<kProx>(theta, g, theta0, h, hp);
+  }
+  if constexpr (has_meta(kOp)) {
+    meta_update<kImp, kLr>(theta, g, theta0, h, alpha, hp);
+    theta = theta0;                                 // the next batch starts from θ₀
+  }
+}
+
+}  // namespace emcl
