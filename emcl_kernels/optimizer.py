@@ -44,6 +44,13 @@ def _caller_stacklevel() -> int:
     return level
 
 
+def _no_host_sync() -> bool:
+    """True while torch.compile traces or a CUDA graph is being captured."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class _PendingFlag:
     """A skip flag on a CUDA device, copied to pinned host memory without a sync; ``ready()``
     says (without blocking) whether the copy has landed. ``steps`` are the meta-step counters
@@ -127,7 +134,10 @@ class FusedEMCLOptimizer(Optimizer):
     a later step, or at once when :attr:`skipped_steps` or :meth:`state_dict` is read, which
     wait for it): the warning may come a step or two late, and the CPU-side meta-step counter
     ``state["step"]`` is advanced at once and taken back when the skip is seen. The
-    ``meta_every`` cadence counts ``step()`` calls, skipped or not.
+    ``meta_every`` cadence counts ``step()`` calls, skipped or not. While torch.compile traces
+    or a CUDA graph is captured nothing is read on the host: skips are counted on the device
+    (read by :attr:`skipped_steps`) and the step counters advance by ``1 - flag``, without a
+    warning.
     """
 
     def __init__(self, params, meta_lr: float = 0.1, inner_lr: float = 0.075, reg: float = 50.0,
@@ -155,6 +165,7 @@ class FusedEMCLOptimizer(Optimizer):
         self._step_calls = 0
         self._skipped_steps = 0
         self._pending: deque = deque()
+        self._device_skips: dict = {}   # skips counted under torch.compile / CUDA graph capture
         super().__init__(params, defaults)
 
     # -- hyper-parameters ---------------------------------------------------------------------
@@ -283,6 +294,15 @@ class FusedEMCLOptimizer(Optimizer):
     def _count(self, flag: Optional[Tensor], steps: list) -> None:
         """Advance the meta-step counters ``steps`` unless the step was skipped; count and warn
         about a skip, at once for a CPU flag, when the flag has landed for a CUDA one."""
+        if flag is not None and _no_host_sync():
+            # torch.compile tracing or CUDA graph capture: count on the device, no warning
+            for s in steps:
+                s.add_(1.0 - flag.to(s.device))
+            if flag.device not in self._device_skips:
+                self._device_skips[flag.device] = torch.zeros((), dtype=torch.float32,
+                                                              device=flag.device)
+            self._device_skips[flag.device].add_(flag)
+            return
         if flag is not None and flag.device.type != "cuda":
             if flag.item() != 0:
                 self._skipped(None)
@@ -314,7 +334,7 @@ class FusedEMCLOptimizer(Optimizer):
         """How many steps were skipped for non-finite gradients (kept in checkpoints). Reading
         it waits for the flags of steps still in flight on a GPU."""
         self._poll(wait=True)
-        return self._skipped_steps
+        return self._skipped_steps + sum(int(t.item()) for t in self._device_skips.values())
 
     def step(self, closure: Optional[Callable[[], Tensor]] = None):
         """An inner step; with ``meta_every=k``, every k-th call is the fused inner+meta step.
@@ -341,7 +361,7 @@ class FusedEMCLOptimizer(Optimizer):
         that a load into another model or another parameter order is refused)."""
         self._poll(wait=True)
         sd = super().state_dict()
-        sd["emcl"] = {"step_calls": self._step_calls, "skipped_steps": self._skipped_steps,
+        sd["emcl"] = {"step_calls": self._step_calls, "skipped_steps": self.skipped_steps,
                       "param_shapes": [[list(p.shape) for p in group["params"]]
                                        for group in self.param_groups]}
         return sd
@@ -412,3 +432,4 @@ class FusedEMCLOptimizer(Optimizer):
                                                   dtype=compute_dtype(p.dtype)).clone()
         self._step_calls = int(extra.get("step_calls", 0))
         self._skipped_steps = int(extra.get("skipped_steps", 0))
+        self._device_skips = {}

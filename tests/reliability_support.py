@@ -1,8 +1,7 @@
 """What the reliability tests (test_nonfinite, test_checkpoint, test_misuse, test_properties)
 share: the backends to cover, bit-exact snapshots, and a small model with an optimizer.
 
-The backends are every one that :func:`emcl_kernels.available_backends` lists and that runs on
-the test device, so the tests cover the "cpu", "cuda" and "triton" backends as soon as they are
+The backends are every one of the registry that is available and runs on the test device, so the tests cover the "cpu", "cuda" and "triton" backends as soon as they are
 built. "triton" runs on CPU tensors only through its interpreter: it is included only when
 ``TRITON_INTERPRET=1`` is set when the test module is imported.
 """
@@ -12,8 +11,8 @@ import os
 
 import torch
 
-from emcl_kernels import FusedEMCLOptimizer, available_backends
-from emcl_kernels.backends import BackendUnavailableError, get_backend
+from emcl_kernels import FusedEMCLOptimizer
+from emcl_kernels.backends import BACKENDS, BackendUnavailableError, get_backend
 
 NAN, INF = float("nan"), float("inf")
 
@@ -24,9 +23,14 @@ def devices() -> list:
 
 
 def backends_for(device: str) -> list:
-    """The available backends that run on tensors of ``device``."""
+    """The available backends that run on tensors of ``device``, in the registry's order.
+
+    "triton" on CPU is not even imported without ``TRITON_INTERPRET=1``: Triton decides at the
+    first import whether its kernels are compiled or interpreted (test_triton_backend.py sets
+    the variable itself and must be the first to import it).
+    """
     out = []
-    for name in available_backends():
+    for name in BACKENDS:
         if name == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             continue
         try:
