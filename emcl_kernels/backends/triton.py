@@ -9,10 +9,10 @@ rebuilt alone when the gradients are reallocated (``zero_grad(set_to_none=True)`
 
 Where it runs:
 
-- compiled, on CUDA tensors (an NVIDIA or AMD GPU that torch and Triton can use);
+- compiled, on CUDA tensors (a GPU that torch and Triton support);
 - interpreted, on CPU tensors, when ``TRITON_INTERPRET=1`` was set in the environment before
   this module was first imported (Triton decides at import which of the two its kernels are).
-  The interpreter is slow (about half a millisecond per chunk): it is for tests and CI.
+  The interpreter is slow (about 20 ms per chunk of this kernel): it is for tests and CI.
   It cannot run CUDA tensors here: the kernel follows raw addresses from its tables, and the
   interpreter only copies the tensors passed as arguments to the host.
 
@@ -163,7 +163,7 @@ def _plan(params, grads, anchors, importances, meta_lrs, block):
     return plan
 
 
-def _hyper(device, dtype, values):
+def _hyper(device, values):
     """The hyper-parameters as a cached fp64 tensor on ``device`` (see ``HYPER_FIELDS``)."""
     key = (device, values)
     t = _hypers.get(key)
@@ -194,7 +194,7 @@ def _launch(params, grads, anchors, importances, meta_lrs, *, do_inner, do_meta,
     if plan is None:
         return
     device = params[0].device
-    hyper_t = _hyper(device, params[0].dtype, _hyper_values(**hyper))
+    hyper_t = _hyper(device, _hyper_values(**hyper))
     code = _kernels.PARAM_CODES[str(params[0].dtype).replace("torch.", "")]
     args = (plan.chunks, plan.tensors, plan.grads, hyper_t,
             hyper_t if grad_scale is None else grad_scale,   # placeholders are never read

@@ -186,8 +186,10 @@ def emcl_kernel(chunks, tensors, grads, hyper, grad_scale_ptr, found_inf_ptr,
     ok = offs < BLOCK
     if HAS_FOUND_INF:
         # Compared as a block: the interpreter cannot combine a comparison of a loaded scalar
-        # with a block mask (numpy raises on the '&').
-        ok = (tl.zeros([BLOCK], tl.float32) + tl.load(found_inf_ptr)) == 0
+        # with a block mask (numpy raises on the '&'). tl.full, not tl.zeros: tl.zeros is a
+        # @jit function of triton.language, compiled-only if triton was imported before
+        # TRITON_INTERPRET=1 was set.
+        ok = (tl.full([BLOCK], 0.0, tl.float32) + tl.load(found_inf_ptr)) == 0
 
     count = numel - start
     # Full chunks get a mask the compiler can prove constant (vector accesses); the last chunk
