@@ -6,7 +6,8 @@ it with build isolation off:  ``pip install --no-build-isolation -e .``
 
 What gets built:
 - with a usable CUDA toolkit (``nvcc`` under ``CUDA_HOME``, and a CUDA build of torch): the CPU
-  and the CUDA kernels, for ``TORCH_CUDA_ARCH_LIST`` (default ``"8.0;9.0"``);
+  and the CUDA kernels, for ``TORCH_CUDA_ARCH_LIST`` (default ``"8.0;9.0+PTX"``: sm_80 and sm_90
+  code, and sm_90 PTX that newer GPUs compile at load time);
 - otherwise: the CPU kernels only.
 
 Environment:
@@ -25,7 +26,7 @@ from setuptools import setup
 from setuptools.command.build_ext import build_ext as _setuptools_build_ext
 
 CSRC = "csrc"
-DEFAULT_ARCH_LIST = "8.0;9.0"
+DEFAULT_ARCH_LIST = "8.0;9.0+PTX"  # SASS for A100 and H100/H200, PTX for newer GPUs
 
 
 def _flag(name: str) -> bool:
@@ -96,6 +97,8 @@ def _build_ext_class(base):
     base = base or _setuptools_build_ext
 
     class build_ext(base):
+        _emcl_failed = False
+
         def run(self):
             try:
                 super().run()
@@ -108,9 +111,16 @@ def _build_ext_class(base):
             except Exception:  # noqa: BLE001
                 self._failed()
 
+        def copy_extensions_to_source(self):  # --inplace / editable: nothing to copy if failed
+            if not self._emcl_failed:
+                super().copy_extensions_to_source()
+
         def _failed(self):
             if _flag("EMCL_REQUIRE_EXTENSION"):
                 raise
+            if self._emcl_failed:
+                return
+            type(self)._emcl_failed = True
             traceback.print_exc()
             _log("building emcl_kernels._C FAILED; installing without it. The 'cpu' and 'cuda' "
                  "backends will be unavailable (emcl_kernels.backends.backend_status() says "

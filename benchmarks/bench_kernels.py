@@ -1,0 +1,619 @@
+"""Kernel benchmark: every available backend on the same inputs, in one run.
+
+    python benchmarks/bench_kernels.py            # full run (~10 min on a 2-core CPU)
+    python benchmarks/bench_kernels.py --quick    # under a minute on a 2-core CPU
+
+For each device (the GPU when there is one, else the CPU; ``--device cpu cuda`` for both),
+each layout (one tensor of 2**10 .. 2**26 elements, 2**28 on a GPU; the parameters of the
+2x100 MLP; those of the reduced ResNet-18; 1,000 tensors of 4,096 elements), each dtype
+(fp32, bf16) and each operation (inner step, meta step, combined step) it times every backend
+that is available for the device at run time (``emcl_kernels.backends``), and reports:
+
+* the median time of many repeats (CUDA events on a GPU, ``time.perf_counter`` on CPU), with
+  the inputs rotated over several sets whose total exceeds the last-level cache;
+* the achieved GB/s under SPEC section 5's byte model, the copy bandwidth (``dst.copy_(src)``,
+  bytes read + written) measured in the same run and the ratio to it;
+* the speedup over the ``reference`` and ``foreach`` backends;
+* kernel launches per step (GPU, by ``torch.profiler``).
+
+Outputs: a table on the terminal, ``benchmarks/results/kernels_<stamp>_<devices>.json`` (one
+record per measurement) and a PNG per device (GB/s against size, one line per backend, the
+copy bandwidth as the roof). ``benchmarks/make_readme_table.py`` turns the JSON into the
+README's table.
+
+Left out by default, and said so in the output: Triton on CPU tensors (it runs there only
+through the Triton interpreter; ``--cpu-triton`` includes it), and the reference backend above
+``--reference-cap`` elements (it is slow; it is also timed with fewer repeats).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import common  # noqa: E402  (puts the repository on sys.path)
+
+import torch  # noqa: E402
+
+from emcl_kernels import functional as F  # noqa: E402
+
+LAYOUT_CHOICES = ("single", "mlp", "resnet18", "many")
+LAYOUT_NAMES = {"mlp": "mlp-2x100", "resnet18": "resnet18-reduced", "many": "many-1000x4096"}
+MANY_TENSORS, MANY_NUMEL = 1000, 4096
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings of a run
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Settings:
+    """How hard to measure. ``full()`` and ``quick()`` are the two presets; every field can
+    be overridden from the command line."""
+    mode: str
+    cpu_sizes: list            # log2 of the single-tensor sizes on CPU
+    gpu_sizes: list            # ... on a GPU
+    budget_s: float            # time spent on the repeats of one measurement (about)
+    min_reps: int
+    max_reps: int
+    reference_cap: int         # the reference backend is timed only up to this many elements
+    reference_budget_s: float
+    reference_min_reps: int
+    reference_max_reps: int
+    copy_reps: int
+    copy_numel: int            # 0: chosen from the cache size
+    max_sets: int = 4096       # at most this many rotated input sets
+    rotate_factor: float = 4.0  # rotated sets total at least this many last-level caches
+    rotate_bytes: int = 0      # instead of rotate_factor x the cache: this many bytes (0: unset)
+
+    @classmethod
+    def full(cls) -> "Settings":
+        return cls("full", list(range(10, 27)), list(range(10, 29)), budget_s=0.25, min_reps=3,
+                   max_reps=50, reference_cap=2 ** 22, reference_budget_s=0.1,
+                   reference_min_reps=2, reference_max_reps=10, copy_reps=10, copy_numel=0)
+
+    @classmethod
+    def quick(cls) -> "Settings":
+        return cls("quick", [10, 14, 18], [10, 14, 18, 22], budget_s=0.02, min_reps=2,
+                   max_reps=10, reference_cap=2 ** 20, reference_budget_s=0.01,
+                   reference_min_reps=1, reference_max_reps=3, copy_reps=5,
+                   copy_numel=2 ** 24)
+
+    def gpu_adjusted(self) -> "Settings":
+        """On a GPU calls are cheap: many more repeats."""
+        out = Settings(**self.__dict__)
+        out.min_reps = max(self.min_reps, 10)
+        out.max_reps = max(self.max_reps, 500 if self.mode == "full" else 50)
+        out.reference_min_reps = max(self.reference_min_reps, 3)
+        out.reference_max_reps = max(self.reference_max_reps, 50 if self.mode == "full" else 10)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts and inputs
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Layout:
+    """A list of parameter shapes that is timed as one call."""
+    name: str
+    shapes: list
+
+    @property
+    def numel(self) -> int:
+        return sum(_prod(s) for s in self.shapes)
+
+    @property
+    def n_tensors(self) -> int:
+        return len(self.shapes)
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def model_shapes(which: str) -> list:
+    """Parameter shapes of the project's models (``emcl_continual.models``, the one source of
+    truth): the 784-100-100-10 MLP, or the reduced ResNet-18 (nf=20) on 3x32x32 inputs with
+    100 outputs (Split CIFAR-100)."""
+    from emcl_continual.models import MLP, ReducedResNet18
+    from emcl_continual.streams import StreamInfo
+
+    if which == "mlp":
+        model = MLP(StreamInfo("permuted-mnist", 1, (784,), 10, [(0, 10)], False))
+    elif which == "resnet18":
+        info = StreamInfo("split-cifar100", 20, (3, 32, 32), 100,
+                          [(5 * t, 5 * t + 5) for t in range(20)], True)
+        model = ReducedResNet18(info)
+    else:
+        raise ValueError(f"no model layout {which!r}")
+    return [tuple(p.shape) for p in model.parameters()]
+
+
+def build_layouts(choices, sizes) -> tuple[list, dict]:
+    """The layouts to time, and the ones that could not be built with the reason."""
+    layouts, skipped = [], {}
+    for choice in choices:
+        if choice == "single":
+            layouts.extend(Layout("single", [(2 ** k,)]) for k in sizes)
+        elif choice == "many":
+            layouts.append(Layout(LAYOUT_NAMES["many"], [(MANY_NUMEL,)] * MANY_TENSORS))
+        else:
+            try:
+                layouts.append(Layout(LAYOUT_NAMES[choice], model_shapes(choice)))
+            except ImportError as exc:
+                skipped[LAYOUT_NAMES[choice]] = (f"emcl_continual.models is not importable "
+                                                 f"({exc}); layout skipped")
+    return layouts, skipped
+
+
+@dataclass
+class InputSet:
+    """One set of EMCL tensors for a layout: θ, g in the parameter dtype, θ₀, h, α in fp32."""
+    params: list
+    grads: list
+    anchors: list
+    importances: list
+    meta_lrs: Optional[list] = None
+    nbytes: int = 0
+
+    def state(self):
+        return self.params + self.anchors + self.importances + (self.meta_lrs or [])
+
+
+def make_input_set(layout: Layout, dtype: torch.dtype, device: torch.device, gen, *,
+                   with_meta_lrs: bool) -> InputSet:
+    """Fresh random inputs (never zeros): θ ~ N(0,1), g ~ N(0,1), θ₀ = θ + 0.3·N(0,1),
+    h ~ 0.1 + U(0,1), α ~ 0.05 + 0.1·U(0,1)."""
+    s = InputSet([], [], [], [], [] if with_meta_lrs else None)
+    f32 = torch.float32
+    for shape in layout.shapes:
+        theta = torch.randn(shape, generator=gen, device=device, dtype=f32)
+        s.params.append(theta.to(dtype))
+        s.grads.append(torch.randn(shape, generator=gen, device=device, dtype=f32).to(dtype))
+        noise = torch.randn(shape, generator=gen, device=device, dtype=f32)
+        s.anchors.append(theta.add_(noise, alpha=0.3))
+        s.importances.append(torch.rand(shape, generator=gen, device=device, dtype=f32).add_(0.1))
+        if with_meta_lrs:
+            s.meta_lrs.append(torch.rand(shape, generator=gen, device=device, dtype=f32)
+                              .mul_(0.1).add_(0.05))
+    s.nbytes = sum(t.numel() * t.element_size()
+                   for lst in (s.params, s.grads, s.anchors, s.importances, s.meta_lrs or [])
+                   for t in lst)
+    return s
+
+
+def n_sets_for(set_bytes: int, llc_bytes: int, settings: Settings) -> int:
+    """Enough input sets that cycling through them never finds the last one in cache."""
+    target = settings.rotate_bytes or int(settings.rotate_factor * llc_bytes)
+    need = -(-target // max(1, set_bytes))
+    return int(max(1, min(settings.max_sets, need)))
+
+
+def step_fn(op: str, backend: str, s: InputSet, hyper: dict):
+    """A no-argument callable doing one ``op`` through ``emcl_kernels.functional``."""
+    fn = getattr(F, op + "_")
+    lists = [s.params, s.grads, s.anchors, s.importances]
+    if op != "inner_step":
+        lists.append(s.meta_lrs if hyper.get("lr_mode") == "recurrent" else None)
+    return lambda: fn(*lists, backend=backend, **hyper)
+
+
+def count_launches(fn, device: torch.device) -> Optional[int]:
+    """GPU kernels launched by one call of ``fn`` (torch.profiler's CUDA kernel events;
+    memcpy/memset activities are not kernels and are not counted). None on CPU."""
+    if device.type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    n = 0
+    for evt in prof.events():
+        if evt.device_type == DeviceType.CUDA and not evt.name.lower().startswith(("memcpy", "memset")):
+            n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class DeviceRun:
+    device: torch.device
+    settings: Settings
+    backends: list
+    skipped_backends: dict
+    llc_bytes: int
+    copy_samples: list = field(default_factory=list)
+    copy_bytes: int = 0
+    records: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    @property
+    def copy_gbps(self) -> float:
+        secs = sorted(self.copy_samples)
+        return common.gbps(self.copy_bytes, secs[len(secs) // 2])
+
+
+def measure_copy(run: DeviceRun) -> None:
+    """Add copy-bandwidth samples (called at the start and at the end of the device's run)."""
+    numel = run.settings.copy_numel or max(2 ** 26, 4 * run.llc_bytes // 4)
+    if run.device.type == "cuda" and run.settings.mode == "full":
+        numel = max(numel, 2 ** 28)
+    res = common.copy_bandwidth(run.device, numel, run.settings.copy_reps)
+    run.copy_bytes = res["bytes"]
+    run.copy_samples.extend(res["seconds"])
+
+
+def run_device(device: torch.device, args, settings: Settings, log) -> DeviceRun:
+    backends, skipped = common.backends_for(device, include_cpu_triton=args.cpu_triton,
+                                            only=args.backends)
+    if device.type == "cuda":
+        settings = settings.gpu_adjusted()
+    run = DeviceRun(device, settings, backends, skipped, common.last_level_cache_bytes(device))
+    if not backends:
+        raise SystemExit(f"no backend to time on {device}: " +
+                         "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+    log(f"== {common.device_name(device)}: timing {', '.join(backends)}")
+    for name, why in skipped.items():
+        log(f"   not timed: {name}: {why}")
+
+    measure_copy(run)
+    log(f"   copy bandwidth (dst.copy_(src), {run.copy_bytes / 2 ** 20:.0f} MiB moved): "
+        f"{run.copy_gbps:.1f} GB/s")
+
+    sizes = args.sizes or (settings.gpu_sizes if device.type == "cuda" else settings.cpu_sizes)
+    layouts, skipped_layouts = build_layouts(args.layouts, sizes)
+    for name, why in skipped_layouts.items():
+        run.notes.append(f"{name}: {why}")
+        log(f"   {name}: {why}")
+    dtypes = [common.DTYPE_NAMES[d] for d in args.dtypes]
+    with_meta_lrs = args.lr_mode == "recurrent"
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    warmed = set()
+    if "triton" in backends and device.type == "cpu":
+        run.notes.append("triton on CPU tensors runs through the Triton interpreter (--cpu-triton)")
+    if "reference" in backends and any(l.numel > settings.reference_cap for l in layouts):
+        run.notes.append(f"reference backend timed only up to {settings.reference_cap} elements "
+                         f"(it is slow), with {settings.reference_min_reps}-"
+                         f"{settings.reference_max_reps} repeats")
+
+    for layout in layouts:
+        for dtype in dtypes:
+            dname = _dtype_name(dtype)
+            first = make_input_set(layout, dtype, device, gen, with_meta_lrs=with_meta_lrs)
+            n_sets = n_sets_for(first.nbytes, run.llc_bytes, settings)
+            sets = [first] + [make_input_set(layout, dtype, device, gen, with_meta_lrs=with_meta_lrs)
+                              for _ in range(n_sets - 1)]
+            for op in args.ops:
+                hyper = common.hyperparameters(op, args.lr_mode)
+                bpe = common.bytes_per_element(op, dtype, args.lr_mode)
+                nbytes = bpe * layout.numel
+                for backend in backends:
+                    is_ref = backend == "reference"
+                    if is_ref and layout.numel > settings.reference_cap:
+                        continue
+                    calls = [step_fn(op, backend, s, hyper) for s in sets]
+                    key = (backend, op, dtype)
+                    if key not in warmed:   # first use: compilation, lazy imports, autotuning
+                        common.time_once(calls[0], device)
+                        warmed.add(key)
+                    estimate = common.time_once(calls[0], device)
+                    budget = settings.reference_budget_s if is_ref else settings.budget_s
+                    min_reps = settings.reference_min_reps if is_ref else settings.min_reps
+                    reps = common.repeats_for(
+                        estimate, budget, min_reps,
+                        settings.reference_max_reps if is_ref else settings.max_reps)
+                    order = [calls[(i + 1) % n_sets] for i in range(reps)]
+                    stats = common.Stats.of(common.time_calls(
+                        order, device, max_total_s=4 * budget, min_calls=min_reps))
+                    launches = None
+                    if device.type == "cuda":
+                        try:
+                            launches = count_launches(calls[0], device)
+                        except Exception as exc:  # noqa: BLE001 - the timing stands without it
+                            log(f"   (could not count launches: {type(exc).__name__}: {exc})")
+                    rec = {
+                        "device": device.type, "device_name": common.device_name(device),
+                        "backend": backend, "op": op, "dtype": dname, "layout": layout.name,
+                        "numel": layout.numel, "n_tensors": layout.n_tensors,
+                        "lr_mode": args.lr_mode, "bytes_per_element": bpe, "bytes": nbytes,
+                        "time_ms": stats.median_ms, "time_ms_min": stats.min_ms,
+                        "time_ms_q25": stats.q25_ms, "time_ms_q75": stats.q75_ms,
+                        "repeats": stats.repeats, "timer": common.timer_name(device),
+                        "gbps": common.gbps(nbytes, stats.median_ms / 1e3),
+                        "copy_gbps": None, "ratio_to_copy": None,
+                        "speedup_vs_reference": None, "speedup_vs_foreach": None,
+                        "launches": launches, "rotation_sets": n_sets,
+                        "rotation_bytes": n_sets * first.nbytes,
+                    }
+                    run.records.append(rec)
+                    log(f"   {layout.name:>16} {layout.numel:>10} {dname} {op:<15} {backend:<9} "
+                        f"{stats.median_ms:10.4f} ms {rec['gbps']:8.2f} GB/s  ({stats.repeats} reps)")
+            finite = all(bool(torch.isfinite(t.float()).all()) for s in sets for t in s.state())
+            for rec in run.records:
+                if rec["layout"] == layout.name and rec["numel"] == layout.numel \
+                        and rec["dtype"] == dname:
+                    rec["finite"] = finite
+            if not finite:
+                run.notes.append(f"non-finite values after timing {layout.name} {layout.numel} "
+                                 f"{dname}: its timings may be distorted")
+            del sets, first
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    measure_copy(run)
+    copy = run.copy_gbps
+    log(f"   copy bandwidth, start and end pooled: {copy:.1f} GB/s")
+    _finish_records(run.records, copy)
+    return run
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in common.DTYPE_NAMES.items()}[dtype]
+
+
+def _finish_records(records: list, copy_gbps: float) -> None:
+    """Fill in the copy roof, the ratio to it and the speedups over reference and foreach."""
+    by_key = {}
+    for r in records:
+        by_key[(r["layout"], r["numel"], r["dtype"], r["op"], r["backend"])] = r
+    for r in records:
+        r["copy_gbps"] = copy_gbps
+        r["ratio_to_copy"] = r["gbps"] / copy_gbps
+        for base in ("reference", "foreach"):
+            other = by_key.get((r["layout"], r["numel"], r["dtype"], r["op"], base))
+            r[f"speedup_vs_{base}"] = other["time_ms"] / r["time_ms"] if other else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
+
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def format_table(result: dict) -> str:
+    """The terminal table: one row per measurement, grouped by device, layout and dtype."""
+    lines = []
+    for dev, info in result["devices"].items():
+        lines.append(f"\n{info['name']}  |  copy bandwidth {info['copy_gbps']:.1f} GB/s  |  "
+                     f"lr_mode {result['settings']['lr_mode']}  |  {result['settings']['mode']} run")
+        head = (f"{'layout':>16} {'numel':>10} {'tensors':>7} {'dtype':>5} {'op':<15} {'backend':<9} "
+                f"{'time ms':>10} {'GB/s':>8} {'%copy':>6} {'x ref':>7} {'x foreach':>9} {'launches':>8}")
+        lines += [head, "-" * len(head)]
+        last = None
+        for r in (r for r in result["records"] if r["device"] == dev):
+            group = (r["layout"], r["numel"], r["dtype"])
+            if last is not None and group != last:
+                lines.append("")
+            last = group
+            lines.append(
+                f"{r['layout']:>16} {r['numel']:>10} {r['n_tensors']:>7} {r['dtype']:>5} "
+                f"{r['op']:<15} {r['backend']:<9} {r['time_ms']:>10.4f} {r['gbps']:>8.2f} "
+                f"{100 * r['ratio_to_copy']:>5.1f}% {_fmt(r['speedup_vs_reference'], '>7.2f')} "
+                f"{_fmt(r['speedup_vs_foreach'], '>9.2f')} {_fmt(r['launches'], '>8d')}")
+        for name, why in info["skipped_backends"].items():
+            lines.append(f"not timed: {name}: {why}")
+        for note in info["notes"]:
+            lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def plot(result: dict, device: str, path: str) -> None:
+    """GB/s against size for every (op, dtype): one line per backend over the single-tensor
+    sizes, the multi-tensor layouts as markers, the copy bandwidth as the dashed roof."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in result["records"] if r["device"] == device]
+    ops = [o for o in common.OPS if any(r["op"] == o for r in recs)]
+    dtypes = [d for d in common.DTYPE_NAMES if any(r["dtype"] == d for r in recs)]
+    backends = list(dict.fromkeys(r["backend"] for r in recs))
+    colors = {b: f"C{i}" for i, b in enumerate(backends)}
+    markers = {LAYOUT_NAMES["mlp"]: "s", LAYOUT_NAMES["resnet18"]: "^", LAYOUT_NAMES["many"]: "D"}
+    info = result["devices"][device]
+    fig, axes = plt.subplots(len(ops), len(dtypes), figsize=(5.5 * len(dtypes), 3.6 * len(ops)),
+                             squeeze=False, sharex=True)
+    for i, op in enumerate(ops):
+        for j, dt in enumerate(dtypes):
+            ax = axes[i][j]
+            cell = [r for r in recs if r["op"] == op and r["dtype"] == dt]
+            for b in backends:
+                line = sorted((r["numel"], r["gbps"]) for r in cell
+                              if r["backend"] == b and r["layout"] == "single")
+                if line:
+                    ax.plot(*zip(*line), "o-", color=colors[b], label=b, ms=3)
+                for lay, mk in markers.items():
+                    pts = [(r["numel"], r["gbps"]) for r in cell
+                           if r["backend"] == b and r["layout"] == lay]
+                    if pts:
+                        ax.plot(*zip(*pts), mk, color=colors[b], ms=7, mfc="none", mew=1.5)
+            ax.axhline(info["copy_gbps"], color="k", ls="--", lw=1,
+                       label=f"copy roof {info['copy_gbps']:.1f} GB/s")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{common.OP_TITLES[op]}, {dt}", fontsize=10)
+            ax.grid(True, which="both", alpha=0.3)
+            if i == len(ops) - 1:
+                ax.set_xlabel("elements per step")
+            if j == 0:
+                ax.set_ylabel("GB/s (SPEC section 5 bytes)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    from matplotlib.lines import Line2D
+    present = {r["layout"] for r in recs}
+    for lay, mk in markers.items():
+        if lay in present:
+            handles.append(Line2D([], [], marker=mk, ls="", color="gray", mfc="none", mew=1.5))
+            labels.append(lay)
+    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=9)
+    fig.suptitle(f"EMCL kernels on {info['name']} ({result['settings']['mode']} run, "
+                 f"lr_mode {result['settings']['lr_mode']}, {result['created_utc']})", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.97))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/bench_kernels.py",
+        description="Time every available EMCL backend on the same inputs (SPEC section 5).")
+    p.add_argument("--quick", action="store_true", help="small sizes, few repeats (< 1 min on 2 cores)")
+    p.add_argument("--device", nargs="+", default=["auto"], choices=["auto", "cpu", "cuda"],
+                   help="devices to time (auto: the GPU when there is one, else the CPU)")
+    p.add_argument("--backends", nargs="+", default=None,
+                   help="only these backends (default: every one available on the device)")
+    p.add_argument("--ops", nargs="+", default=list(common.OPS), choices=common.OPS)
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(common.DTYPE_NAMES))
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUT_CHOICES), choices=LAYOUT_CHOICES)
+    p.add_argument("--sizes", nargs="+", type=int, default=None, metavar="LOG2",
+                   help="single-tensor sizes as powers of two (default: 10..26 on CPU, 10..28 on "
+                        "a GPU; quick: 10 14 18)")
+    p.add_argument("--lr-mode", default="inverse", choices=common.LR_MODES,
+                   help="lr_mode of the meta and combined steps (recurrent moves 8 B more)")
+    p.add_argument("--reference-cap", type=int, default=None, metavar="LOG2",
+                   help="time the reference backend only up to 2**LOG2 elements (default 22, quick 20)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds of repeats per measurement (full 0.25, quick 0.02)")
+    p.add_argument("--min-reps", type=int, default=None)
+    p.add_argument("--max-reps", type=int, default=None)
+    p.add_argument("--rotate-mb", type=float, default=None,
+                   help="total MiB of the rotated input sets (default: 4 x the last-level cache)")
+    p.add_argument("--copy-mb", type=float, default=None,
+                   help="MiB of the copy-bandwidth tensor (default: the larger of 256 MiB and the "
+                        "cache, 1 GiB on a GPU; quick: 64 MiB)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--cpu-triton", action="store_true",
+                   help="also time Triton on CPU tensors through its interpreter (very slow; "
+                        "sets TRITON_INTERPRET=1, so not with --device cuda)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default=common.RESULTS_DIR)
+    p.add_argument("--name", default=None, help="file stem (default kernels_<UTC stamp>_<devices>)")
+    p.add_argument("--note", default=None,
+                   help="free text stored with the results (e.g. 'machine shared with other jobs')")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no per-measurement lines")
+    return p
+
+
+def _devices(names) -> list:
+    out = []
+    for name in names:
+        if name == "auto":
+            name = "cuda" if torch.cuda.is_available() else "cpu"
+        if name == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch sees no CUDA device here")
+        dev = torch.device(name)
+        if dev not in out:
+            out.append(dev)
+    return out
+
+
+def main(argv: Optional[list] = None) -> dict:
+    """Run the benchmark; return the results dict (also written to ``--out-dir``)."""
+    args = build_parser().parse_args(argv)
+    if args.cpu_triton:
+        if "cuda" in args.device:
+            raise SystemExit("--cpu-triton runs Triton through its interpreter everywhere; "
+                             "do not combine it with --device cuda")
+        # Triton reads this when its backend module is first imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    settings = Settings.quick() if args.quick else Settings.full()
+    if args.reference_cap is not None:
+        settings.reference_cap = 2 ** args.reference_cap
+    if args.budget is not None:
+        settings.budget_s = args.budget
+        settings.reference_budget_s = min(settings.reference_budget_s, args.budget)
+    if args.min_reps is not None:
+        settings.min_reps = settings.reference_min_reps = args.min_reps
+    if args.max_reps is not None:
+        settings.max_reps = args.max_reps
+        settings.reference_max_reps = min(settings.reference_max_reps, args.max_reps)
+        if args.min_reps is None:
+            settings.min_reps = min(settings.min_reps, args.max_reps)
+            settings.reference_min_reps = min(settings.reference_min_reps, args.max_reps)
+    if settings.min_reps < 1 or settings.max_reps < settings.min_reps:
+        raise SystemExit("need 1 <= --min-reps <= --max-reps")
+    if args.rotate_mb is not None:
+        settings.rotate_bytes = max(1, int(args.rotate_mb * 2 ** 20))
+    if args.copy_mb is not None:
+        settings.copy_numel = max(1, int(args.copy_mb * 2 ** 20) // 4)
+    threads_before = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        return _main(args, argv, settings)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _main(args, argv, settings: Settings) -> dict:
+    log = (lambda *_: None) if args.quiet else (lambda msg: print(msg, flush=True))
+
+    started = time.perf_counter()
+    result = {
+        "schema": "emcl-kernels/bench_kernels/1",
+        "created_utc": common.utc_now(),
+        "command": "python benchmarks/bench_kernels.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": common.machine_info(),
+        "note": args.note,
+        "settings": {"mode": settings.mode, "lr_mode": args.lr_mode,
+                     "hyperparameters": {op: common.hyperparameters(op, args.lr_mode) for op in args.ops},
+                     **{k: v for k, v in settings.__dict__.items() if k != "mode"}},
+        "byte_model": {f"{op}/{d}": common.bytes_per_element(op, common.DTYPE_NAMES[d], args.lr_mode)
+                       for op in args.ops for d in args.dtypes},
+        "devices": {},
+        "records": [],
+    }
+    for device in _devices(args.device):
+        run = run_device(device, args, settings, log)
+        result["devices"][device.type] = {
+            "name": common.device_name(device), "copy_gbps": run.copy_gbps,
+            "copy_bytes": run.copy_bytes, "copy_samples_s": run.copy_samples,
+            "last_level_cache_bytes": run.llc_bytes, "backends": run.backends,
+            "skipped_backends": run.skipped_backends, "notes": run.notes,
+            "settings": {"min_reps": run.settings.min_reps, "max_reps": run.settings.max_reps},
+        }
+        result["records"].extend(run.records)
+    result["wall_time_s"] = time.perf_counter() - started
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = args.name or f"kernels_{common.utc_stamp()}_{'-'.join(result['devices'])}"
+    path = os.path.join(args.out_dir, stem + ".json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    result["paths"] = {"json": path}
+    if not args.no_plot:
+        for dev in result["devices"]:
+            png = os.path.join(args.out_dir, f"{stem}_{dev}.png")
+            plot(result, dev, png)
+            result["paths"][f"png_{dev}"] = png
+    print(format_table(result))
+    print(f"\nwall time {result['wall_time_s']:.1f} s; wrote " + ", ".join(result["paths"].values()))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,319 @@
+"""What the benchmark scripts share: SPEC section 5's byte model, the backends to time on a
+device, the timers (``time.perf_counter`` on CPU, CUDA events on a GPU), the copy bandwidth
+roof, and a description of the machine for the results files.
+
+    from benchmarks import common
+    common.bytes_per_element("meta_step", torch.bfloat16, "inverse")   # 22
+    chosen, skipped = common.backends_for(torch.device("cpu"))
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(REPO, "benchmarks", "results")
+
+
+def ensure_repo_on_path() -> None:
+    """Make ``emcl_kernels`` and ``emcl_continual`` importable from a plain checkout (the
+    scripts are run as ``python benchmarks/<script>.py`` from the repository root)."""
+    for path in (os.path.join(REPO, "python"), REPO):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+
+
+ensure_repo_on_path()
+
+import torch  # noqa: E402
+
+from emcl_kernels.backends import BACKENDS, backend_status, get_backend  # noqa: E402
+
+OPS = ("inner_step", "meta_step", "inner_meta_step")
+OP_TITLES = {"inner_step": "inner step", "meta_step": "meta step",
+             "inner_meta_step": "combined step (inner_meta_step)"}
+LR_MODES = ("inverse", "recurrent", "constant")
+DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+STATE_BYTES = 4  # θ₀, h and α are always fp32 (SPEC section 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# SPEC section 5: bytes moved per element
+# ---------------------------------------------------------------------------------------------
+
+def bytes_per_element(op: str, param_dtype: torch.dtype, lr_mode: str = "inverse") -> int:
+    """Bytes read plus written per element by one step (SPEC section 5).
+
+    inner step: reads θ, g, θ₀, h and writes θ;
+    meta step and the combined step: read θ, g, θ₀, h (and α) and write h, θ₀, θ (and α),
+    where α is stored only with ``lr_mode="recurrent"``. θ and g are in the parameter's dtype,
+    the state in fp32. fp32: 20 / 28 (36) / 28 (36) B; bf16 saves 2 B per θ and g access.
+    """
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if lr_mode not in LR_MODES:
+        raise ValueError(f"lr_mode must be one of {LR_MODES}, got {lr_mode!r}")
+    p = torch.empty((), dtype=param_dtype).element_size()
+    if op == "inner_step":
+        return 3 * p + 2 * STATE_BYTES                 # θ, g, θ₀, h in; θ out
+    meta_lr = 2 * STATE_BYTES if lr_mode == "recurrent" else 0
+    return 3 * p + 4 * STATE_BYTES + meta_lr           # θ, g, θ₀, h (α) in; h, θ₀, θ (α) out
+
+
+def hyperparameters(op: str, lr_mode: str) -> dict:
+    """The hyper-parameters every backend is timed with: the library defaults where they exist,
+    and values that keep many chained steps on the same inputs finite and away from denormals
+    (α·λ·h stays below ~0.2; the recurrent α is clipped to [0.01, 0.3])."""
+    inner = dict(inner_lr=0.05, reg=1.5, gamma=0.3, prox=True)
+    meta = dict(meta_lr=0.2, reg=1.5, decay=0.8, lr_mode=lr_mode, importance="taylor",
+                eps=1e-8, lr_min=0.0, lr_max=float("inf"), lr_scale=0.6)
+    if lr_mode == "recurrent":
+        meta.update(lr_scale=0.9, lr_min=0.01, lr_max=0.3)
+    elif lr_mode == "constant":
+        meta.update(lr_scale=1.0)
+    if op == "inner_step":
+        return inner
+    if op == "meta_step":
+        return meta
+    return {**inner, **meta}
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends per device
+# ---------------------------------------------------------------------------------------------
+
+def backends_for(device: torch.device, *, include_cpu_triton: bool = False,
+                 only: Optional[Sequence[str]] = None) -> tuple[list, dict]:
+    """The backends to time on ``device`` and, for every other one, why it is left out.
+
+    A backend is timed when it is available for the device's tensors at run time (so
+    backends that land later are picked up without a change here). Triton on CPU tensors
+    runs only through the Triton interpreter, orders of magnitude slower than compiled
+    code: it is left out on CPU unless ``include_cpu_triton``.
+    """
+    device = torch.device(device)
+    if only:
+        unknown = [b for b in only if b not in BACKENDS]
+        if unknown:
+            raise ValueError(f"unknown backend(s) {unknown}; the backends are {list(BACKENDS)}")
+    status = backend_status()
+    chosen, skipped = [], {}
+    for name in BACKENDS:
+        if only and name not in only:
+            skipped[name] = "not asked for (--backends)"
+            continue
+        try:
+            get_backend(name, device)
+        except Exception as exc:  # BackendUnavailableError: the message says why
+            reason = str(exc)
+            general = status.get(name, "available")
+            if general != "available" and "tensors, not on" in reason:
+                reason = f"{reason}; and here: {general}"
+            if name == "triton" and device.type == "cpu" and not include_cpu_triton:
+                reason = "excluded on CPU by default (interpreter only; --cpu-triton): " + reason
+            skipped[name] = reason
+            continue
+        if name == "triton" and device.type == "cpu" and not include_cpu_triton:
+            skipped[name] = ("excluded on CPU: Triton runs CPU tensors only through its slow "
+                             "interpreter (pass --cpu-triton to time it anyway)")
+            continue
+        chosen.append(name)
+    return chosen, skipped
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_once(fn: Callable[[], None], device: torch.device) -> float:
+    """Seconds of one call, wall clock, with the device synchronized before and after."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def time_calls(fns: Sequence[Callable[[], None]], device: torch.device, *,
+               max_total_s: Optional[float] = None, min_calls: int = 1) -> list:
+    """Seconds of each call of ``fns`` (in order): CUDA events on a GPU (device time between
+    the call's first and last launch), ``time.perf_counter`` around each call on CPU.
+
+    On CPU, ``max_total_s`` stops early (after at least ``min_calls`` calls) once the calls
+    have taken that long, so a machine that turns slow mid-run cannot stretch the run."""
+    if device.type == "cuda":
+        starts = [torch.cuda.Event(enable_timing=True) for _ in fns]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in fns]
+        torch.cuda.synchronize(device)
+        for fn, s, e in zip(fns, starts, ends):
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize(device)
+        return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
+    out = []
+    for fn in fns:
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+        if max_total_s is not None and len(out) >= min_calls and sum(out) > max_total_s:
+            break
+    return out
+
+
+def timer_name(device: torch.device) -> str:
+    return "cuda_events" if device.type == "cuda" else "perf_counter"
+
+
+@dataclass
+class Stats:
+    """Summary of the timed repeats of one measurement, in milliseconds."""
+    median_ms: float
+    min_ms: float
+    q25_ms: float
+    q75_ms: float
+    repeats: int
+
+    @classmethod
+    def of(cls, seconds: Sequence[float]) -> "Stats":
+        ms = sorted(s * 1e3 for s in seconds)
+        if not ms:
+            raise ValueError("no timings")
+        q = statistics.quantiles(ms, n=4, method="inclusive") if len(ms) > 1 else [ms[0]] * 3
+        return cls(statistics.median(ms), ms[0], q[0], q[2], len(ms))
+
+
+def repeats_for(estimate_s: float, budget_s: float, min_reps: int, max_reps: int) -> int:
+    """As many repeats as fit in ``budget_s`` given one call takes ``estimate_s``, clamped."""
+    if estimate_s <= 0:
+        return max_reps
+    return int(max(min_reps, min(max_reps, math.ceil(budget_s / estimate_s))))
+
+
+def copy_bandwidth(device: torch.device, numel: int, repeats: int) -> dict:
+    """GB/s of ``dst.copy_(src)`` for fp32 tensors of ``numel`` elements on ``device``,
+    counting the bytes read plus written (2 x 4 x numel). Returns the samples too."""
+    src = torch.empty(numel, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    secs = time_calls([lambda: dst.copy_(src)] * repeats, device)
+    nbytes = 2 * src.element_size() * numel
+    del src, dst
+    return {"numel": numel, "bytes": nbytes, "seconds": secs}
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+# ---------------------------------------------------------------------------------------------
+# The machine
+# ---------------------------------------------------------------------------------------------
+
+def last_level_cache_bytes(device: torch.device) -> int:
+    """The last-level cache of ``device`` (the GPU's L2, the CPU's largest cache); 32 MiB when
+    the system does not say."""
+    if device.type == "cuda":
+        size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+        return int(size) or 64 << 20
+    best = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for entry in os.listdir(base):
+            path = os.path.join(base, entry, "size")
+            if os.path.exists(path):
+                text = open(path).read().strip().upper()
+                mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+                best = max(best, int(text.rstrip("KMG")) * mult)
+    except (OSError, ValueError):
+        best = 0
+    return best or 32 << 20
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_gib() -> Optional[float]:
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1)
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def git_commit() -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{os.cpu_count()}-core {platform.machine()} CPU ({_cpu_model()})"
+
+
+def machine_info() -> dict:
+    """What the results came from."""
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
+        if torch.cuda.is_available() else []
+    try:
+        import triton
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001 - optional
+        triton_version = None
+    cpu = f"{os.cpu_count()}-core {platform.machine()} CPU ({_cpu_model()})"
+    summary = cpu + (", " + ", ".join(gpus) if gpus else ", no GPU")
+    load = None
+    if hasattr(os, "getloadavg"):
+        load = [round(x, 2) for x in os.getloadavg()]
+    return {
+        "summary": summary,
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gib": _memory_gib(),
+        "gpus": gpus,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "git_commit": git_commit(),
+        "load_average_at_start": load,
+    }
+
+
+def utc_stamp() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,129 @@
+"""The paper's networks, each called as ``model(x, task) -> logits`` over all classes.
+
+* :class:`MLP`: 784-100-100-10 with ReLU (MNIST Permutations, Many Permutations; single head).
+* :class:`ReducedResNet18`: ResNet-18 with three times fewer feature maps (``nf=20``), as in
+  GEM's code, for 3x32x32 (Split CIFAR100) and 3x84x84 (Split miniImageNet) inputs.
+
+On a multi-head stream the logits of classes outside the task's ``[start, end)`` are
+filled with a large negative number, so ``F.cross_entropy(model(x, t), y)`` is the task
+loss and ``argmax`` only picks the task's own classes. ``task`` may be an int or a
+tensor of per-sample task ids (for replayed samples from several tasks).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .streams import StreamInfo
+
+__all__ = ["MLP", "ReducedResNet18", "TaskMasked", "build_model"]
+
+MASK_VALUE = -1e9
+
+
+class TaskMasked(nn.Module):
+    """Base class: holds the class mask per task and applies it to the logits."""
+
+    def __init__(self, info: StreamInfo):
+        super().__init__()
+        self.multi_head = bool(info.multi_head)
+        self.n_classes = int(info.n_classes)
+        mask = torch.ones(info.n_tasks, info.n_classes, dtype=torch.bool)  # True = masked out
+        for t, (lo, hi) in enumerate(info.task_classes):
+            if not 0 <= lo < hi <= info.n_classes:
+                raise ValueError(f"task {t} classes [{lo}, {hi}) are outside [0, {info.n_classes})")
+            mask[t, lo:hi] = False
+        self.register_buffer("task_mask", mask, persistent=False)
+
+    def mask_logits(self, logits: torch.Tensor, task) -> torch.Tensor:
+        if not self.multi_head:
+            return logits
+        if isinstance(task, torch.Tensor):
+            m = self.task_mask[task.to(self.task_mask.device).long()]
+        else:
+            if not 0 <= int(task) < self.task_mask.shape[0]:
+                raise IndexError(f"task {task} is outside [0, {self.task_mask.shape[0]})")
+            m = self.task_mask[int(task)]
+        fill = MASK_VALUE if logits.dtype in (torch.float32, torch.float64) else torch.finfo(logits.dtype).min
+        return logits.masked_fill(m, fill)
+
+
+class MLP(TaskMasked):
+    """Fully connected network with two hidden layers of ``hidden`` ReLU units (paper: 100)."""
+
+    def __init__(self, info: StreamInfo, hidden: int = 100):
+        super().__init__(info)
+        n_in = 1
+        for d in info.input_shape:
+            n_in *= int(d)
+        self.net = nn.Sequential(nn.Linear(n_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, info.n_classes))
+
+    def forward(self, x: torch.Tensor, task=0) -> torch.Tensor:
+        return self.mask_logits(self.net(x.reshape(x.shape[0], -1)), task)
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, in_planes: int, planes: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or in_planes != planes:
+            self.shortcut = nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride, bias=False),
+                                          nn.BatchNorm2d(planes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class ReducedResNet18(TaskMasked):
+    """GEM's reduced ResNet-18: ``nf`` = 20 feature maps in the first stage (64 / 3.2),
+    stages of nf, 2nf, 4nf, 8nf, two BasicBlocks each, 4x4 average pooling, a linear head.
+
+    For 32x32 inputs the features are 8nf = 160; for 84x84 inputs the 11x11 last stage
+    pools to 2x2, 640 features (the layout of the MIR / ER code bases for miniImageNet).
+    """
+
+    def __init__(self, info: StreamInfo, nf: int = 20):
+        super().__init__(info)
+        if len(info.input_shape) != 3:
+            raise ValueError(f"ReducedResNet18 needs (C, H, W) inputs, got {info.input_shape}")
+        c, h, w = (int(d) for d in info.input_shape)
+        self.input_shape = (c, h, w)
+        self.conv1 = nn.Conv2d(c, nf, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(nf)
+        layers, in_planes = [], nf
+        for i, stride in enumerate((1, 2, 2, 2)):
+            planes = nf * 2 ** i
+            layers.append(nn.Sequential(BasicBlock(in_planes, planes, stride), BasicBlock(planes, planes, 1)))
+            in_planes = planes
+        self.layers = nn.Sequential(*layers)
+        with torch.no_grad():
+            n_feat = self._features(torch.zeros(2, c, h, w)).shape[1]
+        self.linear = nn.Linear(n_feat, info.n_classes)
+
+    def _features(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.layers(out)
+        out = F.avg_pool2d(out, 4)
+        return out.flatten(1)
+
+    def forward(self, x: torch.Tensor, task=0) -> torch.Tensor:
+        x = x.reshape(x.shape[0], *self.input_shape)
+        return self.mask_logits(self.linear(self._features(x)), task)
+
+
+def build_model(info: StreamInfo) -> nn.Module:
+    """The paper's network for ``info``: the MLP for flat 784-feature inputs, the reduced
+    ResNet-18 for images."""
+    if len(info.input_shape) == 1:
+        return MLP(info)
+    return ReducedResNet18(info)

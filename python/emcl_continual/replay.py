@@ -1,0 +1,73 @@
+"""Reservoir replay buffer (Vitter's algorithm R over every sample ever seen)."""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ReservoirBuffer"]
+
+
+class ReservoirBuffer:
+    """Keeps a uniform random sample of at most ``capacity`` of all samples passed to :meth:`add`.
+
+    ``generator`` (a CPU ``torch.Generator``) drives every random choice, so a seeded run
+    is reproducible. Samples are stored on ``device`` (CPU by default).
+    """
+
+    def __init__(self, capacity: int, input_shape: tuple, generator: torch.Generator | None = None,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        if int(capacity) < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self.capacity = int(capacity)
+        self.input_shape = tuple(int(d) for d in input_shape)
+        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        self.x = torch.zeros((self.capacity, *self.input_shape), dtype=dtype, device=device)
+        self.y = torch.zeros(self.capacity, dtype=torch.long, device=device)
+        self.t = torch.zeros(self.capacity, dtype=torch.long, device=device)
+        self.n_seen = 0
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def add(self, x: torch.Tensor, y: torch.Tensor, task) -> None:
+        """Offer each sample of the batch ``(x, y)`` (from task ``task``, an int or per-sample tensor)."""
+        if x.shape[0] != y.shape[0]:
+            raise ValueError(f"{x.shape[0]} inputs but {y.shape[0]} labels")
+        if tuple(x.shape[1:]) != self.input_shape and x[0].numel() != _numel(self.input_shape):
+            raise ValueError(f"inputs of shape {tuple(x.shape[1:])} do not fit the buffer's {self.input_shape}")
+        tasks = task if isinstance(task, torch.Tensor) else torch.full((x.shape[0],), int(task), dtype=torch.long)
+        for i in range(x.shape[0]):
+            if self._size < self.capacity:
+                j = self._size
+                self._size += 1
+            else:
+                j = int(torch.randint(0, self.n_seen + 1, (1,), generator=self.generator))
+            self.n_seen += 1
+            if j < self.capacity:
+                self.x[j] = x[i].reshape(self.input_shape)
+                self.y[j] = y[i]
+                self.t[j] = tasks[i]
+
+    def sample(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``min(n, len(self))`` distinct stored samples, uniformly at random: ``(x, y, task)``."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        k = min(int(n), self._size)
+        idx = torch.randperm(self._size, generator=self.generator)[:k].to(self.x.device)
+        return self.x[idx], self.y[idx], self.t[idx]
+
+    def by_task(self) -> dict:
+        """The stored samples grouped by task: ``{task: (x, y)}``."""
+        out = {}
+        t = self.t[:self._size]
+        for task in torch.unique(t).tolist():
+            sel = t == task
+            out[int(task)] = (self.x[:self._size][sel], self.y[:self._size][sel])
+        return out
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
