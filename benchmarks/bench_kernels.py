@@ -17,9 +17,9 @@ that is available for the device at run time (``emcl_kernels.backends``), and re
 * kernel launches per step (GPU, by ``torch.profiler``).
 
 Outputs: a table on the terminal, ``benchmarks/results/kernels_<stamp>_<devices>.json`` (one
-record per measurement) and a PNG per device (GB/s against size, one line per backend, the
-copy bandwidth as the roof). ``benchmarks/make_readme_table.py`` turns the JSON into the
-README's table.
+record per measurement) and ``kernels_<stamp>_<device>.png`` per device (GB/s against size,
+one line per backend, the copy bandwidth as the roof). ``benchmarks/make_readme_table.py``
+turns the JSON into the README's table.
 
 Left out by default, and said so in the output: Triton on CPU tensors (it runs there only
 through the Triton interpreter; ``--cpu-triton`` includes it), and the reference backend above
@@ -270,6 +270,10 @@ def run_device(device: torch.device, args, settings: Settings, log) -> DeviceRun
         raise SystemExit(f"no backend to time on {device}: " +
                          "; ".join(f"{k}: {v}" for k, v in skipped.items()))
     log(f"== {common.device_name(device)}: timing {', '.join(backends)}")
+    busy = common.busy_warning(device)
+    if busy:
+        run.notes.append(busy)
+        log(f"   warning: {busy}")
     for name, why in skipped.items():
         log(f"   not timed: {name}: {why}")
 
@@ -600,14 +604,15 @@ def _main(args, argv, settings: Settings) -> dict:
     result["wall_time_s"] = time.perf_counter() - started
 
     os.makedirs(args.out_dir, exist_ok=True)
-    stem = args.name or f"kernels_{common.utc_stamp()}_{'-'.join(result['devices'])}"
+    base = args.name or f"kernels_{common.utc_stamp()}"
+    stem = args.name or f"{base}_{'-'.join(result['devices'])}"
     path = os.path.join(args.out_dir, stem + ".json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     result["paths"] = {"json": path}
     if not args.no_plot:
         for dev in result["devices"]:
-            png = os.path.join(args.out_dir, f"{stem}_{dev}.png")
+            png = os.path.join(args.out_dir, f"{base}_{dev}.png")
             plot(result, dev, png)
             result["paths"][f"png_{dev}"] = png
     print(format_table(result))

@@ -311,6 +311,22 @@ def machine_info() -> dict:
     }
 
 
+def busy_warning(device: torch.device) -> Optional[str]:
+    """A warning when other jobs load the CPU (load average above the free cores), since
+    then every multi-threaded op waits for its slowest thread; None when the CPU is free."""
+    if not hasattr(os, "getloadavg"):
+        return None
+    load = os.getloadavg()[0]
+    cores = os.cpu_count() or 1
+    threads = torch.get_num_threads()
+    if load <= cores - 0.5:
+        return None
+    advice = " (consider --threads 1)" if threads > 1 and device.type == "cpu" else ""
+    return (f"the machine is busy: load average {load:.1f} on {cores} cores while timing with "
+            f"{threads} torch thread(s); timings are slower and noisier than on a quiet "
+            f"machine{advice}")
+
+
 def utc_stamp() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 

@@ -48,10 +48,14 @@ def _default_sizes(records: list, backends: list) -> set:
     return out
 
 
+def _time(ms: float) -> str:
+    return f"{ms / 1e3:.3g} s" if ms >= 1000 else f"{ms:.3g} ms"
+
+
 def _cell(r: Optional[dict]) -> str:
     if r is None:
         return "-"
-    text = f"{r['gbps']:.2f} GB/s ({100 * r['ratio_to_copy']:.0f}%), {r['time_ms']:.3g} ms"
+    text = f"{r['gbps']:.2f} GB/s ({100 * r['ratio_to_copy']:.0f}%), {_time(r['time_ms'])}"
     if r.get("launches") is not None:
         text += f", {r['launches']} launch" + ("es" if r["launches"] != 1 else "")
     return text

@@ -7,6 +7,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 
 __all__ = ["plot_avg_accuracy", "plot_acc_bwt", "write_plots"]
@@ -31,6 +32,7 @@ def plot_avg_accuracy(runs: list, path: str) -> str:
             sd = curves.std(0, ddof=1)
             ax.fill_between(tasks, mu - sd, mu + sd, alpha=0.2)
     streams = sorted({r["stream"] for r in runs})
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("tasks learned")
     ax.set_ylabel("average accuracy over learned tasks (%)")
     ax.set_title(", ".join(streams))
@@ -46,14 +48,15 @@ def plot_acc_bwt(runs: list, path: str) -> str:
     """Bars of ACC and BWT per method (mean, with the std over seeds as error bars)."""
     groups = sorted(_groups(runs).items())
     labels = [m if len({s for (_, s), _ in groups}) == 1 else f"{m}\n{s}" for (m, s), _ in groups]
-    fig, axes = plt.subplots(1, 2, figsize=(max(6, 1.6 * len(groups) + 2), 4))
+    many = len(groups) > 4
+    fig, axes = plt.subplots(1, 2, figsize=(max(6, (0.9 if many else 1.6) * len(groups) + 2), 4 + (1.5 if many else 0)))
     for ax, key, title in zip(axes, ("acc", "bwt"), ("ACC (%)", "BWT (%)")):
         vals = [np.array([r[key] for r in rs], dtype=float) for _, rs in groups]
         mu = [v.mean() for v in vals]
         sd = [v.std(ddof=1) if len(v) > 1 else 0.0 for v in vals]
         ax.bar(range(len(vals)), mu, yerr=sd, capsize=4, color=f"C{0 if key == 'acc' else 3}")
         ax.set_xticks(range(len(vals)))
-        ax.set_xticklabels(labels)
+        ax.set_xticklabels(labels, rotation=60 if many else 0, ha="right" if many else "center", fontsize=8 if many else 10)
         ax.set_title(title)
         ax.axhline(0, color="k", lw=0.5)
         ax.grid(axis="y", alpha=0.3)
