@@ -9,6 +9,7 @@ from torch.optim import Optimizer
 
 from emcl_kernels import functional as F
 from emcl_kernels.backends import BACKENDS, get_backend
+from emcl_kernels.integration import local, tensor_hyperparameter
 from emcl_kernels.reference import compute_dtype
 
 __all__ = ["FusedEMCLOptimizer"]
@@ -22,6 +23,9 @@ DEFAULT_LR_SCALE = None  # None: 1 / reg, so that alpha * reg * h ~ meta_lr wher
 _INNER_KEYS = ("inner_lr", "reg", "gamma", "prox")
 _META_KEYS = ("meta_lr", "reg", "decay", "lr_scale", "lr_mode", "lr_min", "lr_max", "eps",
               "importance")
+# the numeric hyper-parameters, which capturable mode keeps as 0-d tensors on the device
+_NUMERIC_KEYS = ("inner_lr", "meta_lr", "reg", "gamma", "decay", "lr_scale", "lr_min", "lr_max",
+                 "eps")
 
 
 class FusedEMCLOptimizer(Optimizer):
@@ -75,6 +79,20 @@ class FusedEMCLOptimizer(Optimizer):
         prox: proximal inner update (eq. 19) or the plain gradient step.
         meta_every: if set, every ``meta_every``-th ``step()`` also does the meta step.
         backend: ``"auto"`` or a name from :func:`emcl_kernels.available_backends`.
+        capturable: keep the step counts and the numeric hyper-parameters as 0-d fp32 tensors on
+            the parameters' device and never sync with the host, so that ``inner_step()``,
+            ``meta_step()`` and ``inner_meta_step()`` can be captured in a CUDA graph and
+            replayed. Change a hyper-parameter in place (``group["inner_lr"].fill_(0.01)``);
+            rebinding it to a new tensor or number is not seen by a captured graph. Any
+            hyper-parameter may also be given as a 0-d tensor without this flag.
+
+    Integration (README, "Integration"): ``torch.amp.GradScaler.step(opt)`` hands the
+    optimizer its scale and ``found_inf`` (``_step_supports_amp_scaling``), which the kernels
+    apply as torch's fused optimizers do (grads divided by the scale; nothing written when an
+    inf/NaN was found; the meta step count not advanced). DTensor (FSDP2) parameters are updated
+    shard by shard, with DTensor state sharded like them. Under ``torch.compile`` the state is
+    set up outside the graph, as for torch's optimizers, and float hyper-parameters become
+    symbols after their first change instead of recompiling for each value.
     """
 
     def __init__(self, params, meta_lr: float = 0.1, inner_lr: float = 0.075, reg: float = 50.0,
@@ -82,7 +100,8 @@ class FusedEMCLOptimizer(Optimizer):
                  lr_scale: Optional[float] = DEFAULT_LR_SCALE, lr_mode: str = DEFAULT_LR_MODE,
                  lr_min: float = 0.0, lr_max: float = float("inf"), eps: float = 1e-8,
                  importance: str = "taylor", prox: bool = True,
-                 meta_every: Optional[int] = None, backend: str = "auto"):
+                 meta_every: Optional[int] = None, backend: str = "auto",
+                 capturable: bool = False):
         if meta_every is not None and (isinstance(meta_every, bool)
                                        or not isinstance(meta_every, int) or meta_every < 1):
             raise ValueError(f"meta_every must be None or a positive int, got {meta_every!r}")
@@ -92,14 +111,29 @@ class FusedEMCLOptimizer(Optimizer):
         defaults = dict(meta_lr=meta_lr, inner_lr=inner_lr, reg=reg, gamma=gamma, decay=decay,
                         lr_scale=lr_scale, lr_mode=lr_mode, lr_min=lr_min, lr_max=lr_max,
                         eps=eps, importance=importance, prox=prox)
+        if not isinstance(capturable, bool):
+            raise TypeError(f"capturable must be a bool, got {capturable!r}")
         self._check_group(defaults)
+        defaults["capturable"] = capturable
         self.meta_every = meta_every
         self.backend = backend
-        self._step_calls = 0
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
                 get_backend(backend, p.device)  # fail now if it cannot run on these tensors
+        # the count of step() calls that meta_every runs on: a tensor, so that a compiled or
+        # captured step() can advance it (see _masked_step); on the device when capturable
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        on = local(first).device if capturable and first is not None else "cpu"
+        self._calls = torch.zeros((), dtype=torch.int64, device=on)
+
+    @property
+    def _step_calls(self) -> int:
+        return int(self._calls.item())
+
+    @_step_calls.setter
+    def _step_calls(self, value: int) -> None:
+        self._calls.fill_(int(value))
 
     # -- hyper-parameters ---------------------------------------------------------------------
     @staticmethod
@@ -111,19 +145,35 @@ class FusedEMCLOptimizer(Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
-        self._check_group(self.param_groups[-1])
+        group = self.param_groups[-1]
+        self._check_group(group)
+        if group.get("capturable") and group["params"]:
+            device = local(group["params"][0]).device
+            for key in _NUMERIC_KEYS:
+                value = group[key]
+                if value is not None and not tensor_hyperparameter(value):
+                    group[key] = torch.tensor(float(value), dtype=torch.float32, device=device)
 
     @staticmethod
     def _hyper(group: dict, keys) -> dict:
         hp = {k: group[k] for k in keys}
         if "lr_scale" in hp and hp["lr_scale"] is None:
-            hp["lr_scale"] = 1.0 / group["reg"] if group["reg"] > 0 else 1.0
+            reg = group["reg"]
+            if tensor_hyperparameter(reg):  # no host sync: captured graphs read reg at replay
+                hp["lr_scale"] = torch.where(reg > 0, 1.0 / reg, torch.ones_like(reg))
+            else:
+                hp["lr_scale"] = 1.0 / reg if reg > 0 else 1.0
         return hp
 
     # -- state ----------------------------------------------------------------------------------
-    def _init_group(self, group: dict):
-        """The lists of one group: params with a gradient, their grads and (lazily made) state."""
-        params, grads, anchors, importances, meta_lrs, steps = [], [], [], [], [], []
+    def _init_group(self, group: dict, params: list, grads: list, anchors: list,
+                    importances: list, meta_lrs: list, steps: list) -> bool:
+        """Fill the given lists for one group: params with a gradient, their grads and their
+        (lazily made) state. Returns whether the group stores ``meta_lr`` (recurrent mode).
+
+        It fills lists it is given, as torch's own optimizers do, so that ``torch.compile``
+        runs it once outside the graph and guards on the state it makes.
+        """
         recurrent = group["lr_mode"] == "recurrent"
         for p in group["params"]:
             if p.grad is None:
@@ -133,7 +183,9 @@ class FusedEMCLOptimizer(Optimizer):
                 anchor = p.detach().to(compute_dtype(p.dtype), copy=True)
                 state["anchor"] = anchor.contiguous()
                 state["importance"] = torch.zeros_like(state["anchor"])
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["step"] = torch.tensor(
+                    0.0, dtype=torch.float32,
+                    device=local(p).device if group.get("capturable") else "cpu")
             if recurrent and "meta_lr" not in state:
                 state["meta_lr"] = torch.full_like(state["anchor"], float(group["meta_lr"]))
             params.append(p)
@@ -143,51 +195,125 @@ class FusedEMCLOptimizer(Optimizer):
             steps.append(state["step"])
             if recurrent:
                 meta_lrs.append(state["meta_lr"])
+        return recurrent
+
+    def _lists(self, group: dict):
+        """The lists of one group (see :meth:`_init_group`); ``meta_lrs`` is None unless the
+        group is in recurrent mode."""
+        params, grads, anchors, importances, meta_lrs, steps = [], [], [], [], [], []
+        recurrent = self._init_group(group, params, grads, anchors, importances, meta_lrs, steps)
         return params, grads, anchors, importances, (meta_lrs if recurrent else None), steps
 
     # -- the steps ------------------------------------------------------------------------------
+    # [note: AMP] torch.amp.GradScaler.step(opt) sees ``_step_supports_amp_scaling`` and, instead
+    # of unscaling the grads itself, sets ``opt.grad_scale`` (the scale, or None when the user
+    # already called ``scaler.unscale_(opt)``) and ``opt.found_inf`` (summed over devices) for the
+    # duration of ``opt.step()``. The kernels divide the grads by the scale and write nothing
+    # when found_inf is non-zero, as torch's fused optimizers do, and the meta step count is
+    # advanced by ``1 - found_inf``. Both may also be passed to any step method by hand.
+    _step_supports_amp_scaling = True
+
+    def _amp(self, grad_scale: Optional[Tensor], found_inf: Optional[Tensor]):
+        if grad_scale is None:
+            grad_scale = getattr(self, "grad_scale", None)
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
+        return grad_scale, found_inf
+
     @torch.no_grad()
-    def inner_step(self) -> None:
-        """One inner step (eqs. 14, 15, 19) on every parameter with a gradient."""
+    def inner_step(self, *, grad_scale: Optional[Tensor] = None,
+                   found_inf: Optional[Tensor] = None) -> None:
+        """One inner step (eqs. 14, 15, 19) on every parameter with a gradient.
+
+        ``grad_scale``/``found_inf``: see [note: AMP] (normally set by ``GradScaler.step``).
+        """
+        grad_scale, found_inf = self._amp(grad_scale, found_inf)
         for group in self.param_groups:
-            params, grads, anchors, importances, _, _ = self._init_group(group)
+            params, grads, anchors, importances, _, _ = self._lists(group)
             F.inner_step_(params, grads, anchors, importances, backend=self.backend,
+                          grad_scale=grad_scale, found_inf=found_inf,
                           **self._hyper(group, _INNER_KEYS))
 
     @torch.no_grad()
-    def meta_step(self) -> None:
+    def meta_step(self, *, grad_scale: Optional[Tensor] = None,
+                  found_inf: Optional[Tensor] = None) -> None:
         """One meta step (eqs. 13, 7, 8, 10): importance, learning rates, anchor; θ ← θ₀."""
-        self._meta(F.meta_step_, _META_KEYS)
+        self._meta(F.meta_step_, _META_KEYS, *self._amp(grad_scale, found_inf))
 
     @torch.no_grad()
-    def inner_meta_step(self) -> None:
+    def inner_meta_step(self, *, grad_scale: Optional[Tensor] = None,
+                        found_inf: Optional[Tensor] = None) -> None:
         """The inner step, then the meta step on the same gradient, in one fused pass."""
-        self._meta(F.inner_meta_step_, _META_KEYS + ("inner_lr", "gamma", "prox"))
+        self._meta(F.inner_meta_step_, _META_KEYS + ("inner_lr", "gamma", "prox"),
+                   *self._amp(grad_scale, found_inf))
 
-    def _meta(self, fn: Callable, keys) -> None:
+    def _meta(self, fn: Callable, keys, grad_scale=None, found_inf=None) -> None:
         for group in self.param_groups:
-            params, grads, anchors, importances, meta_lrs, steps = self._init_group(group)
+            params, grads, anchors, importances, meta_lrs, steps = self._lists(group)
             fn(params, grads, anchors, importances, meta_lrs, backend=self.backend,
-               **self._hyper(group, keys))
-            if steps:
+               grad_scale=grad_scale, found_inf=found_inf, **self._hyper(group, keys))
+            if not steps:
+                continue
+            if found_inf is None:
                 torch._foreach_add_(steps, 1.0)
+            else:  # a skipped step is not counted; no host sync where the steps live on device
+                done = {}
+                for s in steps:
+                    if s.device not in done:
+                        done[s.device] = 1.0 - found_inf.reshape(()).to(s.device, torch.float32)
+                    s.add_(done[s.device])
 
-    def step(self, closure: Optional[Callable[[], Tensor]] = None):
+    def step(self, closure: Optional[Callable[[], Tensor]] = None, *,
+             grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None):
         """An inner step; with ``meta_every=k``, every k-th call is the fused inner+meta step.
 
         ``closure``, if given, re-evaluates the model and returns the loss (computed with
-        gradients enabled), as for any ``torch.optim.Optimizer``.
+        gradients enabled), as for any ``torch.optim.Optimizer``. ``grad_scale``/``found_inf``:
+        see [note: AMP]. A call skipped for an inf/NaN still counts towards ``meta_every``.
+        Under torch.compile and in capturable mode the choice between the two is made on the
+        device (see :meth:`_masked_step`), so a compiled or captured ``step()`` keeps counting.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._step_calls += 1
-        if self.meta_every is not None and self._step_calls % self.meta_every == 0:
-            self.inner_meta_step()
+        self._calls.add_(1)
+        if self.meta_every is None:
+            self.inner_step(grad_scale=grad_scale, found_inf=found_inf)
+        elif torch.compiler.is_compiling() or self._calls.device.type != "cpu" \
+                or any(g.get("capturable") for g in self.param_groups):
+            self._masked_step(self._calls % self.meta_every == 0, grad_scale, found_inf)
+        elif self._step_calls % self.meta_every == 0:
+            self.inner_meta_step(grad_scale=grad_scale, found_inf=found_inf)
         else:
-            self.inner_step()
+            self.inner_step(grad_scale=grad_scale, found_inf=found_inf)
         return loss
+
+    @torch.no_grad()
+    def _masked_step(self, is_meta: Tensor, grad_scale, found_inf) -> None:
+        """``inner_meta_step()`` where the 0-d bool ``is_meta`` is set, else ``inner_step()``,
+        without reading ``is_meta`` on the host: both are computed from the same starting
+        tensors and the result is selected with ``torch.where``. Twice the memory traffic of a
+        step, but it can be traced by torch.compile and captured in a CUDA graph."""
+        state, params = [], []
+        for group in self.param_groups:
+            ps, _, anchors, importances, meta_lrs, steps = self._lists(group)
+            params += ps
+            state += [*anchors, *importances, *(meta_lrs or []), *steps]
+        if not params:
+            return
+        params = [local(p) for p in params]
+        state = [local(t) for t in state]
+        start_params = [p.clone() for p in params]
+        start_state = [t.clone() for t in state]
+        self.inner_step(grad_scale=grad_scale, found_inf=found_inf)
+        inner_params = [p.clone() for p in params]
+        torch._foreach_copy_(params, start_params)
+        self.inner_meta_step(grad_scale=grad_scale, found_inf=found_inf)
+        for t, inner in zip(params, inner_params):
+            t.copy_(torch.where(is_meta.to(t.device), t, inner))
+        for t, start in zip(state, start_state):
+            t.copy_(torch.where(is_meta.to(t.device), t, start))
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -237,7 +363,8 @@ class FusedEMCLOptimizer(Optimizer):
             mine = self.state[p]
             for key, value in st.items():
                 if key == "step":
-                    mine[key] = value.detach().to(dtype=torch.float32, device="cpu").clone()
+                    on = local(p).device if self._calls.device.type != "cpu" else "cpu"
+                    mine[key] = value.detach().to(dtype=torch.float32, device=on).clone()
                 elif torch.is_tensor(value):
                     mine[key] = value.detach().to(device=p.device,
                                                   dtype=compute_dtype(p.dtype)).clone()
