@@ -144,9 +144,9 @@ class FusedEMCLOptimizer(Optimizer):
         F.check_hyperparameters(**hp)
 
     def add_param_group(self, param_group: dict) -> None:
+        self._check_group({**self.defaults, **param_group})  # before the group is added
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        self._check_group(group)
         if group.get("capturable") and group["params"]:
             device = local(group["params"][0]).device
             for key in _NUMERIC_KEYS:
