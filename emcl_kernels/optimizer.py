@@ -146,13 +146,22 @@ class FusedEMCLOptimizer(Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         self._check_group({**self.defaults, **param_group})  # before the group is added
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        if group.get("capturable") and group["params"]:
-            device = local(group["params"][0]).device
-            for key in _NUMERIC_KEYS:
-                value = group[key]
-                if value is not None and not tensor_hyperparameter(value):
-                    group[key] = torch.tensor(float(value), dtype=torch.float32, device=device)
+        self._capturable_hyper(self.param_groups[-1])
+
+    @staticmethod
+    def _capturable_hyper(group: dict) -> None:
+        """capturable: make the group's numeric hyper-parameters 0-d fp32 tensors on its
+        parameters' device (a captured graph reads them there; change them in place)."""
+        if not group.get("capturable") or not group["params"]:
+            return
+        device = local(group["params"][0]).device
+        for key in _NUMERIC_KEYS:
+            value = group[key]
+            if tensor_hyperparameter(value):
+                if value.device != device or value.dtype != torch.float32:
+                    group[key] = value.detach().to(device, torch.float32).clone()
+            elif value is not None:
+                group[key] = torch.tensor(float(value), dtype=torch.float32, device=device)
 
     @staticmethod
     def _hyper(group: dict, keys) -> dict:
@@ -369,3 +378,5 @@ class FusedEMCLOptimizer(Optimizer):
                     mine[key] = value.detach().to(device=p.device,
                                                   dtype=compute_dtype(p.dtype)).clone()
         self._step_calls = int(extra.get("step_calls", 0))
+        for group in self.param_groups:
+            self._capturable_hyper(group)
