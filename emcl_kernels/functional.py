@@ -21,7 +21,7 @@ from emcl_kernels.integration import (capturing, is_dtensor, local, number_or_te
 from emcl_kernels.reference import compute_dtype
 
 __all__ = ["inner_step_", "meta_step_", "inner_meta_step_", "check_hyperparameters",
-           "PARAM_DTYPES", "LR_MODES", "IMPORTANCE_KINDS"]
+           "resolve_backend", "PARAM_DTYPES", "LR_MODES", "IMPORTANCE_KINDS"]
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 LR_MODES = ("recurrent", "inverse", "constant")
@@ -182,7 +182,7 @@ def _run(op: str, backend: str, params, grads, anchors, importances, meta_lrs, g
     _check_flag("found_inf", found_inf)
     groups = _groups(params)
     # Resolve every group's backend before any tensor is written.
-    plan = [(get_backend(backend, device), device, dtype, idx)
+    plan = [(resolve_backend(backend, device), device, dtype, idx)
             for (device, dtype), idx in groups.items()]
     for mod, device, dtype, idx in plan:
         pick = lambda lst: [local(lst[i]) for i in idx]  # noqa: E731  (DTensor: local shard)
@@ -191,6 +191,20 @@ def _run(op: str, backend: str, params, grads, anchors, importances, meta_lrs, g
             args.append(None if meta_lrs is None else pick(meta_lrs))
         flags = {"grad_scale": _on(grad_scale, device), "found_inf": _on(found_inf, device)}
         getattr(mod, op)(*args, **_hyper_for(mod, hp, device, dtype), **flags)
+
+
+_RESOLVED: dict = {}  # (name, device) -> backend module
+
+
+def resolve_backend(name: str, device: torch.device):
+    """:func:`emcl_kernels.backends.get_backend`, remembered per (name, device): what is
+    available does not change within a process, and a step traced by torch.compile must not
+    re-run the availability checks (some query the dispatcher, which cannot be traced).
+    The optimizer resolves its backend when it is built, so its compiled steps hit this cache."""
+    mod = _RESOLVED.get((name, device))
+    if mod is None:
+        mod = _RESOLVED[(name, device)] = get_backend(name, device)
+    return mod
 
 
 def _hyper_for(mod, hp: dict, device: torch.device, dtype: torch.dtype) -> dict:

@@ -8,7 +8,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from emcl_kernels import functional as F
-from emcl_kernels.backends import BACKENDS, get_backend
+from emcl_kernels.backends import BACKENDS
 from emcl_kernels.integration import local, tensor_hyperparameter
 from emcl_kernels.reference import compute_dtype
 
@@ -120,7 +120,7 @@ class FusedEMCLOptimizer(Optimizer):
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
-                get_backend(backend, p.device)  # fail now if it cannot run on these tensors
+                F.resolve_backend(backend, local(p).device)  # fail now if it cannot run here
         # the count of step() calls that meta_every runs on: a tensor, so that a compiled or
         # captured step() can advance it (see _masked_step); on the device when capturable
         first = next((p for g in self.param_groups for p in g["params"]), None)
