@@ -18,11 +18,13 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, fn, world: int, out_dir: str, args: tuple) -> None:
+def _entry(rank: int, fn, world: int, out_dir: str, args: tuple, backend: str) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{out_dir}/store", rank=rank,
                                 world_size=world)
         try:
             result = fn(rank, world, out_dir, *args)
@@ -35,10 +37,12 @@ def _entry(rank: int, fn, world: int, out_dir: str, args: tuple) -> None:
         raise
 
 
-def run_ranks(fn, world_size: int = 2, args: tuple = (), timeout: float = 120.0) -> list:
-    """Run ``fn`` on ``world_size`` ranks; return their results in rank order."""
+def run_ranks(fn, world_size: int = 2, args: tuple = (), timeout: float = 120.0,
+              backend: str = "gloo") -> list:
+    """Run ``fn`` on ``world_size`` ranks of a ``backend`` process group ("gloo", or "nccl"
+    with rank r on cuda:r); return their results in rank order."""
     with tempfile.TemporaryDirectory(prefix="emcl_dist_") as out_dir:
-        ctx = mp.start_processes(_entry, args=(fn, world_size, out_dir, args),
+        ctx = mp.start_processes(_entry, args=(fn, world_size, out_dir, args, backend),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:

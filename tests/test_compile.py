@@ -134,3 +134,30 @@ def test_recompile_counter_sees_float_changes():
         step()
         opt.zero_grad()
     assert counters["stats"]["unique_graphs"] > 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_compiled_step_on_cuda_with_inductor():
+    """On the GPU: inductor generates Triton code for the step (foreach backend, capturable
+    tensor hyper-parameters on the device); one graph, the eager result."""
+    def run(compiled):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 33).cuda()
+        opt = FusedEMCLOptimizer(model.parameters(), meta_every=3, lr_mode="recurrent",
+                                 lr_max=0.5, capturable=True, backend="foreach")
+        step = opt.step
+        if compiled:
+            torch._dynamo.reset()
+            counters.clear()
+            step = torch.compile(opt.step, fullgraph=True)
+        g = torch.Generator().manual_seed(2)
+        for i in range(STEPS):
+            opt.param_groups[0]["inner_lr"].fill_(0.05 / (1 + i))
+            x = torch.randn(8, 64, generator=g).cuda()
+            model(x).square().mean().backward()
+            step()
+            opt.zero_grad()
+        return model, opt, counters["stats"]["unique_graphs"] if compiled else 0
+
+    _assert_same(run(False), run(True))
+    assert counters["stats"]["unique_graphs"] == 1

@@ -153,3 +153,28 @@ def test_fsdp2_two_ranks_update_local_shards_like_one_process(ranks):
             torch.testing.assert_close(r["params"][i], p.detach(), rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(r["anchors"][i], st["anchor"], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(r["meta_lrs"][i], st["meta_lr"], rtol=1e-5, atol=1e-6)
+
+
+def ddp_nccl_worker(rank, world, out_dir):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    device = torch.device("cuda", rank)
+    model = DDP(_model().to(device), device_ids=[rank])
+    opt = FusedEMCLOptimizer(model.parameters(), meta_every=3, **{**_hyper("inverse"),
+                                                                   "backend": "auto"})
+    for step in range(STEPS):
+        x, y = _global_batch(step)
+        rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        torch.nn.functional.mse_loss(model(x[rows].to(device)), y[rows].to(device)).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().cpu() for p in model.module.parameters()]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2
+                         and dist.is_nccl_available()), reason="needs 2 GPUs and NCCL")
+def test_ddp_nccl_two_gpus_match_one_process():
+    ranks = run_ranks(ddp_nccl_worker, WORLD, timeout=240, backend="nccl")
+    model, _ = _single_process("inverse", paper_loop=False)
+    for i, p in enumerate(model.parameters()):
+        assert torch.equal(ranks[0][i], ranks[1][i]), "ranks diverged"
+        torch.testing.assert_close(ranks[0][i], p.detach(), rtol=1e-4, atol=1e-5)
