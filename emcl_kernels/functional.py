@@ -182,7 +182,8 @@ def _run(op: str, backend: str, params, grads, anchors, importances, meta_lrs, g
     _check_flag("found_inf", found_inf)
     groups = _groups(params)
     # Resolve every group's backend before any tensor is written.
-    plan = [(resolve_backend(backend, device), device, dtype, idx)
+    tensor_hp = any(tensor_hyperparameter(v) for v in hp.values())
+    plan = [(_backend_for(backend, device, tensor_hp), device, dtype, idx)
             for (device, dtype), idx in groups.items()]
     for mod, device, dtype, idx in plan:
         pick = lambda lst: [local(lst[i]) for i in idx]  # noqa: E731  (DTensor: local shard)
@@ -191,6 +192,22 @@ def _run(op: str, backend: str, params, grads, anchors, importances, meta_lrs, g
             args.append(None if meta_lrs is None else pick(meta_lrs))
         flags = {"grad_scale": _on(grad_scale, device), "found_inf": _on(found_inf, device)}
         getattr(mod, op)(*args, **_hyper_for(mod, hp, device, dtype), **flags)
+
+
+def _backend_for(backend: str, device: torch.device, tensor_hp: bool):
+    """The backend module for one group. Tensor hyper-parameters inside torch.compile or a CUDA
+    graph capture need a backend that reads them on the device (``TENSOR_HYPERPARAMETERS``):
+    ``"auto"`` then takes ``"foreach"``; a backend named explicitly that cannot is an error."""
+    mod = resolve_backend(backend, device)
+    if tensor_hp and not getattr(mod, "TENSOR_HYPERPARAMETERS", False) and capturing():
+        if backend != "auto":
+            raise RuntimeError(
+                f"backend {backend!r} takes hyper-parameters as floats only, and reading the "
+                "tensor hyper-parameters (capturable mode) would need a host sync inside "
+                "torch.compile / CUDA graph capture; use backend='foreach' or 'auto', or float "
+                "hyper-parameters")
+        mod = resolve_backend("foreach", device)
+    return mod
 
 
 _RESOLVED: dict = {}  # (name, device) -> backend module
@@ -210,18 +227,13 @@ def resolve_backend(name: str, device: torch.device):
 def _hyper_for(mod, hp: dict, device: torch.device, dtype: torch.dtype) -> dict:
     """The hyper-parameters as backend ``mod`` takes them: 0-d tensors are moved to the group's
     device for a backend that declares ``TENSOR_HYPERPARAMETERS = True`` and read back as floats
-    (one host sync) for the others."""
-    takes_tensors = getattr(mod, "TENSOR_HYPERPARAMETERS", False)
+    (one host sync, never inside a capture: see :func:`_backend_for`) for the others."""
     if not any(tensor_hyperparameter(v) for v in hp.values()):
         return hp
-    if takes_tensors:
+    if getattr(mod, "TENSOR_HYPERPARAMETERS", False):
         cdt = compute_dtype(dtype)
         return {k: (v.to(device=device, dtype=cdt) if tensor_hyperparameter(v) else v)
                 for k, v in hp.items()}
-    if torch.compiler.is_compiling() or capturing():
-        raise RuntimeError(f"backend {mod.__name__.rsplit('.', 1)[-1]!r} takes hyper-parameters "
-                           "as floats only, which would need a host sync here (torch.compile or "
-                           "CUDA graph capture); use backend='foreach' or float hyper-parameters")
     return {k: (float(v.item()) if tensor_hyperparameter(v) else v) for k, v in hp.items()}
 
 

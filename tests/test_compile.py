@@ -119,6 +119,16 @@ def test_compiled_step_with_the_cpu_extension():
     assert compiled[2] == 1
 
 
+def test_compiled_capturable_step_with_auto_backend():
+    """backend="auto" with tensor hyper-parameters compiles whatever "auto" picks here: a
+    backend that takes only floats (the extension's) is swapped for "foreach" inside the
+    graph, where reading the tensors back would need a host sync."""
+    eager = _run(None, backend="auto")
+    compiled = _run("aot_eager", backend="auto")
+    _assert_same(eager, compiled)
+    assert compiled[2] == 1
+
+
 def test_recompile_counter_sees_float_changes():
     """The counter the tests above rely on does count recompiles: a float hyper-parameter that
     changes every step (no capturable) gives more than one graph."""
