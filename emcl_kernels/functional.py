@@ -26,10 +26,13 @@ import torch
 from torch import Tensor
 
 from emcl_kernels.backends import get_backend
+from emcl_kernels.integration import (capturing, is_dtensor, local, number_or_tensor,
+                                      tensor_hyperparameter)
 from emcl_kernels.reference import compute_dtype
 
 __all__ = ["inner_step_", "meta_step_", "inner_meta_step_", "check_hyperparameters",
-           "found_non_finite", "PARAM_DTYPES", "LR_MODES", "IMPORTANCE_KINDS"]
+           "found_non_finite", "resolve_backend", "PARAM_DTYPES", "LR_MODES",
+           "IMPORTANCE_KINDS"]
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 LR_MODES = ("recurrent", "inverse", "constant")
@@ -44,6 +47,11 @@ _INF = float("inf")
 
 def _number(name: str, value, *, low: float = 0.0, high: float = _INF, low_open: bool = False,
             allow_inf: bool = False) -> float:
+    if isinstance(value, Tensor) or torch.compiler.is_compiling():
+        # a 0-d tensor (capturable mode) or a number traced by torch.compile: see
+        # emcl_kernels.integration.number_or_tensor for what can be checked without a sync
+        return number_or_tensor(name, value, low=low, high=high, low_open=low_open,
+                                allow_inf=allow_inf)
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
     value = float(value)
@@ -84,7 +92,8 @@ def check_hyperparameters(**hp) -> dict:
             out[name] = value
         else:
             raise TypeError(f"unknown hyper-parameter {name!r}")
-    if "lr_min" in out and "lr_max" in out and out["lr_max"] < out["lr_min"]:
+    if "lr_min" in out and "lr_max" in out and not tensor_hyperparameter(out["lr_min"]) \
+            and not tensor_hyperparameter(out["lr_max"]) and out["lr_max"] < out["lr_min"]:
         raise ValueError(f"lr_max ({out['lr_max']}) must be >= lr_min ({out['lr_min']})")
     return out
 
@@ -100,6 +109,13 @@ def _check_tensor(role: str, i: int, t, param: Tensor, dtype: torch.dtype) -> No
     where = f"{role}[{i}]"
     if not isinstance(t, Tensor):
         raise TypeError(f"{where} must be a tensor, got {type(t).__name__}")
+    if is_dtensor(t) != is_dtensor(param):
+        raise TypeError(f"{where} is {'a' if is_dtensor(t) else 'not a'} DTensor but params[{i}] "
+                        f"is {'a' if is_dtensor(param) else 'not a'} DTensor; a sharded "
+                        "parameter needs its gradient and state sharded like it")
+    if is_dtensor(t) and t.placements != param.placements:
+        raise ValueError(f"{where} has placements {t.placements} but params[{i}] has "
+                         f"{param.placements}")
     if t.layout != torch.strided:
         raise RuntimeError(f"{where} is {t.layout}; EMCL needs dense (strided) tensors, "
                            "sparse gradients are not supported")
@@ -110,7 +126,7 @@ def _check_tensor(role: str, i: int, t, param: Tensor, dtype: torch.dtype) -> No
     if t.shape != param.shape:
         raise ValueError(f"{where} has shape {tuple(t.shape)} but params[{i}] has shape "
                          f"{tuple(param.shape)}")
-    if not t.is_contiguous():
+    if not local(t).is_contiguous():
         raise RuntimeError(f"{where} is not contiguous; call .contiguous() on it first")
 
 
@@ -139,8 +155,8 @@ def _check_lists(params, grads, anchors, importances, meta_lrs, *, need_meta_lrs
         for name in ("anchors", "importances", "meta_lrs"):
             if name in lists:
                 _check_tensor(name, i, lists[name][i], p, state_dtype)
-        if p.numel():
-            key = (p.device, p.data_ptr())
+        if p.numel() and not torch.compiler.is_compiling():  # data_ptr cannot be traced
+            key = (p.device, local(p).data_ptr())
             if key in seen:
                 raise ValueError(f"params[{i}] and params[{seen[key]}] share storage; "
                                  "each parameter may appear only once")
@@ -153,6 +169,8 @@ def _check_flag(name: str, t) -> None:
         return
     if not isinstance(t, Tensor) or t.numel() != 1 or not t.is_floating_point():
         raise TypeError(f"{name} must be None or a one-element floating-point tensor")
+    if is_dtensor(t):
+        raise TypeError(f"{name} must be a plain tensor, not a DTensor")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,7 +181,7 @@ def _groups(params):
     """Indices of the tensors by (device, dtype), in first-seen order."""
     groups = defaultdict(list)
     for i, p in enumerate(params):
-        groups[(p.device, p.dtype)].append(i)
+        groups[(local(p).device, p.dtype)].append(i)
     return groups
 
 
@@ -177,17 +195,62 @@ def _run(op: str, backend: str, params, grads, anchors, importances, meta_lrs, g
     _check_flag("found_inf", found_inf)
     groups = _groups(params)
     # Resolve every group's backend before any tensor is written.
-    plan = [(get_backend(backend, device), device, idx) for (device, _), idx in groups.items()]
+    tensor_hp = any(tensor_hyperparameter(v) for v in hp.values())
+    plan = [(_backend_for(backend, device, tensor_hp), device, dtype, idx)
+            for (device, dtype), idx in groups.items()]
     if check_finite:
         found_inf = found_non_finite(grads, found_inf)
-    for mod, device, idx in plan:
-        pick = lambda lst: [lst[i] for i in idx]  # noqa: E731
+    for mod, device, dtype, idx in plan:
+        pick = lambda lst: [local(lst[i]) for i in idx]  # noqa: E731  (DTensor: local shard)
         args = [pick(params), pick(grads), pick(anchors), pick(importances)]
         if op != "inner_step":
             args.append(None if meta_lrs is None else pick(meta_lrs))
         flags = {"grad_scale": _on(grad_scale, device), "found_inf": _on(found_inf, device)}
-        getattr(mod, op)(*args, **hp, **flags)
+        getattr(mod, op)(*args, **_hyper_for(mod, hp, device, dtype), **flags)
     return found_inf
+
+
+def _backend_for(backend: str, device: torch.device, tensor_hp: bool):
+    """The backend module for one group. Tensor hyper-parameters inside torch.compile or a CUDA
+    graph capture need a backend that reads them on the device (``TENSOR_HYPERPARAMETERS``):
+    ``"auto"`` then takes ``"foreach"``; a backend named explicitly that cannot is an error."""
+    mod = resolve_backend(backend, device)
+    if tensor_hp and not getattr(mod, "TENSOR_HYPERPARAMETERS", False) and capturing():
+        if backend != "auto":
+            raise RuntimeError(
+                f"backend {backend!r} takes hyper-parameters as floats only, and reading the "
+                "tensor hyper-parameters (capturable mode) would need a host sync inside "
+                "torch.compile / CUDA graph capture; use backend='foreach' or 'auto', or float "
+                "hyper-parameters")
+        mod = resolve_backend("foreach", device)
+    return mod
+
+
+_RESOLVED: dict = {}  # (name, device) -> backend module
+
+
+def resolve_backend(name: str, device: torch.device):
+    """:func:`emcl_kernels.backends.get_backend`, remembered per (name, device): what is
+    available does not change within a process, and a step traced by torch.compile must not
+    re-run the availability checks (some query the dispatcher, which cannot be traced).
+    The optimizer resolves its backend when it is built, so its compiled steps hit this cache."""
+    mod = _RESOLVED.get((name, device))
+    if mod is None:
+        mod = _RESOLVED[(name, device)] = get_backend(name, device)
+    return mod
+
+
+def _hyper_for(mod, hp: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    """The hyper-parameters as backend ``mod`` takes them: 0-d tensors are moved to the group's
+    device for a backend that declares ``TENSOR_HYPERPARAMETERS = True`` and read back as floats
+    (one host sync, never inside a capture: see :func:`_backend_for`) for the others."""
+    if not any(tensor_hyperparameter(v) for v in hp.values()):
+        return hp
+    if getattr(mod, "TENSOR_HYPERPARAMETERS", False):
+        cdt = compute_dtype(dtype)
+        return {k: (v.to(device=device, dtype=cdt) if tensor_hyperparameter(v) else v)
+                for k, v in hp.items()}
+    return {k: (float(v.item()) if tensor_hyperparameter(v) else v) for k, v in hp.items()}
 
 
 def found_non_finite(grads: Sequence[Tensor],
@@ -207,6 +270,7 @@ def found_non_finite(grads: Sequence[Tensor],
     for i, g in enumerate(grads):
         if not isinstance(g, Tensor):
             raise TypeError(f"grads[{i}] must be a tensor, got {type(g).__name__}")
+        g = local(g)  # DTensor: its local shard (the flag is this rank's only)
         if g.numel():
             by_device[g.device][g.dtype].append(g)
     if not by_device:

@@ -204,7 +204,7 @@ def test_hyperparameters_changed_through_param_groups(backend, device):
     for key, value, exc in (("reg", -1.0, ValueError), ("inner_lr", float("nan"), ValueError),
                             ("decay", 1.5, ValueError), ("gamma", "0.1", TypeError),
                             ("lr_mode", "cosine", ValueError), ("prox", 1, TypeError),
-                            ("meta_lr", torch.tensor(0.1), TypeError)):
+                            ("meta_lr", torch.tensor([0.1, 0.2]), TypeError)):
         good = opt.param_groups[1][key]
         for call in (opt.step, opt.meta_step, opt.inner_meta_step):
             before = optimizer_snapshot(opt)
