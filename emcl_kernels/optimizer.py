@@ -155,7 +155,9 @@ class FusedEMCLOptimizer(Optimizer):
     ``meta_every`` cadence counts ``step()`` calls, skipped or not. While torch.compile traces
     or a CUDA graph is captured nothing is read on the host: skips are counted on the device
     (read by :attr:`skipped_steps`) and the step counters advance by ``1 - flag``, without a
-    warning.
+    warning (as does ``step()`` with ``meta_every`` in capturable mode). When GradScaler (or the caller) gives ``found_inf``,
+    that flag replaces the check: GradScaler has checked the same gradients, and its skips are
+    its own to count (its scale backs off), so they are neither warned about nor counted here.
     """
 
     def __init__(self, params, meta_lr: float = 0.1, inner_lr: float = 0.075, reg: float = 50.0,
