@@ -71,7 +71,7 @@ def _extensions():
         return [], None
 
     cuda_home, why_not = _cuda_home()
-    sources = [os.path.join(CSRC, f) for f in ("emcl_ops.cpp", "emcl_cpu.cpp")]
+    sources = [os.path.join(CSRC, f) for f in ("emcl_ops.cpp", "emcl_cpu.cpp", "emcl_cpu_avx2.cpp")]
     cxx = ["-O3"]  # torch adds the C++ standard it was built with
     if cuda_home is not None:
         os.environ["CUDA_HOME"] = cuda_home

@@ -1,172 +1,66 @@
 // The "cpu" backend: EMCL's steps over lists of CPU tensors in one pass per element,
 // vectorized with at::vec over the math of emcl_math.h and spread over torch's intra-op threads
-// with at::parallel_for.
+// with at::parallel_for (the kernels: emcl_cpu_kernels.h).
 //
-// Work is cut into pieces of at most kPieceSize elements across all tensors of the call, so one
-// parallel region covers the whole list (many small tensors parallelize as well as one big
-// one). Parameters in bf16/fp16 are widened to fp32 vectors, updated in fp32 and rounded once
-// on store; fp32 and fp64 parameters are updated in their own precision.
-#define EMCL_MATH_AT_VEC
-#include "emcl_math.h"
+// Two copies of the kernels are built: this file's, with the portable at::vec of the default
+// compiler flags (runs on any CPU), and emcl_cpu_avx2.cpp's, compiled for AVX2+FMA. The AVX2
+// copy runs when the CPU has AVX2, FMA and F16C, unless ATEN_CPU_CAPABILITY=default (torch's own
+// switch) asks for the portable one.
+#include <cstdlib>
+#include <cstring>
 
-#include <algorithm>
-#include <vector>
-
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
-#include "emcl_ops.h"
+#define EMCL_CPU_NS portable
+#include "emcl_cpu_kernels.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define EMCL_HAVE_AVX2 1
+namespace emcl {
+namespace avx2 {
+void run_cpu(const Lists& l, const StepArgs& args, const OptTensor& grad_scale,
+             const OptTensor& found_inf);
+}  // namespace avx2
+}  // namespace emcl
+#endif
 
 namespace emcl {
 namespace {
 
-constexpr int64_t kPieceSize = 32768;     // elements per parallel work item
-constexpr int64_t kSerialBelow = 131072;  // a call with fewer elements runs on one thread
-
-// One work item: elements [begin, end) of tensor `tensor`.
-struct Piece {
-  int64_t tensor, begin, end;
-};
-
-// The data pointers of one tensor's lists; `alpha` is null unless lr_mode is "recurrent".
-template <typename scalar_t, typename acc_t>
-struct Pointers {
-  scalar_t* param;
-  const scalar_t* grad;
-  acc_t* anchor;
-  acc_t* importance;
-  acc_t* alpha;
-};
-
-template <typename V>
-V load(const typename V::value_type* ptr, int64_t count) {
-  return count == V::size() ? V::loadu(ptr) : V::loadu(ptr, count);
-}
-
-// Updates elements [begin, end) of one tensor whose parameter dtype is its compute dtype
-// (fp32, fp64): Vectorized<acc_t> loads, the math, stores of what the op writes.
-template <Op kOp, bool kProx, Importance kImp, LrMode kLr, typename acc_t>
-void update_full(const Pointers<acc_t, acc_t>& t, int64_t begin, int64_t end,
-                 const Hyper<at::vec::Vectorized<acc_t>>& hp) {
-  using Vec = at::vec::Vectorized<acc_t>;
-  constexpr bool kAlpha = has_meta(kOp) && kLr == LrMode::kRecurrent;
-  for (int64_t i = begin; i < end; i += Vec::size()) {
-    const int64_t n = std::min<int64_t>(Vec::size(), end - i);
-    Vec theta = load<Vec>(t.param + i, n);
-    Vec theta0 = load<Vec>(t.anchor + i, n);
-    Vec h = load<Vec>(t.importance + i, n);
-    Vec alpha = kAlpha ? load<Vec>(t.alpha + i, n) : Vec(acc_t(0));
-    step<kOp, kProx, kImp, kLr>(theta, load<Vec>(t.grad + i, n), theta0, h, alpha, hp);
-    theta.store(t.param + i, n);
-    if constexpr (has_meta(kOp)) {
-      theta0.store(t.anchor + i, n);
-      h.store(t.importance + i, n);
-      if constexpr (kAlpha) alpha.store(t.alpha + i, n);
-    }
-  }
-}
-
-// The same for bf16/fp16 parameters: one Vectorized<scalar_t> of θ (and of g) holds two
-// Vectorized<float> of state; θ and g are widened, the math runs in fp32, θ is rounded on store.
-template <Op kOp, bool kProx, Importance kImp, LrMode kLr, typename scalar_t>
-void update_reduced(const Pointers<scalar_t, float>& t, int64_t begin, int64_t end,
-                    const Hyper<at::vec::Vectorized<float>>& hp) {
-  using fVec = at::vec::Vectorized<float>;
-  using bVec = at::vec::Vectorized<scalar_t>;
-  constexpr int64_t W = fVec::size();
-  constexpr bool kAlpha = has_meta(kOp) && kLr == LrMode::kRecurrent;
-  static_assert(bVec::size() == 2 * W, "a reduced-precision vector holds two float vectors");
-  for (int64_t i = begin; i < end; i += bVec::size()) {
-    const int64_t n = std::min<int64_t>(bVec::size(), end - i);
-    const int64_t n0 = std::min(n, W), n1 = n - n0;
-    auto [theta_lo, theta_hi] = at::vec::convert_to_float<scalar_t>(load<bVec>(t.param + i, n));
-    auto [g_lo, g_hi] = at::vec::convert_to_float<scalar_t>(load<bVec>(t.grad + i, n));
-    fVec a_lo = load<fVec>(t.anchor + i, n0);
-    fVec h_lo = load<fVec>(t.importance + i, n0);
-    fVec al_lo = kAlpha ? load<fVec>(t.alpha + i, n0) : fVec(0.f);
-    step<kOp, kProx, kImp, kLr>(theta_lo, g_lo, a_lo, h_lo, al_lo, hp);
-    fVec a_hi(0.f), h_hi(0.f), al_hi(0.f);
-    if (n1 > 0) {
-      a_hi = load<fVec>(t.anchor + i + W, n1);
-      h_hi = load<fVec>(t.importance + i + W, n1);
-      if constexpr (kAlpha) al_hi = load<fVec>(t.alpha + i + W, n1);
-      step<kOp, kProx, kImp, kLr>(theta_hi, g_hi, a_hi, h_hi, al_hi, hp);
-    }
-    at::vec::convert_from_float<scalar_t>(theta_lo, theta_hi).store(t.param + i, n);
-    if constexpr (has_meta(kOp)) {
-      a_lo.store(t.anchor + i, n0);
-      h_lo.store(t.importance + i, n0);
-      if constexpr (kAlpha) al_lo.store(t.alpha + i, n0);
-      if (n1 > 0) {
-        a_hi.store(t.anchor + i + W, n1);
-        h_hi.store(t.importance + i + W, n1);
-        if constexpr (kAlpha) al_hi.store(t.alpha + i + W, n1);
-      }
-    }
-  }
-}
-
-template <Op kOp, bool kProx, Importance kImp, LrMode kLr, typename scalar_t>
-void run_typed(const Lists& l, const StepArgs& args, double grad_scale, bool scaled) {
-  using acc_t = at::opmath_type<scalar_t>;
-  using Vec = at::vec::Vectorized<acc_t>;
-  const Hyper<Vec> hp = args.hyper<acc_t>(grad_scale, scaled).template as<Vec>();
-  constexpr bool kAlpha = has_meta(kOp) && kLr == LrMode::kRecurrent;
-
-  std::vector<Pointers<scalar_t, acc_t>> ptrs;
-  std::vector<Piece> pieces;
-  int64_t total = 0;
-  for (size_t k = 0; k < l.params.size(); ++k) {
-    const int64_t numel = l.params[k].numel();
-    if (numel == 0) continue;
-    ptrs.push_back({l.params[k].data_ptr<scalar_t>(), l.grads[k].data_ptr<scalar_t>(),
-                    l.anchors[k].data_ptr<acc_t>(), l.importances[k].data_ptr<acc_t>(),
-                    kAlpha ? l.meta_lrs[k].data_ptr<acc_t>() : nullptr});
-    const int64_t idx = static_cast<int64_t>(ptrs.size()) - 1;
-    for (int64_t b = 0; b < numel; b += kPieceSize) {
-      pieces.push_back({idx, b, std::min(numel, b + kPieceSize)});
-    }
-    total += numel;
-  }
-  if (pieces.empty()) return;
-  const int64_t npieces = static_cast<int64_t>(pieces.size());
-  const int64_t grain = total < kSerialBelow ? npieces : 1;
-  at::parallel_for(0, npieces, grain, [&](int64_t first, int64_t last) {
-    for (int64_t k = first; k < last; ++k) {
-      const Piece& piece = pieces[k];
-      if constexpr (std::is_same_v<scalar_t, acc_t>) {
-        update_full<kOp, kProx, kImp, kLr>(ptrs[piece.tensor], piece.begin, piece.end, hp);
-      } else {
-        update_reduced<kOp, kProx, kImp, kLr>(ptrs[piece.tensor], piece.begin, piece.end, hp);
-      }
-    }
-  });
+bool use_avx2() {
+#ifdef EMCL_HAVE_AVX2
+  static const bool yes = [] {
+    const char* env = std::getenv("ATEN_CPU_CAPABILITY");
+    if (env != nullptr && (std::strcmp(env, "default") == 0 || std::strcmp(env, "DEFAULT") == 0))
+      return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }();
+  return yes;
+#else
+  return false;
+#endif
 }
 
 void run_cpu(const Lists& l, const StepArgs& args, const OptTensor& grad_scale,
              const OptTensor& found_inf) {
-  if (l.params.empty()) return;
-  // On the CPU reading the flags is free (no device to synchronize with).
-  if (found_inf.has_value() && found_inf->item<float>() != 0.f) return;
-  const bool scaled = grad_scale.has_value();
-  const double scale = scaled ? static_cast<double>(grad_scale->item<float>()) : 1.0;
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kBFloat16, at::kHalf, l.params[0].scalar_type(), "emcl_cpu", [&] {
-        dispatch_op(args.op, [&](auto op) {
-          dispatch_modes<decltype(op)::value>(args, [&](auto prox, auto imp, auto lr) {
-            run_typed<decltype(op)::value, decltype(prox)::value, decltype(imp)::value,
-                      decltype(lr)::value, scalar_t>(l, args, scale, scaled);
-          });
-        });
-      });
+#ifdef EMCL_HAVE_AVX2
+  if (use_avx2()) return avx2::run_cpu(l, args, grad_scale, found_inf);
+#endif
+  portable::run_cpu(l, args, grad_scale, found_inf);
 }
+
+c10::string_view cpu_kernel_name() { return use_avx2() ? "avx2" : "portable"; }
+std::string cpu_kernel() { return std::string(cpu_kernel_name()); }
 
 }  // namespace
 }  // namespace emcl
+
+TORCH_LIBRARY_FRAGMENT(emcl, m) {
+  // Which copy of the CPU kernels runs here: "avx2" or "portable".
+  m.def("cpu_kernel() -> str", &emcl::cpu_kernel);
+}
 
 TORCH_LIBRARY_IMPL(emcl, CPU, m) {
   m.impl("inner_step_", &emcl::inner_step_op<emcl::run_cpu>);

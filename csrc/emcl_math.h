@@ -2,26 +2,28 @@
 //
 // Every function is a template over the value type V: float or double on the GPU and in scalar
 // CPU code, at::vec::Vectorized<float|double> in the vectorized CPU kernel (define
-// EMCL_MATH_AT_VEC before including this header to get the Vectorized overloads of abs_/clamp_).
+// EMCL_MATH_AT_VEC before including this header, after at::vec's CPU_CAPABILITY, to get the
+// Vectorized overloads of emcl_abs/emcl_clamp).
 // The arithmetic follows emcl_kernels/reference.py term by term, in the same order, so the
 // backends agree with the oracle to rounding.
 //
 // Symbols (SPEC section 1):
 //   θ theta (param)   g grad   θ₀ theta0 (anchor)   h importance   α alpha (meta_lrs state)
 //   β inner_lr   λ reg   γ gamma   η decay   α₀ meta_lr   r lr_scale
-#pragma once
+#ifndef EMCL_MATH_H_
+#define EMCL_MATH_H_
 
 #include <cmath>
 #include <cstdint>
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define EMCL_HD __host__ __device__ __forceinline__
+#elif defined(__GNUC__)
+// Inlined into the kernel loop whatever the size of the caller: on the CPU the Vectorized
+// values then stay in registers instead of going through the stack at every call.
+#define EMCL_HD inline __attribute__((always_inline))
 #else
 #define EMCL_HD inline
-#endif
-
-#ifdef EMCL_MATH_AT_VEC
-#include <ATen/cpu/vec/vec.h>
 #endif
 
 namespace emcl {
@@ -39,22 +41,14 @@ constexpr bool has_meta(Op op) { return op != Op::kInner; }
 // ---------------------------------------------------------------------------------------------
 // The few non-arithmetic functions the math needs, for every value type.
 // ---------------------------------------------------------------------------------------------
-EMCL_HD float abs_(float x) { return fabsf(x); }
-EMCL_HD double abs_(double x) { return fabs(x); }
+// (The Vectorized overloads are at the end of this file, found by argument-dependent lookup.)
+EMCL_HD float emcl_abs(float x) { return fabsf(x); }
+EMCL_HD double emcl_abs(double x) { return fabs(x); }
 // clamp that lets NaN through, like torch.clamp.
-EMCL_HD float clamp_(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
-EMCL_HD double clamp_(double x, double lo, double hi) { return x < lo ? lo : (x > hi ? hi : x); }
-
-#ifdef EMCL_MATH_AT_VEC
-template <typename T>
-inline at::vec::Vectorized<T> abs_(const at::vec::Vectorized<T>& x) { return x.abs(); }
-template <typename T>
-inline at::vec::Vectorized<T> clamp_(const at::vec::Vectorized<T>& x,
-                                     const at::vec::Vectorized<T>& lo,
-                                     const at::vec::Vectorized<T>& hi) {
-  return at::vec::clamp(x, lo, hi);
+EMCL_HD float emcl_clamp(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
+EMCL_HD double emcl_clamp(double x, double lo, double hi) {
+  return x < lo ? lo : (x > hi ? hi : x);
 }
-#endif
 
 // ---------------------------------------------------------------------------------------------
 // The hyper-parameters, pre-combined on the host exactly as reference.py combines its Python
@@ -137,18 +131,18 @@ EMCL_HD void meta_update(const V& theta, const V& g, V& theta0, V& h, V& alpha,
                          const Hyper<V>& hp) {
   V omega;
   if constexpr (kImp == Importance::kTaylor) {
-    omega = abs_(g * theta0);                       // eq. 13: |∂L/∂θ₀ · θ₀|
+    omega = emcl_abs(g * theta0);                       // eq. 13: |∂L/∂θ₀ · θ₀|
   } else {
-    omega = abs_(g * (theta - theta0));             // EMCL-SI: gradient times the update
+    omega = emcl_abs(g * (theta - theta0));             // EMCL-SI: gradient times the update
   }
   h = hp.decay * h + hp.one_minus_decay * omega;    // eq. 7: moving average of Ω
 
   V rate_reg;                                       // α·λ
   if constexpr (kLr == LrMode::kRecurrent) {
-    alpha = clamp_(alpha * hp.lr_scale / (h + hp.eps), hp.lr_min, hp.lr_max);  // eq. 8
+    alpha = emcl_clamp(alpha * hp.lr_scale / (h + hp.eps), hp.lr_min, hp.lr_max);  // eq. 8
     rate_reg = alpha * hp.reg;
   } else if constexpr (kLr == LrMode::kInverse) {
-    rate_reg = clamp_(hp.base_rate / (h + hp.eps), hp.lr_min, hp.lr_max) * hp.reg;
+    rate_reg = emcl_clamp(hp.base_rate / (h + hp.eps), hp.lr_min, hp.lr_max) * hp.reg;
   } else {
     rate_reg = hp.const_rate_reg;
   }
@@ -171,3 +165,24 @@ EMCL_HD void step(V& theta, V g, V& theta0, V& h, V& alpha, const Hyper<V>& hp) 
 }
 
 }  // namespace emcl
+#endif  // EMCL_MATH_H_
+
+// at::vec overloads, in at::vec's own (CPU_CAPABILITY) namespace so that the templates above
+// find them by argument-dependent lookup. Included once per capability-specific file.
+#if defined(EMCL_MATH_AT_VEC) && !defined(EMCL_MATH_AT_VEC_H_)
+#define EMCL_MATH_AT_VEC_H_
+#include <ATen/cpu/vec/vec.h>
+namespace at::vec {
+inline namespace CPU_CAPABILITY {
+template <typename T>
+inline Vectorized<T> emcl_abs(const Vectorized<T>& x) {
+  return x.abs();
+}
+template <typename T>
+inline Vectorized<T> emcl_clamp(const Vectorized<T>& x, const Vectorized<T>& lo,
+                                const Vectorized<T>& hi) {
+  return clamp(x, lo, hi);
+}
+}  // namespace CPU_CAPABILITY
+}  // namespace at::vec
+#endif

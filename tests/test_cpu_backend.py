@@ -122,3 +122,36 @@ def test_cpu_op_traces_under_torch_compile():
                                (params, anchors, imps, lrs), eager):
         for a, e in zip(got, want):
             assert torch.equal(a, e), f"compiled step differs from eager on {name}"
+
+
+def test_portable_cpu_kernels_match_reference():
+    """The portable copy of the CPU kernels (what a CPU without AVX2 runs; forced here with
+    torch's ATEN_CPU_CAPABILITY=default) agrees with the reference too."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    code = textwrap.dedent("""
+        import torch
+        import emcl_kernels.backends.extension
+        from emcl_testing import MODES, OPS, check_against_reference
+        assert torch.ops.emcl.cpu_kernel() == "portable", torch.ops.emcl.cpu_kernel()
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            for op in OPS:
+                for mode in (MODES[0], MODES[4], MODES[8]):
+                    check_against_reference("cpu", op, [0, 1, 7, 4097, 70001], dtype, mode,
+                                            steps=3, seed=9)
+        print("ok")
+    """)
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default",
+           "PYTHONPATH": os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-4000:]
+
+
+def test_cpu_kernel_copy_is_reported():
+    assert torch.ops.emcl.cpu_kernel() in ("avx2", "portable")

@@ -1,0 +1,45 @@
+// The CPU kernels of emcl_cpu_kernels.h compiled for AVX2+FMA+F16C (at::vec's AVX2 Vectorized).
+// emcl_cpu.cpp calls them only on a CPU that has both.
+//
+// [note: AVX2 copy] The build gives one set of flags to every C++ file, so AVX2 is switched on
+// here with `#pragma GCC target` after the general torch headers are included: those inline
+// functions stay baseline code (the linker may pick this file's copy of any inline function
+// for the whole library), and only what follows (at::vec in its own CPU_CAPABILITY namespace,
+// and the kernels) is compiled for AVX2.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+
+#include <ATen/Dispatch.h>
+#include <ATen/NumericUtils.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/native/Math.h>
+#include <ATen/native/cpu/zmath.h>
+#include <c10/util/BFloat16-math.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <c10/util/TypeCast.h>
+
+#include "emcl_ops.h"
+
+#pragma GCC target("avx,avx2,fma,f16c")
+// The pragma does not define the feature macros that at::vec and sleef.h test; the code below
+// is compiled for exactly these features, so define them.
+#ifndef __AVX__
+#define __AVX__ 1
+#endif
+#ifndef __AVX2__
+#define __AVX2__ 1
+#endif
+#ifndef __FMA__
+#define __FMA__ 1
+#endif
+#ifndef __F16C__
+#define __F16C__ 1
+#endif
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#define EMCL_CPU_NS avx2
+#include "emcl_cpu_kernels.h"
+
+#endif
