@@ -267,13 +267,16 @@ def found_non_finite(grads: Sequence[Tensor],
     grads = _as_list("grads", grads)
     _check_flag("found_inf", found_inf)
     by_device = defaultdict(lambda: defaultdict(list))
+    mesh = None
     for i, g in enumerate(grads):
         if not isinstance(g, Tensor):
             raise TypeError(f"grads[{i}] must be a tensor, got {type(g).__name__}")
-        g = local(g)  # DTensor: its local shard (the flag is this rank's only)
+        if is_dtensor(g):  # FSDP2: check the local shard; the ranks then agree (below)
+            mesh = g.device_mesh if mesh is None else mesh
+            g = local(g)
         if g.numel():
             by_device[g.device][g.dtype].append(g)
-    if not by_device:
+    if not by_device and mesh is None:
         return None if found_inf is None else (found_inf.reshape(()) != 0).to(torch.float32)
     flag = None
     for device, by_dtype in by_device.items():
@@ -282,6 +285,13 @@ def found_non_finite(grads: Sequence[Tensor],
         for lst in by_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(lst, here, unit)
         flag = here if flag is None else torch.maximum(flag, here.to(flag.device))
+    if flag is None:  # sharded gradients with no local elements on this rank
+        flag = torch.zeros((), dtype=torch.float32, device=mesh.device_type)
+    if mesh is not None:
+        # an inf in a shard is seen by its rank only; every rank must skip the same steps
+        import torch.distributed as dist
+        for dim in range(mesh.ndim):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
     if found_inf is not None:
         flag = torch.maximum(flag, (found_inf.reshape(()) != 0).to(flag.device, torch.float32))
     return flag

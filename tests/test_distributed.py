@@ -118,6 +118,21 @@ def fsdp2_worker(rank, world, lr_mode):
     opt = FusedEMCLOptimizer(model.parameters(), **_hyper(lr_mode))
     _train(model, opt, rank, world, paper_loop=True)
     out = {"params": [], "anchors": [], "meta_lrs": [], "layout": []}
+    # a NaN in rank 0's shard only: every rank must skip the step (the flag is all-reduced),
+    # or the shards of one model would be at different steps
+    x, y = _global_batch(STEPS)
+    rows = slice(rank * (len(x) // world), (rank + 1) * (len(x) // world))
+    torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+    if rank == 0:
+        next(model.parameters()).grad.to_local()[0, 0] = float("nan")
+    before = [p.to_local().clone() for p in model.parameters()]
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.inner_step()
+    opt.zero_grad()
+    out["skipped_together"] = all(torch.equal(p.to_local(), b)
+                                  for p, b in zip(model.parameters(), before))
     for p in model.parameters():
         st = opt.state[p]
         out["layout"].append({
@@ -147,6 +162,7 @@ def test_fsdp2_two_ranks_update_local_shards_like_one_process(ranks):
             assert lay["anchor_dtype"] == torch.float32
         shapes.append([lay["local_shape"] for lay in r["layout"]])
     assert shapes[0][0] == (9, 6) and shapes[1][0] == (8, 6), f"not sharded: {shapes}"
+    assert all(r["skipped_together"] for r in ranks), "a NaN in one shard must skip every rank"
     for i, p in enumerate(model.parameters()):
         st = opt.state[p]
         for r in ranks:
