@@ -153,7 +153,8 @@ EMCL_HD void meta_update(const V& theta, const V& g, V& theta0, V& h, V& alpha,
 // references what the step writes (θ for the inner step; θ, θ₀, h, α for the meta steps, with
 // θ ← θ₀). The fast weight between the inner and the meta update of kInnerMeta stays in V.
 template <Op kOp, bool kProx, Importance kImp, LrMode kLr, typename V>
-EMCL_HD void step(V& theta, V g, V& theta0, V& h, V& alpha, const Hyper<V>& hp) {
+EMCL_HD void step(V& theta, const V& grad, V& theta0, V& h, V& alpha, const Hyper<V>& hp) {
+  V g = grad;
   if (hp.scaled) g = g / hp.grad_scale;
   if constexpr (has_inner(kOp)) {
     theta = inner_update<kProx>(theta, g, theta0, h, hp);
