@@ -253,6 +253,9 @@ def _hyper_for(mod, hp: dict, device: torch.device, dtype: torch.dtype) -> dict:
     return {k: (float(v.item()) if tensor_hyperparameter(v) else v) for k, v in hp.items()}
 
 
+_UNIT_SCALE: dict = {}  # device -> the 0-d fp32 1.0 that found_non_finite "unscales" by
+
+
 def found_non_finite(grads: Sequence[Tensor],
                      found_inf: Optional[Tensor] = None) -> Optional[Tensor]:
     """A 0-d fp32 flag on ``grads[0]``'s device: 1 when any gradient holds an inf or a NaN or
@@ -281,7 +284,9 @@ def found_non_finite(grads: Sequence[Tensor],
     flag = None
     for device, by_dtype in by_device.items():
         here = torch.zeros((), dtype=torch.float32, device=device)
-        unit = torch.ones((), dtype=torch.float32, device=device)
+        unit = _UNIT_SCALE.get(device)
+        if unit is None:  # made once per device: one launch less per step on a GPU
+            unit = _UNIT_SCALE[device] = torch.ones((), dtype=torch.float32, device=device)
         for lst in by_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(lst, here, unit)
         flag = here if flag is None else torch.maximum(flag, here.to(flag.device))
