@@ -200,13 +200,14 @@ def n_sets_for(set_bytes: int, llc_bytes: int, settings: Settings) -> int:
     return int(max(1, min(settings.max_sets, need)))
 
 
-def step_fn(op: str, backend: str, s: InputSet, hyper: dict):
-    """A no-argument callable doing one ``op`` through ``emcl_kernels.functional``."""
+def step_fn(op: str, backend: str, s: InputSet, hyper: dict, check_finite: bool = False):
+    """A no-argument callable doing one ``op`` through ``emcl_kernels.functional``; the
+    non-finite gradient check (on by default in the library) only with ``check_finite``."""
     fn = getattr(F, op + "_")
     lists = [s.params, s.grads, s.anchors, s.importances]
     if op != "inner_step":
         lists.append(s.meta_lrs if hyper.get("lr_mode") == "recurrent" else None)
-    return lambda: fn(*lists, backend=backend, **hyper)
+    return lambda: fn(*lists, backend=backend, check_finite=check_finite, **hyper)
 
 
 def count_launches(fn, device: torch.device) -> Optional[int]:
@@ -312,7 +313,7 @@ def run_device(device: torch.device, args, settings: Settings, log) -> DeviceRun
                     is_ref = backend == "reference"
                     if is_ref and layout.numel > settings.reference_cap:
                         continue
-                    calls = [step_fn(op, backend, s, hyper) for s in sets]
+                    calls = [step_fn(op, backend, s, hyper, args.check_finite) for s in sets]
                     key = (backend, op, dtype)
                     if key not in warmed:   # first use: compilation, lazy imports, autotuning
                         common.time_once(calls[0], device)
@@ -336,7 +337,8 @@ def run_device(device: torch.device, args, settings: Settings, log) -> DeviceRun
                         "device": device.type, "device_name": common.device_name(device),
                         "backend": backend, "op": op, "dtype": dname, "layout": layout.name,
                         "numel": layout.numel, "n_tensors": layout.n_tensors,
-                        "lr_mode": args.lr_mode, "bytes_per_element": bpe, "bytes": nbytes,
+                        "lr_mode": args.lr_mode, "check_finite": args.check_finite,
+                        "bytes_per_element": bpe, "bytes": nbytes,
                         "time_ms": stats.median_ms, "time_ms_min": stats.min_ms,
                         "time_ms_q25": stats.q25_ms, "time_ms_q75": stats.q75_ms,
                         "repeats": stats.repeats, "timer": common.timer_name(device),
@@ -512,6 +514,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-triton", action="store_true",
                    help="also time Triton on CPU tensors through its interpreter (very slow; "
                         "sets TRITON_INTERPRET=1, so not with --device cuda)")
+    p.add_argument("--check-finite", action="store_true",
+                   help="time the steps with the library's non-finite gradient check (its "
+                        "default; off here so that the kernels are timed alone)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=common.RESULTS_DIR)
     p.add_argument("--name", default=None, help="file stem (default kernels_<UTC stamp>_<devices>)")

@@ -4,6 +4,16 @@
 validates everything once (SPEC section 4: any bad argument raises a clear ``ValueError`` /
 ``TypeError`` / ``RuntimeError`` before a single tensor is written), groups the tensors by
 (device, dtype) and hands every group to one call of the chosen backend.
+
+[note: non-finite gradients] With ``check_finite=True`` (the default) a call whose gradients hold
+an inf or a NaN writes nothing at all. :func:`found_non_finite` computes one 0-d fp32 flag per
+call on the device, in one fused pass over the gradients per (device, dtype) group
+(``torch._amp_foreach_non_finite_check_and_unscale_`` with a unit scale, the op GradScaler uses;
+it rewrites every gradient with its own value: finite values and infs bit for bit, a NaN stays a
+NaN though a bf16 NaN's payload bits may change), combines it with a
+``found_inf`` the caller passes (GradScaler) and hands it to every backend as ``found_inf``; the
+backends skip on it without a host sync in the fused kernels. This is the only place the flag
+is made, so every backend skips the same steps.
 """
 from __future__ import annotations
 
@@ -16,10 +26,13 @@ import torch
 from torch import Tensor
 
 from emcl_kernels.backends import get_backend
+from emcl_kernels.integration import (capturing, is_dtensor, local, number_or_tensor,
+                                      tensor_hyperparameter)
 from emcl_kernels.reference import compute_dtype
 
 __all__ = ["inner_step_", "meta_step_", "inner_meta_step_", "check_hyperparameters",
-           "PARAM_DTYPES", "LR_MODES", "IMPORTANCE_KINDS"]
+           "found_non_finite", "resolve_backend", "PARAM_DTYPES", "LR_MODES",
+           "IMPORTANCE_KINDS"]
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 LR_MODES = ("recurrent", "inverse", "constant")
@@ -34,6 +47,11 @@ _INF = float("inf")
 
 def _number(name: str, value, *, low: float = 0.0, high: float = _INF, low_open: bool = False,
             allow_inf: bool = False) -> float:
+    if isinstance(value, Tensor) or torch.compiler.is_compiling():
+        # a 0-d tensor (capturable mode) or a number traced by torch.compile: see
+        # emcl_kernels.integration.number_or_tensor for what can be checked without a sync
+        return number_or_tensor(name, value, low=low, high=high, low_open=low_open,
+                                allow_inf=allow_inf)
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
     value = float(value)
@@ -74,7 +92,8 @@ def check_hyperparameters(**hp) -> dict:
             out[name] = value
         else:
             raise TypeError(f"unknown hyper-parameter {name!r}")
-    if "lr_min" in out and "lr_max" in out and out["lr_max"] < out["lr_min"]:
+    if "lr_min" in out and "lr_max" in out and not tensor_hyperparameter(out["lr_min"]) \
+            and not tensor_hyperparameter(out["lr_max"]) and out["lr_max"] < out["lr_min"]:
         raise ValueError(f"lr_max ({out['lr_max']}) must be >= lr_min ({out['lr_min']})")
     return out
 
@@ -90,6 +109,13 @@ def _check_tensor(role: str, i: int, t, param: Tensor, dtype: torch.dtype) -> No
     where = f"{role}[{i}]"
     if not isinstance(t, Tensor):
         raise TypeError(f"{where} must be a tensor, got {type(t).__name__}")
+    if is_dtensor(t) != is_dtensor(param):
+        raise TypeError(f"{where} is {'a' if is_dtensor(t) else 'not a'} DTensor but params[{i}] "
+                        f"is {'a' if is_dtensor(param) else 'not a'} DTensor; a sharded "
+                        "parameter needs its gradient and state sharded like it")
+    if is_dtensor(t) and t.placements != param.placements:
+        raise ValueError(f"{where} has placements {t.placements} but params[{i}] has "
+                         f"{param.placements}")
     if t.layout != torch.strided:
         raise RuntimeError(f"{where} is {t.layout}; EMCL needs dense (strided) tensors, "
                            "sparse gradients are not supported")
@@ -100,7 +126,7 @@ def _check_tensor(role: str, i: int, t, param: Tensor, dtype: torch.dtype) -> No
     if t.shape != param.shape:
         raise ValueError(f"{where} has shape {tuple(t.shape)} but params[{i}] has shape "
                          f"{tuple(param.shape)}")
-    if not t.is_contiguous():
+    if not local(t).is_contiguous():
         raise RuntimeError(f"{where} is not contiguous; call .contiguous() on it first")
 
 
@@ -129,8 +155,8 @@ def _check_lists(params, grads, anchors, importances, meta_lrs, *, need_meta_lrs
         for name in ("anchors", "importances", "meta_lrs"):
             if name in lists:
                 _check_tensor(name, i, lists[name][i], p, state_dtype)
-        if p.numel():
-            key = (p.device, p.data_ptr())
+        if p.numel() and not torch.compiler.is_compiling():  # data_ptr cannot be traced
+            key = (p.device, local(p).data_ptr())
             if key in seen:
                 raise ValueError(f"params[{i}] and params[{seen[key]}] share storage; "
                                  "each parameter may appear only once")
@@ -143,6 +169,8 @@ def _check_flag(name: str, t) -> None:
         return
     if not isinstance(t, Tensor) or t.numel() != 1 or not t.is_floating_point():
         raise TypeError(f"{name} must be None or a one-element floating-point tensor")
+    if is_dtensor(t):
+        raise TypeError(f"{name} must be a plain tensor, not a DTensor")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,26 +181,125 @@ def _groups(params):
     """Indices of the tensors by (device, dtype), in first-seen order."""
     groups = defaultdict(list)
     for i, p in enumerate(params):
-        groups[(p.device, p.dtype)].append(i)
+        groups[(local(p).device, p.dtype)].append(i)
     return groups
 
 
 def _run(op: str, backend: str, params, grads, anchors, importances, meta_lrs, grad_scale,
-         found_inf, hp) -> None:
+         found_inf, hp, check_finite: bool = False) -> Optional[Tensor]:
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+    if not isinstance(check_finite, bool):
+        raise TypeError(f"check_finite must be a bool, got {type(check_finite).__name__}")
     _check_flag("grad_scale", grad_scale)
     _check_flag("found_inf", found_inf)
     groups = _groups(params)
     # Resolve every group's backend before any tensor is written.
-    plan = [(get_backend(backend, device), device, idx) for (device, _), idx in groups.items()]
-    for mod, device, idx in plan:
-        pick = lambda lst: [lst[i] for i in idx]  # noqa: E731
+    tensor_hp = any(tensor_hyperparameter(v) for v in hp.values())
+    plan = [(_backend_for(backend, device, tensor_hp), device, dtype, idx)
+            for (device, dtype), idx in groups.items()]
+    if check_finite:
+        found_inf = found_non_finite(grads, found_inf)
+    for mod, device, dtype, idx in plan:
+        pick = lambda lst: [local(lst[i]) for i in idx]  # noqa: E731  (DTensor: local shard)
         args = [pick(params), pick(grads), pick(anchors), pick(importances)]
         if op != "inner_step":
             args.append(None if meta_lrs is None else pick(meta_lrs))
         flags = {"grad_scale": _on(grad_scale, device), "found_inf": _on(found_inf, device)}
-        getattr(mod, op)(*args, **hp, **flags)
+        getattr(mod, op)(*args, **_hyper_for(mod, hp, device, dtype), **flags)
+    return found_inf
+
+
+def _backend_for(backend: str, device: torch.device, tensor_hp: bool):
+    """The backend module for one group. Tensor hyper-parameters inside torch.compile or a CUDA
+    graph capture need a backend that reads them on the device (``TENSOR_HYPERPARAMETERS``):
+    ``"auto"`` then takes ``"foreach"``; a backend named explicitly that cannot is an error."""
+    mod = resolve_backend(backend, device)
+    if tensor_hp and not getattr(mod, "TENSOR_HYPERPARAMETERS", False) and capturing():
+        if backend != "auto":
+            raise RuntimeError(
+                f"backend {backend!r} takes hyper-parameters as floats only, and reading the "
+                "tensor hyper-parameters (capturable mode) would need a host sync inside "
+                "torch.compile / CUDA graph capture; use backend='foreach' or 'auto', or float "
+                "hyper-parameters")
+        mod = resolve_backend("foreach", device)
+    return mod
+
+
+_RESOLVED: dict = {}  # (name, device) -> backend module
+
+
+def resolve_backend(name: str, device: torch.device):
+    """:func:`emcl_kernels.backends.get_backend`, remembered per (name, device): what is
+    available does not change within a process, and a step traced by torch.compile must not
+    re-run the availability checks (some query the dispatcher, which cannot be traced).
+    The optimizer resolves its backend when it is built, so its compiled steps hit this cache."""
+    mod = _RESOLVED.get((name, device))
+    if mod is None:
+        mod = _RESOLVED[(name, device)] = get_backend(name, device)
+    return mod
+
+
+def _hyper_for(mod, hp: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    """The hyper-parameters as backend ``mod`` takes them: 0-d tensors are moved to the group's
+    device for a backend that declares ``TENSOR_HYPERPARAMETERS = True`` and read back as floats
+    (one host sync, never inside a capture: see :func:`_backend_for`) for the others."""
+    if not any(tensor_hyperparameter(v) for v in hp.values()):
+        return hp
+    if getattr(mod, "TENSOR_HYPERPARAMETERS", False):
+        cdt = compute_dtype(dtype)
+        return {k: (v.to(device=device, dtype=cdt) if tensor_hyperparameter(v) else v)
+                for k, v in hp.items()}
+    return {k: (float(v.item()) if tensor_hyperparameter(v) else v) for k, v in hp.items()}
+
+
+_UNIT_SCALE: dict = {}  # device -> the 0-d fp32 1.0 that found_non_finite "unscales" by
+
+
+def found_non_finite(grads: Sequence[Tensor],
+                     found_inf: Optional[Tensor] = None) -> Optional[Tensor]:
+    """A 0-d fp32 flag on ``grads[0]``'s device: 1 when any gradient holds an inf or a NaN or
+    ``found_inf`` is non-zero, else 0 (None when ``grads`` is empty and ``found_inf`` is None).
+
+    One fused pass over the gradients of each (device, dtype) group, no host sync (unless the
+    gradients live on several devices: the flags of the other devices are then copied to the
+    first one). The gradients keep their values: GradScaler's check-and-unscale op runs with a
+    unit scale (a NaN stays a NaN, though its payload bits may change). See
+    [note: non-finite gradients].
+    """
+    grads = _as_list("grads", grads)
+    _check_flag("found_inf", found_inf)
+    by_device = defaultdict(lambda: defaultdict(list))
+    mesh = None
+    for i, g in enumerate(grads):
+        if not isinstance(g, Tensor):
+            raise TypeError(f"grads[{i}] must be a tensor, got {type(g).__name__}")
+        if is_dtensor(g):  # FSDP2: check the local shard; the ranks then agree (below)
+            mesh = g.device_mesh if mesh is None else mesh
+            g = local(g)
+        if g.numel():
+            by_device[g.device][g.dtype].append(g)
+    if not by_device and mesh is None:
+        return None if found_inf is None else (found_inf.reshape(()) != 0).to(torch.float32)
+    flag = None
+    for device, by_dtype in by_device.items():
+        here = torch.zeros((), dtype=torch.float32, device=device)
+        unit = _UNIT_SCALE.get(device)
+        if unit is None:  # made once per device: one launch less per step on a GPU
+            unit = _UNIT_SCALE[device] = torch.ones((), dtype=torch.float32, device=device)
+        for lst in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(lst, here, unit)
+        flag = here if flag is None else torch.maximum(flag, here.to(flag.device))
+    if flag is None:  # sharded gradients with no local elements on this rank
+        flag = torch.zeros((), dtype=torch.float32, device=mesh.device_type)
+    if mesh is not None:
+        # an inf in a shard is seen by its rank only; every rank must skip the same steps
+        import torch.distributed as dist
+        for dim in range(mesh.ndim):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    if found_inf is not None:
+        flag = torch.maximum(flag, (found_inf.reshape(()) != 0).to(flag.device, torch.float32))
+    return flag
 
 
 def _on(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
@@ -185,7 +312,8 @@ def _on(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
 def inner_step_(params: Sequence[Tensor], grads: Sequence[Tensor], anchors: Sequence[Tensor],
                 importances: Sequence[Tensor], *, inner_lr: float, reg: float, gamma: float,
                 prox: bool = True, backend: str = "auto", grad_scale: Optional[Tensor] = None,
-                found_inf: Optional[Tensor] = None) -> None:
+                found_inf: Optional[Tensor] = None,
+                check_finite: bool = True) -> Optional[Tensor]:
     """EMCL's inner step (paper eqs. 14, 15, 19) on every tensor, in place.
 
     ``prox=True``:  θ ← (θ − β·g + γλh·θ₀) / (1 + γλh);  ``prox=False``: θ ← θ − β·(g + λh·(θ − θ₀)).
@@ -198,13 +326,21 @@ def inner_step_(params: Sequence[Tensor], grads: Sequence[Tensor], anchors: Sequ
         backend: a name of :func:`emcl_kernels.available_backends` or ``"auto"``.
         grad_scale: gradients are divided by it (for ``torch.amp.GradScaler``).
         found_inf: when non-zero, nothing is written.
+        check_finite: when True (default), a call whose gradients hold an inf or a NaN writes
+            nothing (the flag is computed on the device, combined with ``found_inf``; see
+            [note: non-finite gradients]). False skips the check, for speed.
+
+    Returns:
+        The skip flag the backends were given (a 0-d fp32 tensor, non-zero when nothing was
+        written), or None when there was none (no check and no ``found_inf``, or no tensors).
     """
     hp = check_hyperparameters(inner_lr=inner_lr, reg=reg, gamma=gamma, prox=prox)
     params, grads, anchors, importances, _ = _check_lists(
         params, grads, anchors, importances, None, need_meta_lrs=False)
     if params:
-        _run("inner_step", backend, params, grads, anchors, importances, None, grad_scale,
-             found_inf, hp)
+        return _run("inner_step", backend, params, grads, anchors, importances, None, grad_scale,
+                    found_inf, hp, check_finite)
+    return None
 
 
 @torch.no_grad()
@@ -213,7 +349,8 @@ def meta_step_(params: Sequence[Tensor], grads: Sequence[Tensor], anchors: Seque
                meta_lr: float, reg: float, decay: float, lr_scale: float, lr_mode: str,
                lr_min: float = 0.0, lr_max: float = _INF, eps: float = 1e-8,
                importance: str = "taylor", backend: str = "auto",
-               grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
+               grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None,
+               check_finite: bool = True) -> Optional[Tensor]:
     """EMCL's meta step (paper eqs. 7, 8, 10, 13) on every tensor, in place.
 
     h ← η·h + (1−η)·Ω with Ω = |g·θ₀| (``importance="taylor"``) or |g·(θ − θ₀)| (``"si"``);
@@ -222,7 +359,8 @@ def meta_step_(params: Sequence[Tensor], grads: Sequence[Tensor], anchors: Seque
     θ₀ ← θ₀ − α·λ·h·(θ₀ − θ); θ ← θ₀.
 
     ``meta_lrs`` may be None unless ``lr_mode="recurrent"``. The other arguments are as in
-    :func:`inner_step_`; ``decay`` is in [0, 1], ``eps`` > 0, ``0 <= lr_min <= lr_max``.
+    :func:`inner_step_` (as are ``check_finite`` and the returned flag); ``decay`` is in
+    [0, 1], ``eps`` > 0, ``0 <= lr_min <= lr_max``.
     """
     hp = check_hyperparameters(meta_lr=meta_lr, reg=reg, decay=decay, lr_scale=lr_scale,
                                lr_mode=lr_mode, lr_min=lr_min, lr_max=lr_max, eps=eps,
@@ -231,8 +369,9 @@ def meta_step_(params: Sequence[Tensor], grads: Sequence[Tensor], anchors: Seque
     params, grads, anchors, importances, meta_lrs = _check_lists(
         params, grads, anchors, importances, meta_lrs, need_meta_lrs=need)
     if params:
-        _run("meta_step", backend, params, grads, anchors, importances,
-             meta_lrs if need else None, grad_scale, found_inf, hp)
+        return _run("meta_step", backend, params, grads, anchors, importances,
+                    meta_lrs if need else None, grad_scale, found_inf, hp, check_finite)
+    return None
 
 
 @torch.no_grad()
@@ -243,11 +382,13 @@ def inner_meta_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
                      lr_min: float = 0.0, lr_max: float = _INF, eps: float = 1e-8,
                      importance: str = "taylor", prox: bool = True, backend: str = "auto",
                      grad_scale: Optional[Tensor] = None,
-                     found_inf: Optional[Tensor] = None) -> None:
+                     found_inf: Optional[Tensor] = None,
+                     check_finite: bool = True) -> Optional[Tensor]:
     """The inner step, then the meta step with the same gradient, as one pass.
 
     Equal to :func:`inner_step_` followed by :func:`meta_step_`, except that the fast weight
     between the two is kept in fp32 rather than rounded to a bf16/fp16 parameter's dtype.
+    ``check_finite`` and the returned flag are as in :func:`inner_step_`.
     """
     hp = check_hyperparameters(inner_lr=inner_lr, meta_lr=meta_lr, reg=reg, gamma=gamma,
                                decay=decay, lr_scale=lr_scale, lr_mode=lr_mode, lr_min=lr_min,
@@ -256,5 +397,6 @@ def inner_meta_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
     params, grads, anchors, importances, meta_lrs = _check_lists(
         params, grads, anchors, importances, meta_lrs, need_meta_lrs=need)
     if params:
-        _run("inner_meta_step", backend, params, grads, anchors, importances,
-             meta_lrs if need else None, grad_scale, found_inf, hp)
+        return _run("inner_meta_step", backend, params, grads, anchors, importances,
+                    meta_lrs if need else None, grad_scale, found_inf, hp, check_finite)
+    return None
