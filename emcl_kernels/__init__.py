@@ -8,9 +8,10 @@
 """
 from emcl_kernels import functional, reference
 from emcl_kernels.backends import BackendUnavailableError, available_backends, backend_status
-from emcl_kernels.optimizer import FusedEMCLOptimizer
+from emcl_kernels.optimizer import FusedEMCLOptimizer, NonFiniteGradientWarning
 
 __version__ = "0.1.0"
 
 __all__ = ["FusedEMCLOptimizer", "functional", "reference", "available_backends",
-           "backend_status", "BackendUnavailableError", "__version__"]
+           "backend_status", "BackendUnavailableError", "NonFiniteGradientWarning",
+           "__version__"]

@@ -39,6 +39,10 @@ LR_MODES = ("recurrent", "inverse", "constant")
 IMPORTANCE_KINDS = ("taylor", "si")
 
 _INF = float("inf")
+try:
+    from torch.distributed.tensor import DTensor as _DTENSOR
+except Exception:  # pragma: no cover - builds without torch.distributed
+    _DTENSOR = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,7 +109,16 @@ def _as_list(name: str, tensors) -> list:
     return list(tensors)
 
 
+_STRIDED = torch.strided
+
+
 def _check_tensor(role: str, i: int, t, param: Tensor, dtype: torch.dtype) -> None:
+    # The common case in one expression (this runs for every tensor of every step); the
+    # checks below only run to say what is wrong.
+    if (type(t) is Tensor or type(t) is torch.nn.Parameter) and type(param) is not _DTENSOR \
+            and t.dtype == dtype and t.layout == _STRIDED and t.shape == param.shape \
+            and t.device == param.device and t.is_contiguous():
+        return
     where = f"{role}[{i}]"
     if not isinstance(t, Tensor):
         raise TypeError(f"{where} must be a tensor, got {type(t).__name__}")
