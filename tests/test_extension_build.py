@@ -60,7 +60,10 @@ def _copy_project(tmp_path, break_source: bool):
 
 
 def _build(tmp_path, **env):
-    base = {"EMCL_NO_CUDA": "1", "MAX_JOBS": "1"}
+    # EMCL_REQUIRE_EXTENSION may be set by the caller's environment (CI sets it): each test
+    # says whether it wants it.
+    base = {"EMCL_NO_CUDA": "1", "MAX_JOBS": "1", "EMCL_REQUIRE_EXTENSION": "0",
+            "EMCL_NO_EXTENSION": "0"}
     return _run("", cwd=tmp_path, env={**base, **env},
                 args=["setup.py", "-q", "build_ext", "--inplace"])
 
