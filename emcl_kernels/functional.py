@@ -378,13 +378,8 @@ def meta_step_(params: Sequence[Tensor], grads: Sequence[Tensor], anchors: Seque
     hp = check_hyperparameters(meta_lr=meta_lr, reg=reg, decay=decay, lr_scale=lr_scale,
                                lr_mode=lr_mode, lr_min=lr_min, lr_max=lr_max, eps=eps,
                                importance=importance)
-    need = hp["lr_mode"] == "recurrent"
-    params, grads, anchors, importances, meta_lrs = _check_lists(
-        params, grads, anchors, importances, meta_lrs, need_meta_lrs=need)
-    if params:
-        return _run("meta_step", backend, params, grads, anchors, importances,
-                    meta_lrs if need else None, grad_scale, found_inf, hp, check_finite)
-    return None
+    return _meta_call("meta_step", backend, params, grads, anchors, importances, meta_lrs,
+                      grad_scale, found_inf, hp, check_finite)
 
 
 @torch.no_grad()
@@ -406,10 +401,18 @@ def inner_meta_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
     hp = check_hyperparameters(inner_lr=inner_lr, meta_lr=meta_lr, reg=reg, gamma=gamma,
                                decay=decay, lr_scale=lr_scale, lr_mode=lr_mode, lr_min=lr_min,
                                lr_max=lr_max, eps=eps, importance=importance, prox=prox)
+    return _meta_call("inner_meta_step", backend, params, grads, anchors, importances, meta_lrs,
+                      grad_scale, found_inf, hp, check_finite)
+
+
+def _meta_call(op, backend, params, grads, anchors, importances, meta_lrs, grad_scale,
+               found_inf, hp, check_finite) -> Optional[Tensor]:
+    """The part of meta_step_ / inner_meta_step_ after their hyper-parameters are checked:
+    meta_lrs are needed (and passed on) only in recurrent mode."""
     need = hp["lr_mode"] == "recurrent"
     params, grads, anchors, importances, meta_lrs = _check_lists(
         params, grads, anchors, importances, meta_lrs, need_meta_lrs=need)
-    if params:
-        return _run("inner_meta_step", backend, params, grads, anchors, importances,
-                    meta_lrs if need else None, grad_scale, found_inf, hp, check_finite)
-    return None
+    if not params:
+        return None
+    return _run(op, backend, params, grads, anchors, importances, meta_lrs if need else None,
+                grad_scale, found_inf, hp, check_finite)

@@ -13,14 +13,7 @@ from emcl_continual import metrics, models, replay, streams, train
 from emcl_continual.methods import METHODS, get_method
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: these are batch-1 steps, and on a loaded machine extra OpenMP threads
-    only spin (10x slower here)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _tiny_stream(name="permuted-mnist", n_tasks=3, per_task=40, seed=0, multi=False, shape=(784,)):

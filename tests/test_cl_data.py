@@ -13,14 +13,7 @@ import torch
 from emcl_continual import data, streams
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: these are batch-1 steps, and on a loaded machine extra OpenMP threads
-    only spin (10x slower here)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _write_idx(path: str, array: np.ndarray, gz: bool = False) -> None:
