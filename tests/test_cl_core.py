@@ -198,6 +198,8 @@ def test_emcl_observe_follows_algorithm_1():
     {"inner_lr_modulation": True},
     {"memory": 0},
     {"inner_replay": False},
+    {"shuffle_inner": True},
+    {"glances": 2},
 ])
 def test_emcl_variants_learn_a_tiny_stream(overrides):
     s = _tiny_stream(n_tasks=2, per_task=40)
@@ -210,6 +212,30 @@ def test_emcl_variants_learn_a_tiny_stream(overrides):
     assert all(math.isfinite(v) for v in r["task_losses"])
     if overrides.get("lr_mode") not in ("constant", "recurrent"):  # there α·λ·h is tiny (SPEC 6): slow
         assert r["acc_matrix"][0][0] > 30.0, r["acc_matrix"]  # chance is 10%
+
+
+def test_emcl_glances_repeat_the_meta_step_on_each_batch():
+    """glances=G: G inner loops + meta steps per incoming batch, the batch stored once."""
+    info = streams.StreamInfo("permuted-mnist", 1, (784,), 10, [(0, 10)], False)
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.rand(4, 784, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(5)]
+    for glances in (1, 3):
+        torch.manual_seed(0)
+        cfg = get_method("emcl").defaults("permuted-mnist")
+        cfg.update(seed=0, backend="foreach", memory=50, replay=3, glances=glances, shuffle_inner=True)
+        method = get_method("emcl")(models.build_model(info), info, cfg, torch.device("cpu"))
+        for x, y in batches:
+            method.observe(x, y, 0)
+        steps = {float(st["step"]) for st in method.opt.state.values()}
+        assert steps == {5.0 * glances}
+        assert len(method.buffer) == 20  # each incoming sample stored once, whatever the glances
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_emcl_bad_glances_is_clear(bad):
+    s = _tiny_stream(n_tasks=1, per_task=10)
+    with pytest.raises(ValueError, match="glances"):
+        train.run("emcl", s, 0, overrides={"glances": bad, "backend": "foreach"}, progress=False)
 
 
 def test_emcl_multi_head_and_reproducible():

@@ -42,7 +42,12 @@ CONFIGS = [
     ("replay=20", "more replayed samples per batch in the inner loop", {"replay": 20}),
     ("meta_lr=0.6", "meta learning rate", {"meta_lr": 0.6}),
     ("inner_lr=0.15 (Table II)", "the paper's inner learning rate", {"inner_lr": 0.15}),
+    ("shuffle_inner", "inner loop over incoming and replayed samples in random order", {"shuffle_inner": True}),
+    ("glances=2", "each incoming batch visited twice (La-MAML's --glances)", {"glances": 2}),
 ]
+
+# Options added after the committed default runs; a run recorded without them ran with these values.
+_LATER_OPTIONS = {"shuffle_inner": False, "glances": 1}
 
 
 def _overrides(base: dict, extra: dict, reg: float) -> dict:
@@ -140,7 +145,8 @@ def main(argv: list | None = None) -> int:
     path = os.path.join(args.out, "ablation.json")
     done = json.load(open(path))["runs"] if os.path.isfile(path) else {}
     if args.default_from:
-        same = lambda c: {k: v for k, v in c.items() if k not in ("seed", "backend")}  # noqa: E731
+        same = lambda c: {k: v for k, v in dict(_LATER_OPTIONS, **c).items()  # noqa: E731
+                          if k not in ("seed", "backend")}
         for r in json.load(open(args.default_from))["runs"]:
             if r["method"] == "emcl" and r["stream"] == args.stream and same(r["config"]) == same(base):
                 done.setdefault(f"default|{r['seed']}", r)

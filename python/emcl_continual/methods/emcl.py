@@ -12,6 +12,12 @@ Per incoming batch ``b`` of task ``t``:
    and the closed-form meta-update (eq. 10), after which θ = θ₀;
 4. offer the batch to the reservoir buffer.
 
+``glances`` > 1 repeats steps 1-3 on the same incoming batch (a fresh replay draw each time),
+as La-MAML's code base does for every method it runs (``--glances``; 5 on the MNIST streams):
+still a single pass over the stream, with more meta steps per batch. ``shuffle_inner`` visits
+the incoming and replayed samples of the inner loop in a random order instead of the incoming
+ones first.
+
 Ablation (paper Table IV, third column) ``inner_lr_modulation=True``: no regularization in
 the inner loop; each inner step is θ ← θ − α ⊙ g with α the per-element meta learning
 rates the optimizer holds (La-MAML style), clipped to ``[0, modulation_lr_max]``.
@@ -56,6 +62,8 @@ class EMCL(Method):
             "prox": True,
             "replay": presets.BATCH_SIZE,  # replayed samples per incoming batch
             "inner_replay": True,          # the inner loop also visits the replayed samples
+            "shuffle_inner": False,        # inner loop in random order (else: incoming samples first)
+            "glances": 1,                  # inner loop + meta step repeated on each incoming batch
             "meta_replay": True,           # the meta-loss also covers them
             "inner_lr_modulation": False,  # Table IV ablation: α as inner lr, no inner regularization
             "modulation_lr_max": None,     # clip of α in that ablation (None: meta_lr)
@@ -77,6 +85,10 @@ class EMCL(Method):
         self.n_replay = int(cfg.get("replay", 0) or 0)
         self.inner_replay = bool(cfg.get("inner_replay", True))
         self.meta_replay = bool(cfg.get("meta_replay", True))
+        self.shuffle_inner = bool(cfg.get("shuffle_inner", False))
+        self.glances = cfg.get("glances", 1)
+        if isinstance(self.glances, bool) or not isinstance(self.glances, int) or self.glances < 1:
+            raise ValueError(f"emcl: glances must be an integer >= 1, got {self.glances!r}")
         self.modulation = bool(cfg.get("inner_lr_modulation", False))
         mod_max = cfg.get("modulation_lr_max")
         self.modulation_lr_max = float(hyper["meta_lr"] if mod_max is None else mod_max)
@@ -108,9 +120,17 @@ class EMCL(Method):
             p.sub_((alpha * p.grad.float()).to(p.dtype))
 
     def observe(self, x: torch.Tensor, y: torch.Tensor, task: int) -> float:
-        model, opt = self.model, self.opt
-        model.train()
+        self.model.train()
         tb = torch.full((x.shape[0],), int(task), dtype=torch.long, device=x.device)
+        for _ in range(self.glances):
+            loss = self._glance(x, y, tb)
+        if self.buffer is not None:
+            self.buffer.add(x, y, task)
+        return loss
+
+    def _glance(self, x: torch.Tensor, y: torch.Tensor, tb: torch.Tensor) -> float:
+        """One inner loop over the batch (and replayed samples) and one meta step."""
+        opt = self.opt
         if self.buffer is not None and len(self.buffer) > 0 and self.n_replay > 0:
             xr, yr, tr = self.buffer.sample(self.n_replay)
         else:
@@ -121,6 +141,9 @@ class EMCL(Method):
             xi, yi, ti = torch.cat([x, xr]), torch.cat([y, yr]), torch.cat([tb, tr])
         else:
             xi, yi, ti = x, y, tb
+        if self.shuffle_inner:
+            order = torch.randperm(xi.shape[0], generator=self.gen).to(xi.device)
+            xi, yi, ti = xi[order], yi[order], ti[order]
         opt.zero_grad(set_to_none=True)
         for k in range(xi.shape[0]):
             self._loss(xi[k:k + 1], yi[k:k + 1], ti[k:k + 1]).backward()
@@ -139,7 +162,4 @@ class EMCL(Method):
         loss.backward()
         opt.meta_step()
         opt.zero_grad(set_to_none=True)
-
-        if self.buffer is not None:
-            self.buffer.add(x, y, task)
         return float(loss.detach())
