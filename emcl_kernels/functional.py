@@ -73,9 +73,34 @@ def _choice(name: str, value, choices) -> str:
     return value
 
 
+# Sets of plain hyper-parameter values already checked (an optimizer passes the same ones every
+# step): key -> the normalized dict. The key holds each value's type, because 1 == 1.0 == True.
+_CHECKED_HYPER: dict = {}
+_PLAIN_HYPER_TYPES = (float, int, str, bool, type(None))
+
+
 def check_hyperparameters(**hp) -> dict:
     """Check the hyper-parameters that are given against their domains and return them
-    normalized (floats, validated strings). Raises ``TypeError``/``ValueError`` naming the bad one."""
+    normalized (floats, validated strings). Raises ``TypeError``/``ValueError`` naming the bad one.
+
+    A set of plain numbers, strings and bools that passed once is remembered, so the check
+    costs one dictionary lookup on every later step (tensor values are checked every time).
+    """
+    key = None
+    if all(type(v) in _PLAIN_HYPER_TYPES for v in hp.values()):
+        key = tuple((k, type(v), v) for k, v in hp.items())
+        done = _CHECKED_HYPER.get(key)
+        if done is not None:
+            return dict(done)
+    out = _check_hyperparameters(hp)
+    if key is not None and not torch.compiler.is_compiling():
+        if len(_CHECKED_HYPER) >= 1024:  # hyper-parameters swept every step: keep it bounded
+            _CHECKED_HYPER.clear()
+        _CHECKED_HYPER[key] = dict(out)
+    return out
+
+
+def _check_hyperparameters(hp: dict) -> dict:
     out = {}
     for name, value in hp.items():
         if name in ("inner_lr", "meta_lr", "reg", "gamma", "lr_scale", "lr_min"):
@@ -143,6 +168,43 @@ def _check_tensor(role: str, i: int, t, param: Tensor, dtype: torch.dtype) -> No
         raise RuntimeError(f"{where} is not contiguous; call .contiguous() on it first")
 
 
+_PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
+_STATE_DTYPE = {dt: compute_dtype(dt) for dt in PARAM_DTYPES}
+
+
+def _all_plain_and_matching(params: list, grads: list, states: list) -> bool:
+    """The common case, decided fast: every tensor a plain dense contiguous tensor (no
+    DTensor, no subclass), each gradient like its parameter, each state tensor shaped like it
+    in the state dtype, no parameter twice. False sends the caller to the checks that say
+    what is wrong (this one never raises)."""
+    plain, strided = _PLAIN_TENSOR_TYPES, _STRIDED
+    compiling = torch.compiler.is_compiling()
+    seen = set()
+    for i, p in enumerate(params):
+        if type(p) not in plain:
+            return False
+        dtype = p.dtype
+        sdt = _STATE_DTYPE.get(dtype)
+        if sdt is None or p.layout != strided or not p.is_contiguous():
+            return False
+        shape, device = p.shape, p.device
+        g = grads[i]
+        if type(g) not in plain or g.dtype != dtype or g.shape != shape or g.device != device \
+                or g.layout != strided or not g.is_contiguous():
+            return False
+        for lst in states:
+            t = lst[i]
+            if type(t) not in plain or t.dtype != sdt or t.shape != shape or t.device != device \
+                    or t.layout != strided or not t.is_contiguous():
+                return False
+        if not compiling and p.numel():
+            key = (device, p.data_ptr())
+            if key in seen:
+                return False
+            seen.add(key)
+    return True
+
+
 def _check_lists(params, grads, anchors, importances, meta_lrs, *, need_meta_lrs: bool):
     params = _as_list("params", params)
     lists = {"grads": _as_list("grads", grads), "anchors": _as_list("anchors", anchors),
@@ -155,6 +217,9 @@ def _check_lists(params, grads, anchors, importances, meta_lrs, *, need_meta_lrs
     for name, lst in lists.items():
         if len(lst) != len(params):
             raise ValueError(f"{name} has {len(lst)} tensors but params has {len(params)}")
+    states = [lst for name, lst in lists.items() if name != "grads"]
+    if _all_plain_and_matching(params, lists["grads"], states):
+        return params, lists["grads"], lists["anchors"], lists["importances"], lists.get("meta_lrs")
     seen = {}
     for i, p in enumerate(params):
         if not isinstance(p, Tensor):
@@ -194,7 +259,7 @@ def _groups(params):
     """Indices of the tensors by (device, dtype), in first-seen order."""
     groups = defaultdict(list)
     for i, p in enumerate(params):
-        groups[(local(p).device, p.dtype)].append(i)
+        groups[(p.device if type(p) in _PLAIN_TENSOR_TYPES else local(p).device, p.dtype)].append(i)
     return groups
 
 
@@ -213,8 +278,14 @@ def _run(op: str, backend: str, params, grads, anchors, importances, meta_lrs, g
             for (device, dtype), idx in groups.items()]
     if check_finite:
         found_inf = found_non_finite(grads, found_inf)
+    sharded = any(type(p) not in _PLAIN_TENSOR_TYPES and is_dtensor(p) for p in params)
     for mod, device, dtype, idx in plan:
-        pick = lambda lst: [local(lst[i]) for i in idx]  # noqa: E731  (DTensor: local shard)
+        if sharded:  # DTensor: the kernels update the local shards
+            pick = lambda lst: [local(lst[i]) for i in idx]  # noqa: E731
+        elif len(idx) == len(params):  # one group: the lists as they are
+            pick = list  # noqa: E731
+        else:
+            pick = lambda lst: [lst[i] for i in idx]  # noqa: E731
         args = [pick(params), pick(grads), pick(anchors), pick(importances)]
         if op != "inner_step":
             args.append(None if meta_lrs is None else pick(meta_lrs))
@@ -269,6 +340,14 @@ def _hyper_for(mod, hp: dict, device: torch.device, dtype: torch.dtype) -> dict:
 _UNIT_SCALE: dict = {}  # device -> the 0-d fp32 1.0 that found_non_finite "unscales" by
 
 
+def _unit_scale(device: torch.device) -> Tensor:
+    """The 0-d fp32 1.0 of ``device``, made once per device: one launch less per step on a GPU."""
+    unit = _UNIT_SCALE.get(device)
+    if unit is None:
+        unit = _UNIT_SCALE[device] = torch.ones((), dtype=torch.float32, device=device)
+    return unit
+
+
 def found_non_finite(grads: Sequence[Tensor],
                      found_inf: Optional[Tensor] = None) -> Optional[Tensor]:
     """A 0-d fp32 flag on ``grads[0]``'s device: 1 when any gradient holds an inf or a NaN or
@@ -282,6 +361,14 @@ def found_non_finite(grads: Sequence[Tensor],
     """
     grads = _as_list("grads", grads)
     _check_flag("found_inf", found_inf)
+    if grads and found_inf is None:
+        # the common case: plain non-empty gradients of one device and dtype, one fused pass
+        g0 = grads[0]
+        plain, device, dtype = _PLAIN_TENSOR_TYPES, getattr(g0, "device", None), getattr(g0, "dtype", None)
+        if all(type(g) in plain and g.device == device and g.dtype == dtype and g.numel() for g in grads):
+            flag = torch.zeros((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, _unit_scale(device))
+            return flag
     by_device = defaultdict(lambda: defaultdict(list))
     mesh = None
     for i, g in enumerate(grads):
@@ -297,11 +384,8 @@ def found_non_finite(grads: Sequence[Tensor],
     flag = None
     for device, by_dtype in by_device.items():
         here = torch.zeros((), dtype=torch.float32, device=device)
-        unit = _UNIT_SCALE.get(device)
-        if unit is None:  # made once per device: one launch less per step on a GPU
-            unit = _UNIT_SCALE[device] = torch.ones((), dtype=torch.float32, device=device)
         for lst in by_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(lst, here, unit)
+            torch._amp_foreach_non_finite_check_and_unscale_(lst, here, _unit_scale(device))
         flag = here if flag is None else torch.maximum(flag, here.to(flag.device))
     if flag is None:  # sharded gradients with no local elements on this rank
         flag = torch.zeros((), dtype=torch.float32, device=mesh.device_type)

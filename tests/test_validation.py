@@ -188,3 +188,41 @@ def test_bad_flags():
 def test_empty_lists_are_a_no_op():
     F.inner_step_([], [], [], [], **INNER)
     F.meta_step_([], [], [], [], [], **META)
+
+
+def test_remembered_hyperparameters_still_reject_bad_values():
+    """check_hyperparameters remembers sets that passed (an optimizer repeats them every step);
+    a value that only looks equal (1 == 1.0 == True) or a bad one is still checked and refused."""
+    good = dict(inner_lr=0.1, reg=1.0, gamma=0.5, prox=True)
+    assert F.check_hyperparameters(**good) == F.check_hyperparameters(**good)
+    with pytest.raises(TypeError, match="prox"):
+        F.check_hyperparameters(**dict(good, prox=1))
+    with pytest.raises(TypeError, match="gamma"):
+        F.check_hyperparameters(**dict(good, gamma=True))
+    with pytest.raises(ValueError, match="inner_lr"):
+        F.check_hyperparameters(**dict(good, inner_lr=float("nan")))
+    out = F.check_hyperparameters(**dict(good, reg=2))
+    assert out["reg"] == 2.0 and type(out["reg"]) is float
+    out["reg"] = -1.0  # the caller's copy: the remembered one is unchanged
+    assert F.check_hyperparameters(**dict(good, reg=2))["reg"] == 2.0
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_errors_after_many_good_calls(op):
+    """The fast path of the tensor checks (the common case) hands anything unusual to the full
+    checks: a call that goes wrong after many good ones still raises before writing."""
+    case = make_case([5, 7, 12], torch.float32, seed=3)
+    for _ in range(3):
+        call(op, case)
+    before = snapshot(case)
+    with pytest.raises(ValueError, match=r"grads\[1\] has shape \(4,\) but params\[1\]"):
+        call(op, case, grads=[case.grads[0], case.grads[1][:4], case.grads[2]])
+    with pytest.raises(RuntimeError, match=r"importances\[2\] is not contiguous"):
+        call(op, case, importances=case.importances[:2] + [case.importances[2].t().contiguous().t()])
+    with pytest.raises(ValueError, match="share storage"):
+        call(op, case, params=[case.params[0], case.params[0], case.params[2]],
+             grads=[case.grads[0], case.grads[0], case.grads[2]],
+             anchors=[case.anchors[0], case.anchors[0], case.anchors[2]],
+             importances=[case.importances[0], case.importances[0], case.importances[2]],
+             **({} if op == "inner" else {"meta_lrs": [case.meta_lrs[0], case.meta_lrs[0], case.meta_lrs[2]]}))
+    assert_unchanged(case, before)
