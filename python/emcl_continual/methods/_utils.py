@@ -93,14 +93,18 @@ def set_flat_grad(params: Sequence[nn.Parameter], vec: Tensor) -> None:
         raise ValueError(f"flat vector has {vec.numel()} elements, parameters have {offset}")
 
 
-def mixed_task_loss(forward, x: Tensor, y: Tensor, t: Tensor | int) -> Tensor:
+def mixed_task_loss(forward, x: Tensor, y: Tensor, t: Tensor | int, *, multi_head: bool = True) -> Tensor:
     """Mean cross-entropy over a batch whose samples may come from different tasks.
 
     ``forward(x, task)`` returns logits for one task id (multi-head models mask the other
     tasks' classes), so the batch is split by task id and the per-sample losses averaged.
+    ``multi_head=False`` (a single-head stream: the logits do not depend on the task) takes
+    the same mean with one forward pass instead of one per task in the batch.
     """
     if isinstance(t, int):
         return F.cross_entropy(forward(x, t), y)
+    if not multi_head:
+        return F.cross_entropy(forward(x, 0), y)
     tasks = torch.unique(t)
     if tasks.numel() == 1:
         return F.cross_entropy(forward(x, int(tasks[0])), y)

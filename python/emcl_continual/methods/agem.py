@@ -74,7 +74,7 @@ class AGEM(Method):
         g_ref = None
         if ref is not None:
             self.model.zero_grad(set_to_none=True)
-            mixed_task_loss(self.model, *ref).backward()
+            mixed_task_loss(self.model, *ref, multi_head=self.info.multi_head).backward()
             g_ref = flat_grad(self.params)
         self.model.zero_grad(set_to_none=True)
         loss = F.cross_entropy(self.model(x, task), y)

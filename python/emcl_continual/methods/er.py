@@ -55,7 +55,7 @@ class ER(Method):
             bx = torch.cat((x, mx))
             by = torch.cat((y, my))
             bt = torch.cat((torch.full((x.shape[0],), task, dtype=torch.long, device=x.device), mt.long()))
-            loss = mixed_task_loss(self.model, bx, by, bt)
+            loss = mixed_task_loss(self.model, bx, by, bt, multi_head=self.info.multi_head)
         else:
             loss = F.cross_entropy(self.model(x, task), y)
         loss.backward()

@@ -12,8 +12,14 @@ gradient of the mean loss on those samples), then trains with
 Hyper-parameters: Table II gives lr 0.03, lambda 100 for CIFAR100/miniImageNet. For the MNIST
 streams (Table II: "-"), lambda and ``n_memories`` are the MER code's EWC settings
 (``mer_examples.sh``: permutations ``--memory_strength 10 --n_memories 10``, many permutations
-``--memory_strength 1 --n_memories 10``) that produced the paper's daggered numbers; the lr is
-0.03 because those settings used batch size 1 and the paper uses batch size 10.
+``--memory_strength 1 --n_memories 10``) that produced the paper's daggered numbers. Those
+settings used batch size 1 (lr 0.01 / 0.003); at the paper's batch size 10 the lr is the
+paper's procedure, a grid search over the learning rate: on the embedded MNIST streams, seeds
+0 and 1, lr 0.1 beats 0.03 (permutations: ACC 56.2 / 54.6 against 52.3 / 53.2; many
+permutations: 31.1 / 28.9 against 28.3 / 27.1), and lambda >= 100 (permutations) or >= 10
+(many permutations) diverges at either lr (ACC 10 %: the step lr * 2 * lambda * F exceeds 2 on
+the largest Fisher entries). MER's own batch-size-1 setting (lr 0.01, lambda 10) reaches 55.7
+on seed 0 of the permutations here, so the gap to the paper's 62.32 is not the batch size.
 
 The per-task quadratics are summed into one (exactly, up to a constant):
 :math:`\sum_k F_k(\theta-\theta^*_k)^2 = F(\theta-\bar\theta)^2 + c` with
@@ -30,8 +36,8 @@ from ._utils import check_config, defaults_for
 from .base import Method
 
 _DEFAULTS = {
-    "permuted-mnist": {"lr": 0.03, "reg": 10.0, "n_memories": 10},
-    "many-permutations": {"lr": 0.03, "reg": 1.0, "n_memories": 10},
+    "permuted-mnist": {"lr": 0.1, "reg": 10.0, "n_memories": 10},
+    "many-permutations": {"lr": 0.1, "reg": 1.0, "n_memories": 10},
     "split-cifar100": {"lr": 0.03, "reg": 100.0, "n_memories": 10},
     "split-miniimagenet": {"lr": 0.03, "reg": 100.0, "n_memories": 10},
 }

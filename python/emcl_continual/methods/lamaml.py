@@ -114,7 +114,8 @@ class LaMAML(Method):
                 grads = torch.autograd.grad(inner, fast, create_graph=self.second_order,
                                             retain_graph=self.second_order)
                 fast = [w - g * torch.relu(a) for w, g, a in zip(fast, grads, self.alpha)]
-                meta_losses.append(mixed_task_loss(self._forward(fast), bx, by, bt))
+                meta_losses.append(mixed_task_loss(self._forward(fast), bx, by, bt,
+                                                      multi_head=self.info.multi_head))
             meta = torch.stack(meta_losses).mean()
 
             for p in self.params:
