@@ -166,22 +166,25 @@ def test_emcl_observe_follows_algorithm_1():
     hp_inner = dict(inner_lr=cfg["inner_lr"], reg=cfg["reg"], gamma=cfg["gamma"], prox=True)
     hp_meta = dict(meta_lr=cfg["meta_lr"], reg=cfg["reg"], decay=0.5, lr_scale=1 / cfg["reg"], lr_mode="inverse",
                    lr_min=0.0, lr_max=float("inf"), eps=1e-8, importance="taylor")
+    assert cfg["glances"] == 2  # the MNIST default: each batch visited twice
     for x, y in batches:
         loss = method.observe(x, y, 0)
-        xs, ys = x, y
-        if len(buf):
-            xr, yr, _ = buf.sample(3)
-            xs, ys = torch.cat([x, xr]), torch.cat([y, yr])
-        for k in range(len(ys)):
+        for _ in range(cfg["glances"]):  # a fresh replay draw per glance
+            xs, ys = x, y
+            if len(buf):
+                xr, yr, _ = buf.sample(3)
+                xs, ys = torch.cat([x, xr]), torch.cat([y, yr])
+            for k in range(len(ys)):
+                twin.zero_grad(set_to_none=True)
+                F.cross_entropy(twin(xs[k:k + 1], 0), ys[k:k + 1]).backward()
+                with torch.no_grad():
+                    EF.inner_step_(params, [p.grad for p in params], anchors, imps, backend="reference",
+                                   **hp_inner)
             twin.zero_grad(set_to_none=True)
-            F.cross_entropy(twin(xs[k:k + 1], 0), ys[k:k + 1]).backward()
+            ref_loss = F.cross_entropy(twin(xs, 0), ys)
+            ref_loss.backward()
             with torch.no_grad():
-                EF.inner_step_(params, [p.grad for p in params], anchors, imps, backend="reference", **hp_inner)
-        twin.zero_grad(set_to_none=True)
-        ref_loss = F.cross_entropy(twin(xs, 0), ys)
-        ref_loss.backward()
-        with torch.no_grad():
-            EF.meta_step_(params, [p.grad for p in params], anchors, imps, None, backend="reference", **hp_meta)
+                EF.meta_step_(params, [p.grad for p in params], anchors, imps, None, backend="reference", **hp_meta)
         buf.add(x, y, 0)
         assert loss == pytest.approx(float(ref_loss.detach()), rel=1e-5)
     for a, b in zip(model.parameters(), twin.parameters()):
@@ -319,3 +322,25 @@ def test_ablation_script_resumes_and_tables(tmp_path, capsys):
     assert "seed 0: ACC" not in capsys.readouterr().out
     with pytest.raises(SystemExit):
         ablation.main(["--only", "nope", "--out", out])
+
+
+def test_ablation_default_rows_from_a_compare_results_file(tmp_path, capsys):
+    """--default-from takes the EMCL runs of a results.json that also holds baselines, and
+    refuses EMCL runs made with another configuration."""
+    from emcl_continual import ablation, report
+
+    s = _tiny_stream(n_tasks=2, per_task=20)
+    emcl = train.run("emcl", s, 0, overrides={"backend": "foreach"}, progress=False)
+    sgd = train.run("sgd", s, 0, progress=False)
+    src = str(tmp_path / "cmp")
+    report.write_results([sgd, emcl], src)
+    out = str(tmp_path / "abl")
+    common = ["--seeds", "0", "--n-tasks", "2", "--samples-per-task", "20", "--out", out, "--backend", "foreach",
+              "--default-from", os.path.join(src, "results.json")]
+    assert ablation.main(common + ["--only", "glances=1"]) == 0
+    obj = json.load(open(os.path.join(out, "ablation.json")))
+    assert sorted(obj["runs"]) == ["default|0", "glances=1|0"]
+    assert obj["runs"]["default|0"]["acc"] == emcl["acc"]  # taken, not run again
+    with pytest.raises(SystemExit, match="base configuration"):
+        ablation.main(common[:-2] + ["--out", str(tmp_path / "abl2"), "--default-from",
+                                     os.path.join(src, "results.json"), "--set", "glances=3"])

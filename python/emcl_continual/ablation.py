@@ -44,6 +44,7 @@ CONFIGS = [
     ("inner_lr=0.15 (Table II)", "the paper's inner learning rate", {"inner_lr": 0.15}),
     ("shuffle_inner", "inner loop over incoming and replayed samples in random order", {"shuffle_inner": True}),
     ("glances=2", "each incoming batch visited twice (La-MAML's --glances)", {"glances": 2}),
+    ("glances=1", "each incoming batch visited once (Algorithm 1 as written)", {"glances": 1}),
 ]
 
 # Options added after the committed default runs; a run recorded without them ran with these values.
@@ -148,7 +149,9 @@ def main(argv: list | None = None) -> int:
         same = lambda c: {k: v for k, v in dict(_LATER_OPTIONS, **c).items()  # noqa: E731
                           if k not in ("seed", "backend")}
         for r in json.load(open(args.default_from))["runs"]:
-            if r["method"] == "emcl" and r["stream"] == args.stream and same(r["config"]) == same(base):
+            if r["method"] != "emcl" or r["stream"] != args.stream:
+                continue  # e.g. the baselines of a --method all / compare results.json
+            if same(r["config"]) == same(base):
                 done.setdefault(f"default|{r['seed']}", r)
             else:
                 raise SystemExit(f"error: {args.default_from} seed {r['seed']} was not run with the base "
