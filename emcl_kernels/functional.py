@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 
 from emcl_kernels.backends import get_backend
-from emcl_kernels.integration import (capturing, is_dtensor, local, number_or_tensor,
-                                      tensor_hyperparameter)
+from emcl_kernels.integration import (_range_error, capturing, is_dtensor, local,
+                                      number_or_tensor, tensor_hyperparameter)
 from emcl_kernels.reference import compute_dtype
 
 __all__ = ["inner_step_", "meta_step_", "inner_meta_step_", "check_hyperparameters",
@@ -62,8 +62,7 @@ def _number(name: str, value, *, low: float = 0.0, high: float = _INF, low_open:
     if math.isnan(value) or (math.isinf(value) and not allow_inf):
         raise ValueError(f"{name} must be finite, got {value}")
     if value < low or (low_open and value == low) or value > high:
-        lo = "(" if low_open else "["
-        raise ValueError(f"{name} must be in {lo}{low}, {high}], got {value}")
+        raise _range_error(name, value, low, high, low_open)
     return value
 
 

@@ -85,7 +85,6 @@ class EMCL(Method):
             hyper["lr_scale"] = 1.0 / float(cfg["reg"]) if float(cfg.get("reg", 0.0)) > 0 else 1.0
         self.hyper = hyper
         self.opt = FusedEMCLOptimizer(model.parameters(), backend=cfg.get("backend", "auto"), **hyper)
-        self._params = [p for group in self.opt.param_groups for p in group["params"]]
         self.memory = int(cfg.get("memory", 0) or 0)
         self.n_replay = int(cfg.get("replay", 0) or 0)
         self.inner_replay = bool(cfg.get("inner_replay", True))
@@ -102,12 +101,6 @@ class EMCL(Method):
             if self.memory > 0 else None
 
     # ------------------------------------------------------------------------------------
-    def _clear_grads(self) -> None:
-        """``zero_grad(set_to_none=True)`` without its per-call profiler scope: this runs
-        twice per sample."""
-        for p in self._params:
-            p.grad = None
-
     def _loss(self, x: torch.Tensor, y: torch.Tensor, t) -> torch.Tensor:
         return F.cross_entropy(self.model(x, t), y)
 
@@ -155,14 +148,14 @@ class EMCL(Method):
         if self.shuffle_inner:
             order = torch.randperm(xi.shape[0], generator=self.gen).to(xi.device)
             xi, yi, ti = xi[order], yi[order], ti[order]
-        self._clear_grads()
+        self.model.zero_grad(set_to_none=True)
         for k in range(xi.shape[0]):
             self._loss(xi[k:k + 1], yi[k:k + 1], ti[k:k + 1]).backward()
             if self.modulation:
                 self._modulated_inner_step()
             else:
                 opt.inner_step()
-            self._clear_grads()
+            self.model.zero_grad(set_to_none=True)
 
         # meta step on the batch (and the replayed samples)
         if xr is not None and self.meta_replay:
@@ -172,5 +165,5 @@ class EMCL(Method):
         loss = self._loss(xm, ym, tm)
         loss.backward()
         opt.meta_step()
-        self._clear_grads()
+        self.model.zero_grad(set_to_none=True)
         return float(loss.detach())
