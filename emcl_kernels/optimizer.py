@@ -1,20 +1,21 @@
 """FusedEMCLOptimizer: EMCL as a ``torch.optim.Optimizer`` (SPEC section 3)."""
 from __future__ import annotations
 
-import os
-import sys
-import warnings
-from collections import deque
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from emcl_kernels import functional as F
-from emcl_kernels.backends import BACKENDS
-from emcl_kernels.integration import local, tensor_hyperparameter
-from emcl_kernels.reference import compute_dtype
+from emcl_kernels.functional import resolve_backend
+from emcl_kernels.integration import capturing, is_dtensor, local
+from emcl_kernels.interface import COUNTER, HYPER, OP
+from emcl_kernels.plan import Plan, new_counters, pack_hyper, run
+from emcl_kernels.skips import NonFiniteGradientWarning, SkipLog
+from emcl_kernels.validation import (IMPORTANCE_KINDS, INNER_KEYS, LR_MODES, META_KEYS,
+                                     NUMERIC_KEYS, PARAM_DTYPES,
+                                     check_flag, check_hyperparameters, check_no_overlap,
+                                     check_param, state_dtype)
 
 __all__ = ["FusedEMCLOptimizer", "NonFiniteGradientWarning"]
 
@@ -24,54 +25,36 @@ DEFAULT_LR_MODE = "inverse"
 DEFAULT_DECAY = 0.9
 DEFAULT_LR_SCALE = None  # None: 1 / reg, so that alpha * reg * h ~ meta_lr wherever h >> eps
 
-_INNER_KEYS = ("inner_lr", "reg", "gamma", "prox")
-_META_KEYS = ("meta_lr", "reg", "decay", "lr_scale", "lr_mode", "lr_min", "lr_max", "eps",
-              "importance")
-# the numeric hyper-parameters, which capturable mode keeps as 0-d tensors on the device
-_NUMERIC_KEYS = ("inner_lr", "meta_lr", "reg", "gamma", "decay", "lr_scale", "lr_min", "lr_max",
-                 "eps")
+_HYPER_KEYS = tuple(dict.fromkeys(INNER_KEYS + META_KEYS))
+_MODE_KEYS = ("prox", "importance", "lr_mode")
 _STATE_KEYS = ("anchor", "importance", "meta_lr", "step")
+_CALLS, _SKIPPED = COUNTER["calls"], COUNTER["skipped"]
+# step() without meta_every: the cadence op whose meta step never comes due (its calls are
+# still counted on the device, for the checkpoint)
+_NEVER = 1 << 62
 
 
-class NonFiniteGradientWarning(RuntimeWarning):
-    """A step of :class:`FusedEMCLOptimizer` was skipped: its gradients held an inf or a NaN."""
+def _group_key(group: dict) -> tuple:
+    """What a plan depends on in a group: values, and tensors by identity."""
+    return tuple(("tensor", id(v)) if isinstance(v, Tensor) else v
+                 for v in map(group.get, _HYPER_KEYS))
 
 
-def _caller_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside this package and
-    torch (the user's ``opt.step()``), whatever the path through them."""
-    inside = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-              os.path.dirname(os.path.abspath(torch.__file__)))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(inside):
-        frame, level = frame.f_back, level + 1
-    return level
+def _kind(v) -> str:
+    return "tensor" if isinstance(v, tuple) else type(v).__name__
 
 
-def _no_host_sync() -> bool:
-    """True while torch.compile traces or a CUDA graph is being captured."""
-    if torch.compiler.is_compiling():
-        return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+_MODE_INDEX = tuple(_HYPER_KEYS.index(k) for k in _MODE_KEYS)
 
 
-class _PendingFlag:
-    """A skip flag on a CUDA device, copied to pinned host memory without a sync; ``ready()``
-    says (without blocking) whether the copy has landed. ``steps`` are the meta-step counters
-    that were advanced for the step and must be taken back if it turns out to be skipped."""
-
-    def __init__(self, flag: Tensor, steps: list):
-        self.host = torch.empty((), dtype=torch.float32, pin_memory=True)
-        self.host.copy_(flag, non_blocking=True)
-        self.event = torch.cuda.Event()
-        self.event.record(torch.cuda.current_stream(flag.device))
-        self.steps = steps
-
-    def ready(self, wait: bool) -> bool:
-        if wait:
-            self.event.synchronize()
-            return True
-        return self.event.query()
+def _grads_fit(plan: Plan, grads: list) -> bool:
+    """Per step, for the backends that do not check their gradients themselves: every
+    gradient is dense and like its parameter (dtype, shape, device, strides)."""
+    for p, g in zip(plan.params, grads):
+        if g.layout != torch.strided or g.dtype != p.dtype or g.shape != p.shape \
+                or g.device != p.device or (g.numel() > 1 and g.stride() != p.stride()):
+            return False
+    return True
 
 
 class FusedEMCLOptimizer(Optimizer):
@@ -120,17 +103,19 @@ class FusedEMCLOptimizer(Optimizer):
             wherever :math:`h \gg \epsilon`).
         lr_mode: ``"inverse"``, ``"recurrent"`` or ``"constant"``.
         lr_min, lr_max: the clip of the meta learning rate.
-        eps: :math:`\epsilon` in :math:`h + \epsilon`.
+        eps: :math:`\epsilon` in :math:`h + \epsilon` (at least the smallest normal float32).
         importance: ``"taylor"`` (eq. 13) or ``"si"`` (the EMCL-SI ablation).
         prox: proximal inner update (eq. 19) or the plain gradient step.
-        meta_every: if set, every ``meta_every``-th ``step()`` also does the meta step.
+        meta_every: if set, every ``meta_every``-th ``step()`` also does the meta step; the count
+            is kept on the device, so a captured or compiled ``step()`` keeps the cadence.
         backend: ``"auto"`` or a name from :func:`emcl_kernels.available_backends`.
-        capturable: keep the step counts and the numeric hyper-parameters as 0-d fp32 tensors on
-            the parameters' device and never sync with the host, so that ``inner_step()``,
-            ``meta_step()`` and ``inner_meta_step()`` can be captured in a CUDA graph and
-            replayed. Change a hyper-parameter in place (``group["inner_lr"].fill_(0.01)``);
-            rebinding it to a new tensor or number is not seen by a captured graph. Any
-            hyper-parameter may also be given as a 0-d tensor without this flag.
+        capturable: keep the numeric hyper-parameters as 0-d float64 tensors on the
+            parameters' device (views of the one tensor the kernels read), so that a step
+            captured in a CUDA graph reads their current values at replay. Change them in place
+            (``group["inner_lr"].fill_(0.01)``); a value rebound to a new number or tensor is
+            taken at the next eager step, but a captured graph keeps reading the old storage.
+            In-place changes are not re-validated. Without this flag any hyper-parameter may
+            also be given as a 0-d tensor; it is then read and checked at every step.
         check_finite: if True (default), a step whose gradients hold an inf or a NaN writes
             nothing (parameters, anchors, importances, learning rates and the meta-step count
             stay as they were), is counted in :attr:`skipped_steps` and raises a
@@ -140,24 +125,27 @@ class FusedEMCLOptimizer(Optimizer):
     optimizer its scale and ``found_inf`` (``_step_supports_amp_scaling``), which the kernels
     apply as torch's fused optimizers do (grads divided by the scale; nothing written when an
     inf/NaN was found; the meta step count not advanced). DTensor (FSDP2) parameters are updated
-    shard by shard, with DTensor state sharded like them. Under ``torch.compile`` the state is
-    set up outside the graph, as for torch's optimizers, and float hyper-parameters become
-    symbols after their first change instead of recompiling for each value.
+    shard by shard, with DTensor state sharded like them, and every rank skips the same steps.
+    Under ``torch.compile`` the state and the plans are set up outside the graph, as for torch's
+    optimizers.
 
-    [note: skipped steps] The check is one fused pass over all gradients of the step that
-    leaves one 0-d flag on the device (:func:`emcl_kernels.functional.found_non_finite`); every
-    backend skips on that flag, so one bad gradient anywhere skips the whole step, in every
-    param group. On CPU the flag is read at once: the warning and the count come with the step.
-    On CUDA it is copied to pinned host memory without a sync and read when it has landed (at
-    a later step, or at once when :attr:`skipped_steps` or :meth:`state_dict` is read, which
-    wait for it): the warning may come a step or two late, and the CPU-side meta-step counter
-    ``state["step"]`` is advanced at once and taken back when the skip is seen. The
-    ``meta_every`` cadence counts ``step()`` calls, skipped or not. While torch.compile traces
-    or a CUDA graph is captured nothing is read on the host: skips are counted on the device
-    (read by :attr:`skipped_steps`) and the step counters advance by ``1 - flag``, without a
-    warning (as does ``step()`` with ``meta_every`` in capturable mode). When GradScaler (or the caller) gives ``found_inf``,
-    that flag replaces the check: GradScaler has checked the same gradients, and its skips are
-    its own to count (its scale backs off), so they are neither warned about nor counted here.
+    [note: plans] The optimizer validates when its configuration changes (construction,
+    ``add_param_group``, a parameter gaining or losing its gradient, a changed mode, a new
+    value of a hyper-parameter, ``load_state_dict``) and keeps one
+    :class:`~emcl_kernels.plan.Plan` per (param group, device, dtype). A step then gathers the
+    gradients and makes one backend call per plan (the compiled backends check the gradients
+    themselves, in C++ or in the Triton launcher); the meta-step counts (``state["step"]``, views
+    of one tensor per plan) and the call and skip counters stay on the device. State tensors are
+    held by the plans: replace one only through :meth:`load_state_dict` (or change it in place).
+
+    [note: skipped steps] The check is one read-only pass over all gradients of the step that
+    sets a flag on the device (see ``emcl_kernels.functional``, [note: non-finite gradients]);
+    every backend skips on that flag, so one bad gradient anywhere skips the whole step, in every
+    param group. How and when the host learns of a skip: :mod:`emcl_kernels.skips`. The
+    ``meta_every`` cadence counts ``step()`` calls, skipped or not. When GradScaler (or the caller)
+    gives ``found_inf``, that flag replaces the check: GradScaler has checked the same
+    gradients, and its skips are its own to count (its scale backs off), so they are neither
+    warned about nor counted here.
     """
 
     def __init__(self, params, meta_lr: float = 0.1, inner_lr: float = 0.075, reg: float = 50.0,
@@ -169,176 +157,288 @@ class FusedEMCLOptimizer(Optimizer):
                  capturable: bool = False, check_finite: bool = True):
         if not isinstance(check_finite, bool):
             raise TypeError(f"check_finite must be a bool, got {type(check_finite).__name__}")
+        if not isinstance(capturable, bool):
+            raise TypeError(f"capturable must be a bool, got {capturable!r}")
         if meta_every is not None and (isinstance(meta_every, bool)
                                        or not isinstance(meta_every, int) or meta_every < 1):
             raise ValueError(f"meta_every must be None or a positive int, got {meta_every!r}")
+        from emcl_kernels.backends import BACKENDS
         if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
             raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, "
                              f"got {backend!r}")
         defaults = dict(meta_lr=meta_lr, inner_lr=inner_lr, reg=reg, gamma=gamma, decay=decay,
                         lr_scale=lr_scale, lr_mode=lr_mode, lr_min=lr_min, lr_max=lr_max,
                         eps=eps, importance=importance, prox=prox)
-        if not isinstance(capturable, bool):
-            raise TypeError(f"capturable must be a bool, got {capturable!r}")
-        self._check_group(defaults)
+        self._check_group(defaults, "the defaults")
         defaults["capturable"] = capturable
         self.meta_every = meta_every
         self.backend = backend
         self.check_finite = check_finite
-        self._skipped_steps = 0
-        self._pending: deque = deque()
+        self._reset_runtime(calls=0, skips=0)
         super().__init__(params, defaults)
-        for group in self.param_groups:
-            for p in group["params"]:
-                F.resolve_backend(backend, local(p).device)  # fail now if it cannot run here
-        # the count of step() calls that meta_every runs on: a tensor, so that a compiled or
-        # captured step() can advance it (see _masked_step); on the device when capturable
-        first = next((p for g in self.param_groups for p in g["params"]), None)
-        on = local(first).device if capturable and first is not None else "cpu"
-        self._calls = torch.zeros((), dtype=torch.int64, device=on)
-        # skips counted without a host read (torch.compile, CUDA graph capture, capturable):
-        # made here, on the parameters' device, so that a compiled step only updates it
-        self._device_skips = torch.zeros((), dtype=torch.float32,
-                                         device=local(first).device if first is not None
-                                         else "cpu")
 
-    @property
-    def _step_calls(self) -> int:
-        return int(self._calls.item())
-
-    @_step_calls.setter
-    def _step_calls(self, value: int) -> None:
-        self._calls.fill_(int(value))
+    def _reset_runtime(self, calls: int, skips: int) -> None:
+        """Forget plans and device counters; the counts start from ``calls`` and ``skips``."""
+        self._plans: Optional[list] = None
+        self._keys: list = []           # _group_key of each group when the plans were built
+        self._tensor_hyper: list = []   # groups whose tensor hyper-parameters are read per step
+        self._counters: dict = {}       # device -> counters (emcl_kernels.interface)
+        self._calls_base = int(calls)   # step() calls before the first counters existed
+        self._skips = SkipLog(skips)
+        self._mesh = None
+        self._without_grad: list = []   # parameters without a gradient when the plans were built
+        self._storage: dict = {}        # group index -> capturable hyper tensor (views in group)
 
     # -- hyper-parameters ---------------------------------------------------------------------
     @staticmethod
-    def _check_group(group: dict, where: str = "param group") -> None:
-        missing = [k for k in _INNER_KEYS + _META_KEYS if k not in group]
+    def _check_group(group: dict, where: str = "param group") -> dict:
+        missing = [k for k in _HYPER_KEYS if k not in group]
         if missing:
             raise ValueError(f"{where} lacks the hyper-parameter(s) {', '.join(missing)}; "
                              "was it made for another optimizer?")
-        hp = {k: group[k] for k in _INNER_KEYS + _META_KEYS}
-        if hp["lr_scale"] is None:
-            hp.pop("lr_scale")
-        F.check_hyperparameters(**hp)
+        return check_hyperparameters(**{k: group[k] for k in _HYPER_KEYS})
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (torch semantics); its parameters get state at their first step.
 
         Refused, with nothing added, when a hyper-parameter is out of its domain, a parameter
-        appears twice or shares memory with another parameter of any group, or the backend
-        cannot run on a parameter's device.
+        is not a floating-point tensor, appears twice or shares memory with another parameter
+        of any group, or the backend cannot run on a parameter's device.
         """
-        self._check_group({**self.defaults, **param_group})  # before the group is added
+        self._check_group({**self.defaults, **{k: v for k, v in param_group.items()
+                                               if k != "params"}},
+                          f"param group {len(self.param_groups)}")
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
+        gi = len(self.param_groups) - 1
+        group = self.param_groups[gi]
         try:
-            seen = {}
-            for gi, other in enumerate(self.param_groups):
+            named = []
+            for g, other in enumerate(self.param_groups):
                 for pi, p in enumerate(other["params"]):
-                    lp = local(p)
-                    if lp.numel() == 0:
-                        continue
-                    key = (lp.device, lp.untyped_storage().data_ptr(), lp.storage_offset())
-                    if key in seen:
-                        raise ValueError(
-                            f"parameter {pi} of param group {gi} is the same tensor as (or "
-                            f"shares memory with) parameter {seen[key][1]} of param group "
-                            f"{seen[key][0]}; each parameter may appear only once")
-                    seen[key] = (gi, pi)
+                    where = f"parameter {pi} of param group {g}"
+                    if p.dtype not in PARAM_DTYPES:
+                        raise TypeError(f"{where} has dtype {p.dtype}; FusedEMCLOptimizer "
+                                        "updates floating-point parameters (float32, "
+                                        "bfloat16, float16, float64)")
+                    if p.device.type != "meta":
+                        named.append((where, p))
+            check_no_overlap(named)
             for p in group["params"]:  # fail now if the backend cannot run on these tensors
-                F.resolve_backend(self.backend, local(p).device)
+                if p.device.type != "meta":
+                    resolve_backend(self.backend, local(p).device)
+            if group.get("capturable"):
+                self._adopt_capturable(gi)
         except Exception:
             self.param_groups.pop()
             raise
-        self._capturable_hyper(self.param_groups[-1])
+        self._plans = None
 
-    @staticmethod
-    def _capturable_hyper(group: dict) -> None:
-        """capturable: make the group's numeric hyper-parameters 0-d fp32 tensors on its
-        parameters' device (a captured graph reads them there; change them in place)."""
-        if not group.get("capturable") or not group["params"]:
+    def _adopt_capturable(self, gi: int) -> None:
+        """Make the numeric hyper-parameters of group ``gi`` 0-d views of one fp64 tensor on
+        the group's device: the ``hyper`` every plan of the group hands its kernels."""
+        group = self.param_groups[gi]
+        first = next((p for p in group["params"] if p.device.type != "meta"), None)
+        device = local(first).device if first is not None else torch.device("cpu")
+        storage = self._storage.get(gi)
+        if storage is None or storage.device != device:
+            storage = torch.zeros(len(HYPER), dtype=torch.float64, device=device)
+            self._storage[gi] = storage
+        hp = self._check_group(group, f"param group {gi}")
+        storage.copy_(pack_hyper(hp, device))
+        for name, i in HYPER.items():
+            if group[name] is not None:
+                group[name] = storage[i]
+
+    def _refresh_hyper(self, gi: int, group: dict) -> None:
+        """A group's numbers changed (a schedule), or its tensor hyper-parameters are read per
+        step: check them and write them into its plans' ``hyper`` (capturable groups: into the
+        storage their views share)."""
+        if group.get("capturable"):
+            self._adopt_capturable(gi)
+        hp = self._check_group(group, f"param group {gi}")
+        for plan in self._plans:
+            if plan.group == gi and plan.hyper is not self._storage.get(gi):
+                plan.hyper.copy_(pack_hyper(hp, plan.device))
+
+    # -- plans ----------------------------------------------------------------------------------
+    def _counters_for(self, device: torch.device) -> Tensor:
+        c = self._counters.get(device)
+        if c is None:
+            calls = self._step_calls
+            c = new_counters(device)
+            c[_CALLS] = calls
+            if not self._counters:
+                self._skips.watch(c)
+            self._counters[device] = c
+        return c
+
+    def _retire(self) -> None:
+        """The old plans' ``state["step"]`` views become tensors of their own."""
+        for plan in self._plans or ():
+            for p, s in zip(plan.sources, plan.steps.unbind(0) if plan.steps.numel() else ()):
+                st = self.state.get(p)
+                if st is not None and "step" in st:
+                    st["step"] = s.clone()
+        self._plans = None
+
+    def _build(self) -> list:
+        """Validate every group and every parameter that has a gradient, make the missing
+        state, and group everything into plans ([note: plans]). Nothing is written unless all
+        of it passes."""
+        self._retire()
+        checked = []
+        for gi, group in enumerate(self.param_groups):
+            hp = self._check_group(group, f"param group {gi}")
+            ready = []
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                self._check_parameter(f"parameter {pi} of param group {gi}", p, group)
+                ready.append((pi, p))
+            checked.append((gi, group, hp, ready))
+        named = []
+        for gi, _, _, ready in checked:
+            for pi, p in ready:
+                where = f"parameter {pi} of param group {gi}"
+                named.append((where, p))
+                named.append((f"the gradient of {where}", p.grad))
+                for key in ("anchor", "importance", "meta_lr"):
+                    if key in self.state.get(p, {}):
+                        named.append((f"the {key} state of {where}", self.state[p][key]))
+        check_no_overlap(named)
+        plans, keys, tensor_hyper = [], [], []
+        mesh = None
+        for gi, group, hp, ready in checked:
+            keys.append(_group_key(group))
+            if any(isinstance(group[k], Tensor) for k in NUMERIC_KEYS) \
+                    and not group.get("capturable"):
+                tensor_hyper.append(gi)
+            by_key: dict = {}
+            for _, p in ready:
+                by_key.setdefault((local(p).device, p.dtype), []).append(p)
+            for (device, dtype), ps in by_key.items():
+                recurrent = group["lr_mode"] == "recurrent"
+                for p in ps:
+                    self._init_state(p, group, recurrent)
+                if any(is_dtensor(p) for p in ps):
+                    mesh = next(p.device_mesh for p in ps if is_dtensor(p))
+                steps = torch.stack([self.state[p]["step"].detach().reshape(())
+                                     .to(device=device, dtype=torch.float32) for p in ps])
+                for i, p in enumerate(ps):
+                    self.state[p]["step"] = steps[i]
+                storage = self._storage.get(gi)
+                hyper = storage if storage is not None and storage.device == device \
+                    else pack_hyper(hp, device)
+                plans.append(Plan(
+                    resolve_backend(self.backend, device), device, dtype, ps,
+                    [local(p) for p in ps], [local(self.state[p]["anchor"]) for p in ps],
+                    [local(self.state[p]["importance"]) for p in ps],
+                    [local(self.state[p]["meta_lr"]) for p in ps] if recurrent else [],
+                    steps, hyper, prox=hp["prox"], importance=hp["importance"],
+                    lr_mode=hp["lr_mode"], group=gi, sharded=any(is_dtensor(p) for p in ps)))
+        for plan in plans:
+            self._counters_for(plan.device)
+        self._plans, self._keys, self._tensor_hyper, self._mesh = plans, keys, tensor_hyper, mesh
+        self._without_grad = [p for group in self.param_groups for p in group["params"]
+                              if p.grad is None]
+        return plans
+
+    def _check_parameter(self, where: str, p: Tensor, group: dict) -> None:
+        """A parameter with a gradient, and its state if it has one, as a step needs them."""
+        check_param(where, p)
+        g = p.grad
+        if g.layout != torch.strided:
+            raise RuntimeError(f"{where} has a {g.layout} gradient, but EMCL's updates are "
+                               "dense: sparse gradients are not supported (for nn.Embedding, "
+                               "use sparse=False)")
+        if g.dtype != p.dtype:
+            raise TypeError(f"the gradient of {where} has dtype {g.dtype}, the parameter "
+                            f"{p.dtype}: EMCL needs gradients in the parameter's dtype")
+        if g.shape != p.shape:
+            raise ValueError(f"the gradient of {where} has shape {tuple(g.shape)}, the "
+                             f"parameter {tuple(p.shape)}")
+        if g.device != p.device:
+            raise RuntimeError(f"the gradient of {where} is on {g.device}, the parameter on "
+                               f"{p.device}")
+        lg, lp = local(g), local(p)
+        if lg.numel() > 1 and lg.stride() != lp.stride():
+            raise RuntimeError(f"the gradient of {where} has strides {lg.stride()}, the "
+                               f"parameter {lp.stride()}: EMCL needs a gradient laid out like "
+                               "its parameter (autograd makes them so; a gradient set by hand "
+                               "must follow the parameter's memory format)")
+        st = self.state.get(p)
+        if not st:
             return
-        device = local(group["params"][0]).device
-        for key in _NUMERIC_KEYS:
-            value = group[key]
-            if tensor_hyperparameter(value):
-                if value.device != device or value.dtype != torch.float32:
-                    group[key] = value.detach().to(device, torch.float32).clone()
-            elif value is not None:
-                group[key] = torch.tensor(float(value), dtype=torch.float32, device=device)
-
-    @staticmethod
-    def _hyper(group: dict, keys) -> dict:
-        hp = {k: group[k] for k in keys}
-        if "lr_scale" in hp and hp["lr_scale"] is None:
-            reg = group["reg"]
-            if tensor_hyperparameter(reg):  # no host sync: captured graphs read reg at replay
-                hp["lr_scale"] = torch.where(reg > 0, 1.0 / reg, torch.ones_like(reg))
-            else:
-                hp["lr_scale"] = 1.0 / reg if reg > 0 else 1.0
-        return hp
-
-    # -- state ----------------------------------------------------------------------------------
-    def _init_group(self, group: dict, params: list, grads: list, anchors: list,
-                    importances: list, meta_lrs: list, steps: list) -> bool:
-        """Fill the given lists for one group: params with a gradient, their grads and their
-        (lazily made) state. Returns whether the group stores ``meta_lr`` (recurrent mode).
-
-        It fills lists it is given, as torch's own optimizers do, so that ``torch.compile``
-        runs it once outside the graph and guards on the state it makes.
-        """
-        recurrent = group["lr_mode"] == "recurrent"
-        for p in group["params"]:
-            if p.grad is None:
+        want = state_dtype(p.dtype)
+        for key in ("anchor", "importance", "meta_lr"):
+            t = st.get(key)
+            if t is None:
                 continue
-            state = self.state[p]
-            if not state:
-                anchor = p.detach().to(compute_dtype(p.dtype), copy=True)
-                state["anchor"] = anchor.contiguous()
-                state["importance"] = torch.zeros_like(state["anchor"])
-                state["step"] = torch.tensor(
-                    0.0, dtype=torch.float32,
-                    device=local(p).device if group.get("capturable") else "cpu")
-            if recurrent and "meta_lr" not in state:
-                state["meta_lr"] = torch.full_like(state["anchor"], float(group["meta_lr"]))
-            params.append(p)
-            grads.append(p.grad)
-            anchors.append(state["anchor"])
-            importances.append(state["importance"])
-            steps.append(state["step"])
-            if recurrent:
-                meta_lrs.append(state["meta_lr"])
-        return recurrent
+            if t.dtype != want:
+                raise RuntimeError(
+                    f"{where} is {p.dtype} but its {key} state is {t.dtype}: the parameter "
+                    f"changed dtype after its state was made (model.double()/.float()?); "
+                    "convert the model before the first step, or save the optimizer's state, "
+                    "make a new optimizer for the converted model and load the state into it")
+            if t.device != p.device:
+                raise RuntimeError(
+                    f"{where} is on {p.device} but its {key} state is on {t.device}: the "
+                    "model moved after its state was made (model.to(...)?); move the model "
+                    "before the first step, or save the optimizer's state and load it into a "
+                    "new optimizer (load_state_dict puts the state where the parameters are)")
+            if t.shape != p.shape:
+                raise RuntimeError(f"{where} has shape {tuple(p.shape)} but its {key} state "
+                                   f"has {tuple(t.shape)}")
+            if local(t).numel() > 1 and local(t).stride() != lp.stride():
+                st[key] = torch.empty_like(p, dtype=want).copy_(t)  # follow the layout
 
-    def _lists(self, group: dict):
-        """The lists of one group (see :meth:`_init_group`); ``meta_lrs`` is None unless the
-        group is in recurrent mode."""
-        params, grads, anchors, importances, meta_lrs, steps = [], [], [], [], [], []
-        recurrent = self._init_group(group, params, grads, anchors, importances, meta_lrs, steps)
-        return params, grads, anchors, importances, (meta_lrs if recurrent else None), steps
+    def _init_state(self, p: Tensor, group: dict, recurrent: bool) -> None:
+        st = self.state[p]
+        if not st:
+            st["anchor"] = torch.empty_like(p, dtype=state_dtype(p.dtype)).copy_(p.detach())
+            st["importance"] = torch.zeros_like(st["anchor"])
+            st["step"] = torch.zeros((), dtype=torch.float32, device=local(p).device)
+        if recurrent and "meta_lr" not in st:
+            meta_lr = group["meta_lr"]
+            st["meta_lr"] = torch.empty_like(st["anchor"])
+            st["meta_lr"].copy_(meta_lr) if isinstance(meta_lr, Tensor) \
+                else st["meta_lr"].fill_(float(meta_lr))
 
-    def _gather(self) -> list:
-        """Every group with its lists, all checked before any tensor is written: the
-        hyper-parameters (they may have been changed through ``param_groups``) and, when there
-        are several groups, the tensors (``functional`` checks them again per call)."""
-        gathered = []
-        for i, group in enumerate(self.param_groups):
-            self._check_group(group, f"param group {i}")
-            gathered.append((group, self._lists(group)))
-        if len(gathered) > 1:
-            for group, (params, grads, anchors, importances, meta_lrs, _) in gathered:
-                F._check_lists(params, grads, anchors, importances, meta_lrs,
-                               need_meta_lrs=meta_lrs is not None)
-        return gathered
+    def _plans_now(self) -> list:
+        """The plans for this step: rebuilt when the configuration changed, with fresh
+        ``hyper`` tensors where only hyper-parameter values changed ([note: plans])."""
+        if self._plans is None or len(self._keys) != len(self.param_groups) \
+                or any(p.grad is not None for p in self._without_grad):
+            return self._build()
+        for gi, (group, key) in enumerate(zip(self.param_groups, self._keys)):
+            now = _group_key(group)
+            if now == key:
+                continue
+            if any(_kind(a) != _kind(b) for a, b in zip(now, key)) \
+                    or any(now[i] != key[i] for i in _MODE_INDEX):
+                return self._build()  # a mode, or a number became a tensor (or back)
+            self._refresh_hyper(gi, group)
+            self._keys[gi] = _group_key(group)
+        for gi in self._tensor_hyper:
+            self._refresh_hyper(gi, self.param_groups[gi])
+        return self._plans
 
-    def _flag(self, gathered: list, found_inf: Optional[Tensor] = None) -> Optional[Tensor]:
-        """The skip flag of this step (see [note: skipped steps]), or None when not checking:
-        with ``check_finite=False``, or when the caller (GradScaler) gives ``found_inf``, which
-        already covers the same gradients."""
-        if not self.check_finite or found_inf is not None:
-            return None
-        return F.found_non_finite([g for _, lists in gathered for g in lists[1]])
+    def _gather(self):
+        """This step's plans and gradients. A parameter that lost its gradient rebuilds the
+        plans; the gradients of backends that do not check them per call are checked here."""
+        plans = self._plans_now()
+        grads = []
+        for plan in plans:
+            g = [p.grad for p in plan.sources]
+            if any(x is None for x in g):
+                plans = self._build()
+                return plans, [[local(p.grad) for p in plan.sources] for plan in plans]
+            if plan.sharded:
+                g = [local(x) for x in g]
+            if not plan.checks_grads and not _grads_fit(plan, g):
+                self._build()  # raises, naming the parameter and what is wrong
+            grads.append(g)
+        return plans, grads
 
     # -- the steps ------------------------------------------------------------------------------
     # [note: AMP] torch.amp.GradScaler.step(opt) sees ``_step_supports_amp_scaling`` and, instead
@@ -346,7 +446,7 @@ class FusedEMCLOptimizer(Optimizer):
     # already called ``scaler.unscale_(opt)``) and ``opt.found_inf`` (summed over devices) for the
     # duration of ``opt.step()``. The kernels divide the grads by the scale and write nothing
     # when found_inf is non-zero, as torch's fused optimizers do, and the meta step count is
-    # advanced by ``1 - found_inf``. Both may also be passed to any step method by hand.
+    # not advanced. Both may also be passed to any step method by hand.
     _step_supports_amp_scaling = True
 
     def _amp(self, grad_scale: Optional[Tensor], found_inf: Optional[Tensor]):
@@ -354,113 +454,112 @@ class FusedEMCLOptimizer(Optimizer):
             grad_scale = getattr(self, "grad_scale", None)
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
+        check_flag("grad_scale", grad_scale)
+        check_flag("found_inf", found_inf)
         return grad_scale, found_inf
 
+    # [note: torch.compile] Dynamo runs a method named ``_init_group`` eagerly, with the real
+    # tensors, when it traces a step (torch/_dynamo/variables/optimizer.py): that is where the
+    # plans are built or refreshed, outside the graph; the lists it fills become graph inputs
+    # (guarded, and marked static for CUDA graphs) and the specs it returns become constants.
+    # The traced step then makes the same backend calls as an eager one.
+    def _init_group(self, group: dict, params: list, grads: list, anchors: list,
+                    importances: list, meta_lrs: list, extras: list) -> tuple:
+        """Fill the lists with this group's plans' tensors (``extras``: steps, hyper, counters
+        of each plan) and return one spec per plan: (tensors, meta_lrs, prox, importance,
+        lr_mode, device)."""
+        plans, all_grads = self._gather()
+        gi = next(i for i, g in enumerate(self.param_groups) if g is group)
+        specs = []
+        for plan, g in zip(plans, all_grads):
+            if plan.group != gi:
+                continue
+            params += plan.params
+            grads += g
+            anchors += plan.anchors
+            importances += plan.importances
+            meta_lrs += plan.meta_lrs
+            extras += [plan.steps, plan.hyper, self._counters[plan.device]]
+            specs.append((len(plan.params), len(plan.meta_lrs), plan.prox, plan.importance,
+                          plan.lr_mode, str(plan.device)))
+        return tuple(specs)
+
+    def _traced_plans(self):
+        plans, grads, counters = [], [], {}
+        for group in self.param_groups:
+            params, gs, anchors, importances, meta_lrs, extras = [], [], [], [], [], []
+            specs = self._init_group(group, params, gs, anchors, importances, meta_lrs, extras)
+            start = mstart = 0
+            for k, (n, m, prox, importance, lr_mode, device) in enumerate(specs):
+                device = torch.device(device)
+                steps, hyper, c = extras[3 * k], extras[3 * k + 1], extras[3 * k + 2]
+                plans.append(Plan(resolve_backend(self.backend, device), device, None, [],
+                                  params[start:start + n], anchors[start:start + n],
+                                  importances[start:start + n], meta_lrs[mstart:mstart + m],
+                                  steps, hyper, prox=prox, importance=IMPORTANCE_KINDS[importance],
+                                  lr_mode=LR_MODES[lr_mode]))
+                grads.append(gs[start:start + n])
+                counters[device] = c
+                start, mstart = start + n, mstart + m
+        return plans, grads, counters
+
     @torch.no_grad()
+    def _step(self, op: int, meta_every: int, grad_scale, found_inf) -> None:
+        grad_scale, found_inf = self._amp(grad_scale, found_inf)
+        if torch.compiler.is_compiling():
+            plans, grads, counters = self._traced_plans()
+            if plans:
+                run(plans, grads, counters, op=op, meta_every=meta_every,
+                    check=self.check_finite and found_inf is None, grad_scale=grad_scale,
+                    found_inf=found_inf, mesh=self._mesh)
+            return
+        plans, grads = self._gather()
+        if not plans:
+            if op == OP["cadence"]:
+                c = self._counters_for(self._home_device())
+                c[_CALLS] += 1
+            return
+        try:
+            run(plans, grads, self._counters, op=op, meta_every=meta_every,
+                check=self.check_finite and found_inf is None, grad_scale=grad_scale,
+                found_inf=found_inf, mesh=self._mesh)
+        except (RuntimeError, TypeError, ValueError):
+            self._plans = None
+            self._build()  # says what is wrong in the user's terms, if it can
+            raise
+        if op == OP["cadence"] and len(self._counters) > len({p.device for p in plans}):
+            for device, c in self._counters.items():  # a device without gradients this step
+                if all(p.device != device for p in plans):
+                    c[_CALLS] += 1
+        if not capturing():
+            self._skips.after_step()
+
+    def _home_device(self) -> torch.device:
+        if self._counters:
+            return next(iter(self._counters))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.device.type != "meta":
+                    return local(p).device
+        return torch.device("cpu")
+
     def inner_step(self, *, grad_scale: Optional[Tensor] = None,
                    found_inf: Optional[Tensor] = None) -> None:
         """One inner step (eqs. 14, 15, 19) on every parameter with a gradient.
 
         ``grad_scale``/``found_inf``: see [note: AMP] (normally set by ``GradScaler.step``).
         """
-        grad_scale, found_inf = self._amp(grad_scale, found_inf)
-        gathered = self._gather()
-        flag = self._flag(gathered, found_inf)
-        for group, (params, grads, anchors, importances, _, _) in gathered:
-            F.inner_step_(params, grads, anchors, importances, backend=self.backend,
-                          grad_scale=grad_scale, found_inf=found_inf if flag is None else flag,
-                          check_finite=False, **self._hyper(group, _INNER_KEYS))
-        self._count(flag, [], found_inf)
+        self._step(OP["inner"], 1, grad_scale, found_inf)
 
-    @torch.no_grad()
     def meta_step(self, *, grad_scale: Optional[Tensor] = None,
                   found_inf: Optional[Tensor] = None) -> None:
         """One meta step (eqs. 13, 7, 8, 10): importance, learning rates, anchor; θ ← θ₀."""
-        self._meta(F.meta_step_, _META_KEYS, *self._amp(grad_scale, found_inf))
+        self._step(OP["meta"], 1, grad_scale, found_inf)
 
-    @torch.no_grad()
     def inner_meta_step(self, *, grad_scale: Optional[Tensor] = None,
                         found_inf: Optional[Tensor] = None) -> None:
         """The inner step, then the meta step on the same gradient, in one fused pass."""
-        self._meta(F.inner_meta_step_, _META_KEYS + ("inner_lr", "gamma", "prox"),
-                   *self._amp(grad_scale, found_inf))
-
-    def _meta(self, fn: Callable, keys, grad_scale=None, found_inf=None) -> None:
-        gathered = self._gather()
-        flag = self._flag(gathered, found_inf)
-        for group, (params, grads, anchors, importances, meta_lrs, _) in gathered:
-            fn(params, grads, anchors, importances, meta_lrs, backend=self.backend,
-               grad_scale=grad_scale, found_inf=found_inf if flag is None else flag,
-               check_finite=False, **self._hyper(group, keys))
-        self._count(flag, [s for _, lists in gathered for s in lists[5]], found_inf)
-
-    # -- skipped steps (see [note: skipped steps]) ----------------------------------------------
-    def _count(self, flag: Optional[Tensor], steps: list,
-               found_inf: Optional[Tensor] = None) -> None:
-        """Advance the meta-step counters ``steps`` unless the step was skipped; count and warn
-        about a skip of the check's own ``flag``, at once for a CPU flag, when the flag has
-        landed for a CUDA one. A caller's ``found_inf`` (GradScaler) only holds the counters
-        back, without a host sync where they live on its device."""
-        if flag is None:
-            if found_inf is None:
-                if steps:
-                    torch._foreach_add_(steps, 1.0)
-            else:
-                done = {}
-                for s in steps:
-                    if s.device not in done:
-                        done[s.device] = 1.0 - found_inf.reshape(()).to(s.device, torch.float32)
-                    s.add_(done[s.device])
-            return
-        if _no_host_sync():
-            # torch.compile tracing or CUDA graph capture: count on the device, no warning
-            for s in steps:
-                s.add_(1.0 - flag.to(s.device))
-            self._count_on_device(flag)
-            return
-        if flag.device.type != "cuda":
-            if flag.item() != 0:
-                self._skipped(None)
-                return
-            if steps:
-                torch._foreach_add_(steps, 1.0)
-            self._poll(wait=False)
-            return
-        # a CUDA flag, eagerly: device-side counters (capturable) advance by 1 - flag; CPU ones
-        # advance now and are taken back when the flag, read without a sync, says "skipped"
-        on_host = [s for s in steps if s.device.type == "cpu"]
-        for s in steps:
-            if s.device.type != "cpu":
-                s.add_(1.0 - flag.to(s.device))
-        if on_host:
-            torch._foreach_add_(on_host, 1.0)
-        self._pending.append(_PendingFlag(flag, on_host))
-        self._poll(wait=False)
-
-    def _count_on_device(self, flag: Tensor) -> None:
-        self._device_skips.add_(flag.to(self._device_skips.device))
-
-    def _poll(self, wait: bool) -> None:
-        while self._pending and self._pending[0].ready(wait):
-            pending = self._pending.popleft()
-            if pending.host.item() != 0:
-                self._skipped(pending.steps)
-
-    def _skipped(self, steps_to_take_back: Optional[list]) -> None:
-        self._skipped_steps += 1
-        if steps_to_take_back:
-            torch._foreach_sub_(steps_to_take_back, 1.0)
-        warnings.warn("FusedEMCLOptimizer skipped a step: its gradients hold an inf or a NaN, "
-                      "so nothing was written (the count is in .skipped_steps; "
-                      "check_finite=False turns the check off)",
-                      NonFiniteGradientWarning, stacklevel=_caller_stacklevel())
-
-    @property
-    def skipped_steps(self) -> int:
-        """How many steps were skipped for non-finite gradients (kept in checkpoints). Reading
-        it waits for the flags of steps still in flight on a GPU."""
-        self._poll(wait=True)
-        return self._skipped_steps + int(self._device_skips.item())
+        self._step(OP["inner_meta"], 1, grad_scale, found_inf)
 
     def step(self, closure: Optional[Callable[[], Tensor]] = None, *,
              grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None):
@@ -468,65 +567,49 @@ class FusedEMCLOptimizer(Optimizer):
 
         ``closure``, if given, re-evaluates the model and returns the loss (computed with
         gradients enabled), as for any ``torch.optim.Optimizer``. ``grad_scale``/``found_inf``:
-        see [note: AMP]. A call skipped for an inf/NaN still counts towards ``meta_every``.
-        Under torch.compile and in capturable mode the choice between the two is made on the
-        device (see :meth:`_masked_step`), so a compiled or captured ``step()`` keeps counting.
+        see [note: AMP]. A call skipped for an inf/NaN still counts towards ``meta_every``. The
+        calls are counted on the device, so a compiled or captured ``step()`` keeps the cadence.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.meta_every is not None and (
-                torch.compiler.is_compiling() or self._calls.device.type != "cpu"
-                or any(g.get("capturable") for g in self.param_groups)):
-            self._calls.add_(1)
-            self._masked_step(self._calls % self.meta_every == 0, grad_scale, found_inf)
-        elif self.meta_every is not None and (self._step_calls + 1) % self.meta_every == 0:
-            self.inner_meta_step(grad_scale=grad_scale, found_inf=found_inf)
-            self._calls.add_(1)  # after the step: a call that raised is not counted
-        else:
-            self.inner_step(grad_scale=grad_scale, found_inf=found_inf)
-            self._calls.add_(1)
+        self._step(OP["cadence"], self.meta_every or _NEVER, grad_scale, found_inf)
         return loss
 
-    @torch.no_grad()
-    def _masked_step(self, is_meta: Tensor, grad_scale, found_inf) -> None:
-        """``inner_meta_step()`` where the 0-d bool ``is_meta`` is set, else ``inner_step()``,
-        without reading ``is_meta`` on the host: both are computed from the same starting
-        tensors and the result is selected with ``torch.where``. Twice the memory traffic of a
-        step, but it can be traced by torch.compile and captured in a CUDA graph."""
-        state, params = [], []
-        for group in self.param_groups:
-            ps, _, anchors, importances, meta_lrs, steps = self._lists(group)
-            params += ps
-            state += [*anchors, *importances, *(meta_lrs or []), *steps]
-        if not params:
-            return
-        grad_scale, found_inf = self._amp(grad_scale, found_inf)
-        own = self._flag(self._gather(), found_inf)  # once for both steps below
-        if own is not None:
-            self._count_on_device(own)
-            found_inf = own
-        params = [local(p) for p in params]
-        state = [local(t) for t in state]
-        start_params = [p.clone() for p in params]
-        start_state = [t.clone() for t in state]
-        self.inner_step(grad_scale=grad_scale, found_inf=found_inf)
-        inner_params = [p.clone() for p in params]
-        torch._foreach_copy_(params, start_params)
-        self.inner_meta_step(grad_scale=grad_scale, found_inf=found_inf)
-        for t, inner in zip(params, inner_params):
-            t.copy_(torch.where(is_meta.to(t.device), t, inner))
-        for t, start in zip(state, start_state):
-            t.copy_(torch.where(is_meta.to(t.device), t, start))
+    # -- counters -------------------------------------------------------------------------------
+    @property
+    def _step_calls(self) -> int:
+        """The count of ``step()`` calls that ``meta_every`` runs on (waits for the device)."""
+        if not self._counters:
+            return self._calls_base
+        return int(next(iter(self._counters.values()))[_CALLS])
+
+    @_step_calls.setter
+    def _step_calls(self, value: int) -> None:
+        self._calls_base = int(value)
+        for c in self._counters.values():
+            c[_CALLS] = int(value)
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many steps were skipped for non-finite gradients (kept in checkpoints). Reading
+        it waits for the steps still in flight on a GPU."""
+        return self._skips.total()
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """torch's optimizer state dict, plus ``"emcl"``: the count of ``step()`` calls that
         ``meta_every`` runs on, the count of skipped steps, and every parameter's shape (so
-        that a load into another model or another parameter order is refused)."""
-        self._poll(wait=True)
+        that a load into another model or another parameter order is refused). Capturable
+        hyper-parameters are saved as numbers."""
         sd = super().state_dict()
+        sd["state"] = {k: {key: (v.detach().clone() if key == "step" else v)
+                           for key, v in st.items()} for k, st in sd["state"].items()}
+        for group in sd["param_groups"]:
+            for k in NUMERIC_KEYS:
+                if isinstance(group.get(k), Tensor) and group.get("capturable"):
+                    group[k] = float(group[k].item())
         sd["emcl"] = {"step_calls": self._step_calls, "skipped_steps": self.skipped_steps,
                       "param_shapes": [[list(p.shape) for p in group["params"]]
                                        for group in self.param_groups]}
@@ -535,70 +618,54 @@ class FusedEMCLOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state saved by :meth:`state_dict`, on any device and backend.
 
-        The state tensors keep their fp32 (fp64) dtype whatever the parameters' dtype, so a
-        bf16 model's master anchors survive the round trip bit for bit. A state saved for
-        parameters of other shapes or another order is refused before anything changes.
+        Everything is checked before anything changes: the groups and their hyper-parameters,
+        the parameters' shapes and order, every state tensor's kind, shape and values (finite
+        anchors, finite non-negative importances and rates, whole non-negative step counts) and
+        the counters. The state tensors keep their fp32 (fp64) values whatever the parameters'
+        dtype, so a bf16 model's master anchors survive the round trip bit for bit; they are put
+        on the parameters' device, in the parameters' memory layout.
         """
-        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
-            raise ValueError("not an optimizer state dict: it needs 'state' and 'param_groups'")
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("emcl", {})
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"the state has {len(saved_groups)} param groups, "
-                             f"this optimizer has {len(self.param_groups)}")
-        for i, saved in enumerate(saved_groups):
-            self._check_group(saved, f"param group {i} of the state")
-        id_to_param = {}
-        for saved, group in zip(saved_groups, self.param_groups):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError("a param group of the state has "
-                                 f"{len(saved['params'])} parameters, this optimizer's has "
-                                 f"{len(group['params'])}")
-            id_to_param.update(zip(saved["params"], group["params"]))
-        for gi, (shapes, group) in enumerate(zip(extra.get("param_shapes", []),
-                                                 self.param_groups)):
-            for pi, (shape, p) in enumerate(zip(shapes, group["params"])):
-                if tuple(shape) != tuple(p.shape):
-                    raise ValueError(f"parameter {pi} of param group {gi} has shape "
-                                     f"{tuple(p.shape)} but had {tuple(shape)} when the state "
-                                     "was saved: was it saved for another model or another "
-                                     "parameter order?")
-        saved_state = state_dict["state"]
-        for pid, st in saved_state.items():
-            p = id_to_param.get(pid)
-            if p is None:
-                raise ValueError(f"the state names parameter id {pid}, which no group holds")
-            unknown = sorted(set(st) - set(_STATE_KEYS))
-            if unknown or not {"anchor", "importance"} <= set(st):
-                raise ValueError(f"the state of parameter {pid} has keys {sorted(st)}; EMCL "
-                                 f"keeps {', '.join(_STATE_KEYS)} (anchor and importance "
-                                 "always): was it saved by another optimizer?")
-            for key in ("anchor", "importance", "meta_lr", "step"):
-                if key in st and not (torch.is_tensor(st[key]) and st[key].is_floating_point()):
-                    raise ValueError(f"state {key!r} of parameter {pid} must be a "
-                                     "floating-point tensor")
-            for key in ("anchor", "importance", "meta_lr"):
-                if key in st and tuple(st[key].shape) != tuple(p.shape):
-                    raise ValueError(f"state {key!r} of parameter {pid} has shape "
-                                     f"{tuple(st[key].shape)} but the parameter has "
-                                     f"{tuple(p.shape)}: was it saved for another model or "
-                                     "another parameter order?")
-        self._poll(wait=True)
+        from emcl_kernels.checkpoint import check_state_dict
+        saved_state, extra, id_to_param = check_state_dict(self, state_dict)
+        state_dict = {k: v for k, v in state_dict.items() if k != "emcl"}
+        self._retire()
         super().load_state_dict(state_dict)
-        # torch casts floating state to the parameter's dtype; put back the saved fp32 values.
         for pid, st in saved_state.items():
             p = id_to_param[pid]
             mine = self.state[p]
             for key, value in st.items():
                 if key == "step":
-                    on = local(p).device if self._calls.device.type != "cpu" else "cpu"
-                    mine[key] = value.detach().to(dtype=torch.float32, device=on).clone()
-                elif torch.is_tensor(value):
-                    mine[key] = value.detach().to(device=p.device,
-                                                  dtype=compute_dtype(p.dtype)).clone()
-        self._step_calls = int(extra.get("step_calls", 0))
-        self._skipped_steps = int(extra.get("skipped_steps", 0))
-        self._device_skips.zero_()
-        for group in self.param_groups:
-            self._capturable_hyper(group)
+                    mine[key] = torch.as_tensor(value).detach().reshape(()).to(
+                        dtype=torch.float32, device=local(p).device).clone()
+                else:
+                    mine[key] = torch.empty_like(p, dtype=state_dtype(p.dtype)).copy_(value)
+        self._reset_runtime(calls=extra["step_calls"], skips=extra["skipped_steps"])
+        for gi, group in enumerate(self.param_groups):
+            if group.get("capturable"):
+                self._adopt_capturable(gi)
+
+    # -- copies and pickles ---------------------------------------------------------------------
+    def __getstate__(self) -> dict:
+        state = dict(super().__getstate__())
+        state["state"] = {p: {k: (v.detach().clone() if k == "step" else v)
+                              for k, v in st.items()} for p, st in state["state"].items()}
+        state["emcl"] = {"meta_every": self.meta_every, "backend": self.backend,
+                         "check_finite": self.check_finite, "step_calls": self._step_calls,
+                         "skipped_steps": self.skipped_steps}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        extra = state.pop("emcl", None)
+        super().__setstate__(state)
+        if extra is None:  # torch's load_state_dict hands over the new state and groups only
+            return
+        self.meta_every = extra.get("meta_every")
+        self.backend = extra.get("backend", "auto")
+        self.check_finite = extra.get("check_finite", True)
+        self._reset_runtime(calls=extra.get("step_calls", 0),
+                            skips=extra.get("skipped_steps", 0))
+        for gi, group in enumerate(self.param_groups):
+            if group.get("capturable"):
+                self._adopt_capturable(gi)
+

@@ -43,8 +43,9 @@ def test_tensor_hyperparameters_equal_floats(backend, op, mode):
 @pytest.mark.parametrize("bad, error, match", [
     (torch.tensor(-0.1), ValueError, "inner_lr must be in"),
     (torch.tensor(float("nan")), ValueError, "inner_lr must be finite"),
-    (torch.tensor([0.1, 0.2]), TypeError, "one floating-point element"),
-    (torch.tensor(1), TypeError, "one floating-point element"),
+    (torch.tensor([0.1, 0.2]), TypeError, "0-d floating-point tensor"),
+    (torch.tensor([0.1]), TypeError, "0-d floating-point tensor"),  # one element, but 1-d
+    (torch.tensor(1), TypeError, "0-d floating-point tensor"),
     (torch.tensor(0.1, requires_grad=True), ValueError, "must not require grad"),
 ])
 def test_tensor_hyperparameters_are_checked(bad, error, match):

@@ -129,14 +129,41 @@ def test_bf16_param_needs_fp32_state():
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_non_contiguous(op):
-    refused(op, RuntimeError, r"params\[2\] is not contiguous",
+def test_layout_mismatch(op):
+    """A transposed (dense) parameter with contiguous gradient and state: their elements do not
+    line up in memory, so the call is refused."""
+    refused(op, RuntimeError, r"grads\[2\] has strides \(3, 1\) but params\[2\] has \(1, 4\)",
             build=lambda c: dict(params=c.params[:2] + [c.params[2].t()],
                                  grads=c.grads[:2] + [c.grads[2].t().contiguous()],
                                  anchors=c.anchors[:2] + [c.anchors[2].t().contiguous()],
                                  importances=c.importances[:2]
                                  + [c.importances[2].t().contiguous()],
                                  meta_lrs=c.meta_lrs[:2] + [c.meta_lrs[2].t().contiguous()]))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_views_with_gaps(op):
+    refused(op, RuntimeError, r"params\[1\] is a strided view with gaps",
+            build=lambda c: dict(params=c.params[:1] + [torch.randn(14)[::2]] + c.params[2:]))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_any_dense_layout_shared_by_all_tensors(op):
+    """Transposed (or channels_last) tensors are fine when every tensor of the parameter has
+    its layout: the result equals the contiguous call's, transposed."""
+    case = make_case([5, 7, 12], torch.float32, seed=11)
+    flat = [[t.clone() for t in lst] for lst in (case.params, case.grads, case.anchors,
+                                                 case.importances, case.meta_lrs)]
+    call(op, case)
+    moved = [lst[:2] + [lst[2].t().contiguous().t()] for lst in flat]
+    trans = make_case([5, 7, 12], torch.float32, seed=11)
+    trans.params, trans.grads, trans.anchors, trans.importances, trans.meta_lrs = moved
+    assert not trans.params[2].is_contiguous()
+    call(op, trans)
+    for lst_a, lst_b in ((case.params, trans.params), (case.anchors, trans.anchors),
+                         (case.importances, trans.importances)):
+        for a, b in zip(lst_a, lst_b):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -153,7 +180,7 @@ def test_sparse_grad(op):
 
 @pytest.mark.parametrize("op", OPS)
 def test_same_parameter_twice(op):
-    refused(op, ValueError, r"params\[2\] and params\[0\] share storage",
+    refused(op, ValueError, r"(params|grads)\[0\] and \1\[2\] are the same memory",
             build=lambda c: dict(params=[c.params[0], c.params[1], c.params[0]],
                                  grads=[c.grads[0], c.grads[1], c.grads[0]],
                                  anchors=[c.anchors[0], c.anchors[1], c.anchors[0].clone()],
@@ -217,9 +244,9 @@ def test_errors_after_many_good_calls(op):
     before = snapshot(case)
     with pytest.raises(ValueError, match=r"grads\[1\] has shape \(4,\) but params\[1\]"):
         call(op, case, grads=[case.grads[0], case.grads[1][:4], case.grads[2]])
-    with pytest.raises(RuntimeError, match=r"importances\[2\] is not contiguous"):
+    with pytest.raises(RuntimeError, match=r"importances\[2\] has strides"):
         call(op, case, importances=case.importances[:2] + [case.importances[2].t().contiguous().t()])
-    with pytest.raises(ValueError, match="share storage"):
+    with pytest.raises(ValueError, match="are the same memory"):
         call(op, case, params=[case.params[0], case.params[0], case.params[2]],
              grads=[case.grads[0], case.grads[0], case.grads[2]],
              anchors=[case.anchors[0], case.anchors[0], case.anchors[2]],

@@ -1,20 +1,15 @@
 """The backends, by name, and what is available on this machine (SPEC section 3).
 
-Every backend is one module that exposes the same three functions over lists of tensors that
-all live on one device and share one parameter dtype (``functional`` has validated and grouped
-them before the call; a backend never sees bad input):
+Every backend is one module that implements the op interface of :mod:`emcl_kernels.interface`
+([note: the step call]) over lists of tensors that all live on one device and share one
+parameter dtype (the optimizer's plans or ``functional`` have validated and grouped them):
 
-    inner_step(params, grads, anchors, importances, *, inner_lr, reg, gamma, prox,
-               grad_scale, found_inf) -> None
-    meta_step(params, grads, anchors, importances, meta_lrs, *, meta_lr, reg, decay, lr_scale,
-              lr_mode, lr_min, lr_max, eps, importance, grad_scale, found_inf) -> None
-    inner_meta_step(params, grads, anchors, importances, meta_lrs, *, inner_lr, meta_lr, reg,
-                    gamma, decay, lr_scale, lr_mode, lr_min, lr_max, eps, importance, prox,
-                    grad_scale, found_inf) -> None
+    step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, *, op, prox,
+         importance, lr_mode, meta_every, check, finalize, grad_scale=None, found_inf=None)
+    check_finite(grads, counters)
 
-``meta_lrs`` is a list only for ``lr_mode="recurrent"``, else None. ``grad_scale`` (gradients
-are divided by it) and ``found_inf`` (non-zero: write nothing) are None or 0-d fp32 tensors on
-the group's device, as in torch's fused optimizers. A module may also define
+A module that checks each call's gradients itself (the compiled backends) sets
+``CHECKS_GRADS = True``; the optimizer checks them for the others. A module may also define
 ``unavailable_reason(name: str, device_type: str | None) -> str | None``: None when backend
 ``name`` works here on tensors of ``device_type`` (on some device, when None), else the reason.
 """

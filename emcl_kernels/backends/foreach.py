@@ -3,12 +3,9 @@
 Works on every device torch supports. Each line below launches one op over the whole list
 (one kernel per op on CUDA), so a step is ~10 passes over memory instead of the single pass of
 the fused backends. bf16/fp16 parameters are worked on through fp32 copies (fp64 parameters in
-fp64) and rounded back once at the end. A ``found_inf`` flag costs one host sync here, except
-under torch.compile or CUDA graph capture, where the update is computed and then undone with
-``torch.where`` wherever ``found_inf`` is set (no sync, so it can be traced and captured).
-
-Hyper-parameters may be 0-d tensors on the group's device (capturable mode,
-:mod:`emcl_kernels.integration`) as well as numbers.
+fp64) and rounded back once at the end. Eagerly, :func:`step` reads the counters and the
+hyper-parameters on the host (one sync on a GPU); under torch.compile or a CUDA graph capture
+it reads them as 0-d tensors, computes every branch and selects with ``torch.where``.
 """
 from __future__ import annotations
 
@@ -16,14 +13,11 @@ import torch
 from torch import Tensor
 
 from emcl_kernels.integration import capturing
+from emcl_kernels.interface import (COUNTER, HYPER, IMPORTANCE_KINDS, LR_MODES,
+                                    LR_SCALE_FROM_REG, OP)
 from emcl_kernels.reference import compute_dtype
 
-TENSOR_HYPERPARAMETERS = True  # numbers or 0-d tensors on the group's device
-
-
-def _skip(found_inf) -> bool:
-    return found_inf is not None and not capturing() and bool(found_inf.item() != 0)
-
+__all__ = ["step", "check_finite"]
 
 def _add_scaled_(xs, ys, a):
     """xs += a·ys, for a number or a 0-d tensor ``a``."""
@@ -42,19 +36,6 @@ def _clamp_(xs, lo, hi):
         torch._foreach_clamp_min_(xs, lo)
     if hi != float("inf"):
         torch._foreach_clamp_max_(xs, hi)
-
-
-def _unless_found_inf(found_inf, written, update) -> None:
-    """Run ``update()``; where ``found_inf`` is non-zero, put back what it wrote to the tensors
-    of ``written``. Used instead of a host-side check when that cannot sync (see module doc)."""
-    if found_inf is None or not capturing():
-        update()
-        return
-    saved = [t.clone() for t in written]
-    update()
-    keep = found_inf != 0
-    for t, old in zip(written, saved):
-        t.copy_(torch.where(keep, old, t))
 
 
 def _working(params, grads, grad_scale):
@@ -121,56 +102,9 @@ def _meta(theta, g, anchors, importances, meta_lrs, *, meta_lr, reg, decay, lr_s
     torch._foreach_sub_(anchors, step)                              # θ₀ ← θ₀ − α·λ·h·(θ₀ − θ) (eq. 10)
 
 
-def inner_step(params, grads, anchors, importances, *, inner_lr, reg, gamma, prox,
-               grad_scale=None, found_inf=None):
-    if _skip(found_inf):
-        return
-
-    def update():
-        theta, g = _working(params, grads, grad_scale)
-        _inner(theta, g, anchors, importances, inner_lr=inner_lr, reg=reg, gamma=gamma,
-               prox=prox)
-        if theta[0] is not params[0]:
-            torch._foreach_copy_(params, theta)
-    _unless_found_inf(found_inf, params, update)
-
-
-def meta_step(params, grads, anchors, importances, meta_lrs, *, grad_scale=None,
-              found_inf=None, **hp):
-    if _skip(found_inf):
-        return
-
-    def update():
-        theta, g = _working(params, grads, grad_scale)
-        _meta(theta, g, anchors, importances, meta_lrs, **hp)
-        torch._foreach_copy_(params, anchors)                       # θ ← θ₀
-    _unless_found_inf(found_inf, _written(params, anchors, importances, meta_lrs), update)
-
-
-def inner_meta_step(params, grads, anchors, importances, meta_lrs, *, inner_lr, gamma, prox,
-                    grad_scale=None, found_inf=None, **hp):
-    if _skip(found_inf):
-        return
-
-    def update():
-        theta, g = _working(params, grads, grad_scale)
-        _inner(theta, g, anchors, importances, inner_lr=inner_lr, reg=hp["reg"], gamma=gamma,
-               prox=prox)
-        _meta(theta, g, anchors, importances, meta_lrs, **hp)
-        torch._foreach_copy_(params, anchors)
-    _unless_found_inf(found_inf, _written(params, anchors, importances, meta_lrs), update)
-
-
-def _written(params, anchors, importances, meta_lrs):
-    return [*params, *anchors, *importances, *(meta_lrs or [])]
-
-
 # ---------------------------------------------------------------------------------------------
 # The step interface ([note: the step call] in emcl_kernels.interface)
 # ---------------------------------------------------------------------------------------------
-from emcl_kernels.interface import (COUNTER, HYPER, IMPORTANCE_KINDS,  # noqa: E402
-                                    LR_MODES, LR_SCALE_FROM_REG, OP)
-
 _FOUND, _CALLS, _SKIPPED = COUNTER["found"], COUNTER["calls"], COUNTER["skipped"]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from emcl_kernels import reference as _ref
-from emcl_kernels.interface import (COUNTER, HYPER, HYPER_FIELDS, IMPORTANCE_KINDS,
+from emcl_kernels.interface import (COUNTER, HYPER_FIELDS, IMPORTANCE_KINDS,
                                     LR_MODES, LR_SCALE_FROM_REG, OP)
 
 _FOUND, _CALLS, _SKIPPED = COUNTER["found"], COUNTER["calls"], COUNTER["skipped"]
@@ -69,33 +69,4 @@ def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, 
         counters[_FOUND] = 0
 
 
-# ---------------------------------------------------------------------------------------------
-# The previous interface (one function per op), used by emcl_kernels.functional until it moves
-# to step().
-# ---------------------------------------------------------------------------------------------
-
-def _meta_lr_of(meta_lrs, i):
-    return None if meta_lrs is None else meta_lrs[i]
-
-
-def inner_step(params, grads, anchors, importances, *, grad_scale=None, found_inf=None, **hp):
-    for p, g, a, h in zip(params, grads, anchors, importances):
-        _ref.inner_step_(p, g, a, h, grad_scale=grad_scale, found_inf=found_inf, **hp)
-
-
-def meta_step(params, grads, anchors, importances, meta_lrs, *, importance, grad_scale=None,
-              found_inf=None, **hp):
-    for i, (p, g, a, h) in enumerate(zip(params, grads, anchors, importances)):
-        _ref.meta_step_(p, g, a, h, _meta_lr_of(meta_lrs, i), importance_kind=importance,
-                        grad_scale=grad_scale, found_inf=found_inf, **hp)
-
-
-def inner_meta_step(params, grads, anchors, importances, meta_lrs, *, importance,
-                    grad_scale=None, found_inf=None, **hp):
-    for i, (p, g, a, h) in enumerate(zip(params, grads, anchors, importances)):
-        _ref.inner_meta_step_(p, g, a, h, _meta_lr_of(meta_lrs, i), importance_kind=importance,
-                              grad_scale=grad_scale, found_inf=found_inf, **hp)
-
-
-__all__ = ["step", "check_finite", "hyper_dict", "inner_step", "meta_step", "inner_meta_step",
-           "HYPER"]
+__all__ = ["step", "check_finite", "hyper_dict"]

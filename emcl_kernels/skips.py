@@ -1,0 +1,108 @@
+"""Steps skipped for non-finite gradients: counted on the device, read lazily, warned about.
+
+The kernels count a skip in ``counters[SKIPPED]`` (emcl_kernels.interface) on the device; the
+host learns about it without waiting for the GPU:
+
+- CPU counters are read at once after each step (a read of host memory, nothing to wait for).
+- CUDA counters are copied into one pinned buffer, without a sync, at most every
+  :data:`POLL_EVERY` steps; the copy is read when its event has completed (checked without
+  blocking at later steps). A warning may therefore come up to about ``POLL_EVERY`` steps late on a
+  GPU. Reading :attr:`FusedEMCLOptimizer.skipped_steps` or ``state_dict()`` waits for the count.
+- While torch.compile traces or a CUDA graph is captured, nothing is read.
+
+The buffer and the event are made once per counters tensor; no step allocates.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from emcl_kernels.interface import COUNTER
+
+__all__ = ["NonFiniteGradientWarning", "SkipLog", "POLL_EVERY"]
+
+_SKIPPED = COUNTER["skipped"]
+#: Steps between two non-blocking reads of a GPU's skip count.
+POLL_EVERY = 16
+
+
+class NonFiniteGradientWarning(RuntimeWarning):
+    """A step of :class:`FusedEMCLOptimizer` was skipped: its gradients held an inf or a NaN."""
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside this package and
+    torch (the user's ``opt.step()``), whatever the path through them."""
+    inside = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+              os.path.dirname(os.path.abspath(torch.__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+class SkipLog:
+    """The skip count of one optimizer: ``base`` skips from before (a loaded checkpoint) plus
+    what its home device's counters have counted since."""
+
+    def __init__(self, base: int = 0):
+        self.base = int(base)
+        self.reported = 0          # skips of the counters already warned about
+        self._counters: Optional[Tensor] = None
+        self._host: Optional[Tensor] = None      # pinned copy (CUDA) or a view (CPU)
+        self._event = None
+        self._pending = False
+        self._since_poll = 0
+
+    def watch(self, counters: Tensor) -> None:
+        """Count the skips of ``counters`` (the optimizer's home device) from now on."""
+        self._counters = counters
+        self.reported = 0
+        self._pending = False
+        if counters.device.type == "cpu":
+            self._host = counters.numpy()  # shares the counters' memory: a read costs ~0.1 µs
+        else:
+            self._host = torch.zeros(1, dtype=counters.dtype, pin_memory=True)
+            self._event = torch.cuda.Event()
+
+    def after_step(self) -> None:
+        """Warn about skips seen since the last call (never blocks, never syncs)."""
+        c = self._counters
+        if c is None:
+            return
+        if c.device.type == "cpu":
+            self._report(int(self._host[_SKIPPED]))
+            return
+        if self._pending:
+            if not self._event.query():
+                return
+            self._pending = False
+            self._report(int(self._host[0]))
+        self._since_poll += 1
+        if self._since_poll >= POLL_EVERY:
+            self._since_poll = 0
+            self._host.copy_(c[_SKIPPED:_SKIPPED + 1], non_blocking=True)
+            self._event.record(torch.cuda.current_stream(c.device))
+            self._pending = True
+
+    def total(self) -> int:
+        """Every skip so far (waits for the device)."""
+        c = self._counters
+        if c is None:
+            return self.base
+        n = int(c[_SKIPPED])
+        self._report(n)
+        return self.base + n
+
+    def _report(self, n: int) -> None:
+        for _ in range(n - self.reported):
+            warnings.warn("FusedEMCLOptimizer skipped a step: its gradients hold an inf or a "
+                          "NaN, so nothing was written (the count is in .skipped_steps; "
+                          "check_finite=False turns the check off)",
+                          NonFiniteGradientWarning, stacklevel=_caller_stacklevel())
+        self.reported = max(self.reported, n)

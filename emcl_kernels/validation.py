@@ -1,0 +1,314 @@
+"""Everything EMCL refuses, in one place (SPEC section 4): hyper-parameter domains, tensor lists,
+layouts and aliasing. Each check raises a ``TypeError``/``ValueError``/``RuntimeError`` that says
+what is wrong in the user's terms, before any tensor is written.
+
+``functional`` runs these checks on every call; the optimizer runs them when its configuration
+changes (a new group, a first gradient, a loaded state) and then trusts its plan.
+
+[note: domains] Every numeric hyper-parameter is a real number (or a 0-d floating tensor) that
+fp32 can hold: finite, in [0, FLT_MAX] (``lr_max`` may also be +inf), ``decay`` <= 1, ``eps`` at
+least the smallest normal fp32 number (a subnormal ε flushes to 0 on some hardware and then
+α₀·r/(h + ε) is inf for a dead unit), ``lr_min <= lr_max``. The scalars the kernels form from
+them must stay finite in fp32 too: γ·λ, β·λ, α₀·λ, α₀·r, α₀·r·λ and α₀·r/ε (the largest
+inverse-mode rate), with r = 1/λ when ``lr_scale`` is None. Within these bounds no scalar a
+kernel computes overflows; the per-element math keeps its intermediates in range as well (see
+``emcl_kernels.reference``: the prox update never forms c·θ₀, α·h is formed before λ, and the
+clip of α stops at the largest finite value).
+"""
+from __future__ import annotations
+
+import math
+from numbers import Real
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from emcl_kernels.integration import capturing, is_dtensor, local
+
+__all__ = ["FLT_MAX", "FLT_TINY", "PARAM_DTYPES", "LR_MODES", "IMPORTANCE_KINDS",
+           "INNER_KEYS", "META_KEYS", "NUMERIC_KEYS", "check_hyperparameters", "check_flag",
+           "check_param", "check_tensor", "check_no_overlap", "is_dense", "resolve_lr_scale",
+           "state_dtype"]
+
+FLT_MAX = float(torch.finfo(torch.float32).max)
+FLT_TINY = float(torch.finfo(torch.float32).tiny)  # the smallest normal fp32 number
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+LR_MODES = ("recurrent", "inverse", "constant")
+IMPORTANCE_KINDS = ("taylor", "si")
+INNER_KEYS = ("inner_lr", "reg", "gamma", "prox")
+META_KEYS = ("meta_lr", "reg", "decay", "lr_scale", "lr_mode", "lr_min", "lr_max", "eps",
+             "importance")
+NUMERIC_KEYS = ("inner_lr", "meta_lr", "reg", "gamma", "decay", "lr_scale", "lr_min", "lr_max",
+                "eps")
+
+# name -> (low, high, low_open, allow_inf)
+_DOMAINS = {
+    "inner_lr": (0.0, FLT_MAX, False, False),
+    "meta_lr": (0.0, FLT_MAX, False, False),
+    "reg": (0.0, FLT_MAX, False, False),
+    "gamma": (0.0, FLT_MAX, False, False),
+    "lr_scale": (0.0, FLT_MAX, False, False),
+    "lr_min": (0.0, FLT_MAX, False, False),
+    "lr_max": (0.0, FLT_MAX, False, True),
+    "decay": (0.0, 1.0, False, False),
+    "eps": (FLT_TINY, FLT_MAX, False, False),
+}
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the math is done in and the state is kept in, for parameters of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# Hyper-parameters
+# ---------------------------------------------------------------------------------------------
+
+def _range_error(name: str, value, low, high) -> ValueError:
+    what = {"eps": " (at least the smallest normal float32 number)",
+            "decay": ""}.get(name, " (and at most the largest float32 number)")
+    return ValueError(f"{name} must be in [{low:g}, {high:g}]{what}, got {value}")
+
+
+def _is_numpy_bool(value) -> bool:
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool")
+
+
+def _number(name: str, value):
+    """One numeric hyper-parameter: a float, or the 0-d tensor itself (checked by value unless
+    reading it would need a host sync inside torch.compile or a CUDA graph capture)."""
+    low, high, _, allow_inf = _DOMAINS[name]
+    if isinstance(value, Tensor):
+        if value.dim() != 0 or not value.is_floating_point():
+            raise TypeError(f"{name} given as a tensor must be a 0-d floating-point tensor (a "
+                            f"scalar), got shape {tuple(value.shape)} dtype {value.dtype}")
+        if value.requires_grad:
+            raise ValueError(f"{name} must not require grad")
+        if is_dtensor(value):
+            raise TypeError(f"{name} must be a plain tensor, not a DTensor")
+        if value.device.type == "meta":
+            raise ValueError(f"{name} is a meta-device tensor: it holds no value")
+        if capturing():
+            return value
+        v = float(value.item())
+    elif torch.compiler.is_compiling() and isinstance(value, (torch.SymFloat, torch.SymInt)):
+        return value  # a comparison would specialize it (recompile per value): checked eagerly
+    elif isinstance(value, bool) or _is_numpy_bool(value) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    else:
+        v = float(value)
+    if math.isnan(v) or (math.isinf(v) and not (allow_inf and v > 0)):
+        raise ValueError(f"{name} must be finite{' or +inf' if allow_inf else ''}, got {v}")
+    if v < low or (v > high and not math.isinf(v)):
+        raise _range_error(name, v, low, high)
+    return value if isinstance(value, Tensor) else v
+
+
+def _choice(name: str, value, choices) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+def _flag_value(name: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    if _is_numpy_bool(value):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
+
+
+def _value(v) -> Optional[float]:
+    """A checked numeric value as a float, or None when it cannot be read here."""
+    if isinstance(v, Tensor):
+        return None if capturing() else float(v.item())
+    if isinstance(v, (float, int)):
+        return float(v)
+    return None  # a symbol under torch.compile
+
+
+def resolve_lr_scale(lr_scale, reg):
+    """``lr_scale``, or for None the default 1/reg (1 when reg is 0), as numbers."""
+    if lr_scale is not None:
+        return lr_scale
+    return 1.0 / reg if reg > 0 else 1.0
+
+
+def _check_products(out: dict) -> None:
+    """[note: domains]: the scalars the kernels form stay finite in fp32."""
+    v = {k: _value(out[k]) for k in NUMERIC_KEYS if k in out and out[k] is not None}
+    if any(x is None for x in v.values()):
+        return
+    if "lr_min" in v and "lr_max" in v and v["lr_max"] < v["lr_min"]:
+        raise ValueError(f"lr_max ({v['lr_max']:g}) must be >= lr_min ({v['lr_min']:g})")
+    reg = v.get("reg")
+    scale = v.get("lr_scale")
+    if reg is not None and "lr_scale" in out and scale is None:
+        scale = resolve_lr_scale(None, reg)
+    products = []
+    if reg is not None:
+        if "gamma" in v:
+            products.append(("gamma * reg", v["gamma"] * reg))
+        if "inner_lr" in v:
+            products.append(("inner_lr * reg", v["inner_lr"] * reg))
+        if "meta_lr" in v:
+            products.append(("meta_lr * reg", v["meta_lr"] * reg))
+    if "meta_lr" in v and scale is not None:
+        base = v["meta_lr"] * scale
+        products.append(("meta_lr * lr_scale", base))
+        if reg is not None:
+            products.append(("meta_lr * lr_scale * reg", base * reg))
+        if "eps" in v:
+            products.append(("meta_lr * lr_scale / eps (the largest inverse-mode rate)",
+                             base / v["eps"]))
+    for what, x in products:
+        if not x <= FLT_MAX:
+            raise ValueError(f"{what} = {x:g} is past the largest float32 number, so the "
+                             "update would overflow; use smaller hyper-parameters")
+
+
+# Sets of plain hyper-parameter values already checked (an optimizer passes the same ones every
+# step): key -> the normalized dict. The key holds each value's type, because 1 == 1.0 == True.
+_CHECKED: dict = {}
+_PLAIN = (float, int, str, bool, type(None))
+
+
+def check_hyperparameters(**hp) -> dict:
+    """Check the given hyper-parameters against their domains ([note: domains]) and return them
+    normalized (floats, validated strings and bools; 0-d tensors as they are). Raises
+    ``TypeError``/``ValueError`` naming the bad one. A set of plain values that passed once is
+    remembered (one dict lookup on later calls)."""
+    key = None
+    if all(type(v) in _PLAIN for v in hp.values()):
+        key = tuple((k, type(v), v) for k, v in hp.items())
+        done = _CHECKED.get(key)
+        if done is not None:
+            return dict(done)
+    out = {}
+    for name, value in hp.items():
+        if name in _DOMAINS:
+            if name == "lr_scale" and value is None:
+                out[name] = None  # the default: 1 / reg
+            else:
+                out[name] = _number(name, value)
+        elif name == "lr_mode":
+            out[name] = _choice(name, value, LR_MODES)
+        elif name == "importance":
+            out[name] = _choice(name, value, IMPORTANCE_KINDS)
+        elif name == "prox":
+            out[name] = _flag_value(name, value)
+        else:
+            raise TypeError(f"unknown hyper-parameter {name!r}")
+    _check_products(out)
+    if key is not None and not torch.compiler.is_compiling():
+        if len(_CHECKED) >= 1024:  # hyper-parameters swept every step: keep it bounded
+            _CHECKED.clear()
+        _CHECKED[key] = dict(out)
+    return out
+
+
+def check_flag(name: str, t) -> None:
+    """``grad_scale`` / ``found_inf``: None or a one-element floating-point tensor."""
+    if t is None:
+        return
+    if not isinstance(t, Tensor) or t.numel() != 1 or not t.is_floating_point():
+        raise TypeError(f"{name} must be None or a one-element floating-point tensor")
+    if is_dtensor(t):
+        raise TypeError(f"{name} must be a plain tensor, not a DTensor")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors
+# ---------------------------------------------------------------------------------------------
+
+def is_dense(t: Tensor) -> bool:
+    """Whether ``t`` covers exactly ``numel`` consecutive elements of memory in some order
+    (contiguous, channels_last, any permutation of a contiguous tensor): what an elementwise
+    kernel that walks the memory needs."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def check_param(where: str, p) -> None:
+    """A parameter EMCL can update: a floating-point, dense tensor with data."""
+    if not isinstance(p, Tensor):
+        raise TypeError(f"{where} must be a tensor, got {type(p).__name__}")
+    if p.dtype not in PARAM_DTYPES:
+        raise TypeError(f"{where} has dtype {p.dtype}; EMCL updates floating-point parameters "
+                        f"({', '.join(str(d).replace('torch.', '') for d in PARAM_DTYPES)})")
+    if p.layout != torch.strided:
+        raise RuntimeError(f"{where} is a {p.layout} tensor; EMCL updates dense parameters")
+    if p.device.type == "meta":
+        raise RuntimeError(f"{where} is on the meta device, so it holds no data: materialize "
+                           "the model first (e.g. model.to_empty(device=...) and initialize it)")
+    if not is_dense(local(p)):
+        raise RuntimeError(f"{where} is a strided view with gaps or overlaps (e.g. a slice); "
+                           "EMCL updates tensors that cover their memory densely (contiguous "
+                           "or channels_last): pass .contiguous() copies")
+
+
+def check_tensor(role: str, i: int, t, p: Tensor, dtype: torch.dtype) -> None:
+    """Tensor ``role[i]`` belongs to ``params[i]``: same shape, strides and device, ``dtype``."""
+    where = f"{role}[{i}]"
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{where} must be a tensor, got {type(t).__name__}")
+    if is_dtensor(t) != is_dtensor(p):
+        raise TypeError(f"{where} is {'a' if is_dtensor(t) else 'not a'} DTensor but params[{i}] "
+                        f"is {'a' if is_dtensor(p) else 'not a'} DTensor; a sharded "
+                        "parameter needs its gradient and state sharded like it")
+    if is_dtensor(t) and t.placements != p.placements:
+        raise ValueError(f"{where} has placements {t.placements} but params[{i}] has "
+                         f"{p.placements}")
+    if t.layout != torch.strided:
+        raise RuntimeError(f"{where} is a {t.layout} tensor; EMCL needs dense (strided) "
+                           "tensors: sparse gradients are not supported (for nn.Embedding, "
+                           "use sparse=False)")
+    if t.dtype != dtype:
+        why = "" if role == "grads" else f" (the state of a {p.dtype} parameter is {dtype})"
+        raise TypeError(f"{where} has dtype {t.dtype}, expected {dtype}{why}")
+    if t.device != p.device:
+        raise RuntimeError(f"{where} is on {t.device} but params[{i}] is on {p.device}")
+    if t.shape != p.shape:
+        raise ValueError(f"{where} has shape {tuple(t.shape)} but params[{i}] has shape "
+                         f"{tuple(p.shape)}")
+    lt, lp = local(t), local(p)
+    if lt.numel() > 1 and lt.stride() != lp.stride():
+        raise RuntimeError(f"{where} has strides {lt.stride()} but params[{i}] has "
+                           f"{lp.stride()}: it must have the parameter's memory layout "
+                           "(e.g. torch.empty_like(param))")
+
+
+def _extent(t: Tensor):
+    lt = local(t)
+    start = lt.data_ptr()
+    return (lt.device.type, lt.device.index), start, start + lt.numel() * lt.element_size()
+
+
+def check_no_overlap(named) -> None:
+    """``named``: (name, tensor) pairs. Raises a ``ValueError`` naming two tensors whose memory
+    overlaps: one tensor in two roles (a param passed as its anchor), the same tensor twice, or
+    overlapping views of one storage. Empty tensors hold no memory and are skipped."""
+    spans = []
+    for name, t in named:
+        if t is None or local(t).numel() == 0 or t.device.type == "meta":
+            continue
+        device, start, end = _extent(t)
+        spans.append((device, start, end, name))
+    spans.sort()
+    last = None
+    for span in spans:
+        if last is not None and span[0] == last[0] and span[1] < last[2]:
+            same = span[1] == last[1] and span[2] == last[2]
+            raise ValueError(
+                f"{last[3]} and {span[3]} {'are the same memory' if same else 'overlap in memory'}"
+                "; every tensor of a step must be its own memory (a tensor may not play two "
+                "roles, or appear twice, and views of one storage may not overlap)")
+        if last is None or span[0] != last[0] or span[2] > last[2]:
+            last = span
