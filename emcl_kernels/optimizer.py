@@ -52,7 +52,8 @@ def _grads_fit(plan: Plan, grads: list) -> bool:
     gradient is dense and like its parameter (dtype, shape, device, strides)."""
     for p, g in zip(plan.params, grads):
         if g.layout != torch.strided or g.dtype != p.dtype or g.shape != p.shape \
-                or g.device != p.device or (g.numel() > 1 and g.stride() != p.stride()):
+                or g.device != p.device or (g.numel() > 1 and g.stride() != p.stride()) \
+                or p.dtype != plan.dtype or p.device != plan.device:
             return False
     return True
 

@@ -296,19 +296,21 @@ def check_no_overlap(named) -> None:
     overlaps: one tensor in two roles (a param passed as its anchor), the same tensor twice, or
     overlapping views of one storage. Empty tensors hold no memory and are skipped."""
     spans = []
-    for name, t in named:
+    for order, (name, t) in enumerate(named):
         if t is None or local(t).numel() == 0 or t.device.type == "meta":
             continue
         device, start, end = _extent(t)
-        spans.append((device, start, end, name))
+        spans.append((device, start, end, order, name))
     spans.sort()
     last = None
     for span in spans:
         if last is not None and span[0] == last[0] and span[1] < last[2]:
             same = span[1] == last[1] and span[2] == last[2]
+            first, second = sorted((last, span), key=lambda x: x[3])  # in the order given
             raise ValueError(
-                f"{last[3]} and {span[3]} {'are the same memory' if same else 'overlap in memory'}"
-                "; every tensor of a step must be its own memory (a tensor may not play two "
-                "roles, or appear twice, and views of one storage may not overlap)")
+                f"{first[4]} and {second[4]} "
+                f"{'are the same memory' if same else 'overlap in memory'}; every tensor of a "
+                "step must be its own memory (a tensor may not play two roles, or appear "
+                "twice, and views of one storage may not overlap)")
         if last is None or span[0] != last[0] or span[2] > last[2]:
             last = span
