@@ -118,7 +118,10 @@ def test_grad_scaler_skips_a_step_with_an_inf_and_backs_off():
             assert torch.equal(value, state[pid][key]), f"state {key} moved on a skipped step"
 
 
-def _train(dtype, device, *, autocast, scaler, steps=40):
+STEPS = 40
+
+
+def _train(dtype, device, *, autocast, scaler, steps=STEPS):
     model = _mlp(3, dtype=dtype, device=device)
     opt = FusedEMCLOptimizer(model.parameters(), meta_lr=0.9, inner_lr=0.1, reg=2.0,
                              meta_every=4, backend="foreach")
@@ -163,6 +166,12 @@ def test_low_precision_training_tracks_fp32(device, dtype, autocast, scaler):
         assert torch.equal(p.detach(), anchor.to(dtype))
         ref_anchor = ref_opt.state[rp]["anchor"]
         err = (anchor - ref_anchor).abs().max().item()
-        assert err < 2e-2 * ref_anchor.abs().max().item() + 2e-3, f"anchor drifted by {err}"
+        # Each of the STEPS steps computes the gradient from weights rounded to the low
+        # precision and stores θ rounded once more: at most one unit roundoff u of the largest
+        # weight per step (the meta steps' moves are fractions of the way to θ, which does not
+        # amplify it). bf16: u = 2**-8, so 40 steps allow 0.16 of the largest weight.
+        u = torch.finfo(autocast if dtype == torch.float32 else dtype).eps / 2
+        tol = STEPS * u * ref_anchor.abs().max().item() + 1e-3
+        assert err < tol, f"anchor drifted by {err} (allowed {tol:.4g})"
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) <= 0.1 * b + 0.02, (losses, ref_losses)

@@ -5,23 +5,27 @@ import pytest
 import torch
 from torch import nn
 
-from emcl_kernels import FusedEMCLOptimizer, available_backends
+from emcl_kernels import FusedEMCLOptimizer
 from emcl_kernels import reference as R
+from reliability_support import BACKEND_DEVICES
 
 HP = dict(meta_lr=0.3, inner_lr=0.05, reg=10.0, gamma=0.3, decay=0.9, lr_scale=0.1,
           lr_mode="inverse")
-BACKENDS = [b for b in available_backends() if b != "triton"]
+# every backend that runs here, each on its own device (a "cuda" backend gets CUDA tensors)
+BACKENDS = [pytest.param(b, d, id=f"{b}-{d}") for b, d in BACKEND_DEVICES if b != "triton"]
 
 
-def mlp(seed=0, dtype=torch.float32):
+def mlp(seed=0, dtype=torch.float32, device="cpu"):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(12, 9), nn.ReLU(), nn.Linear(9, 4)).to(dtype)
+    return nn.Sequential(nn.Linear(12, 9), nn.ReLU(), nn.Linear(9, 4)).to(dtype=dtype,
+                                                                         device=device)
 
 
-def stream(n_batches, seed=1, batch=4):
+def stream(n_batches, seed=1, batch=4, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     for _ in range(n_batches):
-        yield torch.randn(batch, 12, generator=gen), torch.randint(0, 4, (batch,), generator=gen)
+        yield (torch.randn(batch, 12, generator=gen).to(device),
+               torch.randint(0, 4, (batch,), generator=gen).to(device))
 
 
 def loss_fn(model, x, y):
@@ -60,16 +64,16 @@ def hand_written(model, batches, hp):
     return anchor, imp, alpha
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend, device", BACKENDS)
 @pytest.mark.parametrize("lr_mode", ["inverse", "recurrent", "constant"])
-def test_mlp_matches_hand_written_loop(backend, lr_mode):
+def test_mlp_matches_hand_written_loop(backend, device, lr_mode):
     hp = dict(HP, lr_mode=lr_mode, lr_scale=0.5 if lr_mode == "recurrent" else 0.1)
     if lr_mode == "recurrent":
         hp.update(lr_max=0.5)
-    ours, theirs = mlp(), mlp()
+    ours, theirs = mlp(device=device), mlp(device=device)
     opt = FusedEMCLOptimizer(ours.parameters(), backend=backend, **hp)
-    algorithm1(ours, opt, stream(6))
-    anchor, imp, alpha = hand_written(theirs, stream(6), hp)
+    algorithm1(ours, opt, stream(6, device=device))
+    anchor, imp, alpha = hand_written(theirs, stream(6, device=device), hp)
     for p, q, a, h, lr in zip(ours.parameters(), theirs.parameters(), anchor, imp, alpha):
         st = opt.state[p]
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
@@ -136,13 +140,13 @@ def test_step_with_meta_every_fuses_inner_and_meta():
     assert fused.state[next(a.parameters())]["step"].item() == 2.0
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend, device", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_checkpoint_resume_is_bit_identical(backend, dtype):
+def test_checkpoint_resume_is_bit_identical(backend, device, dtype):
     """Save mid-training with torch.save, load into a fresh model and optimizer, go on: the
     parameters are bit-identical to a run that never stopped."""
     hp = dict(HP, lr_mode="recurrent", lr_scale=1.0, lr_max=1.0)
-    batches = list(stream(8))
+    batches = list(stream(8, device=device))
 
     def train(model, opt, part):
         for x, y in part:
@@ -151,11 +155,11 @@ def test_checkpoint_resume_is_bit_identical(backend, dtype):
                 opt.step()
                 opt.zero_grad()
 
-    straight = mlp(dtype=dtype)
+    straight = mlp(dtype=dtype, device=device)
     opt = FusedEMCLOptimizer(straight.parameters(), meta_every=3, backend=backend, **hp)
     train(straight, opt, batches)
 
-    first = mlp(dtype=dtype)
+    first = mlp(dtype=dtype, device=device)
     opt1 = FusedEMCLOptimizer(first.parameters(), meta_every=3, backend=backend, **hp)
     train(first, opt1, batches[:3])
     buf = io.BytesIO()
@@ -163,7 +167,7 @@ def test_checkpoint_resume_is_bit_identical(backend, dtype):
     buf.seek(0)
     ckpt = torch.load(buf)
 
-    second = mlp(seed=99, dtype=dtype)
+    second = mlp(seed=99, dtype=dtype, device=device)
     opt2 = FusedEMCLOptimizer(second.parameters(), meta_every=3, backend=backend, **hp)
     second.load_state_dict(ckpt["model"])
     opt2.load_state_dict(ckpt["opt"])
