@@ -8,14 +8,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from emcl_kernels.functional import resolve_backend
-from emcl_kernels.integration import capturing, is_dtensor, local
+from emcl_kernels.integration import is_dtensor, local
 from emcl_kernels.interface import COUNTER, HYPER, OP
 from emcl_kernels.plan import Plan, new_counters, pack_hyper, run
 from emcl_kernels.skips import NonFiniteGradientWarning, SkipLog
 from emcl_kernels.validation import (IMPORTANCE_KINDS, INNER_KEYS, LR_MODES, META_KEYS,
                                      NUMERIC_KEYS, PARAM_DTYPES,
                                      check_flag, check_hyperparameters, check_no_overlap,
-                                     check_param, state_dtype)
+                                     check_like, check_param, state_dtype)
 
 __all__ = ["FusedEMCLOptimizer", "NonFiniteGradientWarning"]
 
@@ -347,26 +347,7 @@ class FusedEMCLOptimizer(Optimizer):
     def _check_parameter(self, where: str, p: Tensor, group: dict) -> None:
         """A parameter with a gradient, and its state if it has one, as a step needs them."""
         check_param(where, p)
-        g = p.grad
-        if g.layout != torch.strided:
-            raise RuntimeError(f"{where} has a {g.layout} gradient, but EMCL's updates are "
-                               "dense: sparse gradients are not supported (for nn.Embedding, "
-                               "use sparse=False)")
-        if g.dtype != p.dtype:
-            raise TypeError(f"the gradient of {where} has dtype {g.dtype}, the parameter "
-                            f"{p.dtype}: EMCL needs gradients in the parameter's dtype")
-        if g.shape != p.shape:
-            raise ValueError(f"the gradient of {where} has shape {tuple(g.shape)}, the "
-                             f"parameter {tuple(p.shape)}")
-        if g.device != p.device:
-            raise RuntimeError(f"the gradient of {where} is on {g.device}, the parameter on "
-                               f"{p.device}")
-        lg, lp = local(g), local(p)
-        if lg.numel() > 1 and lg.stride() != lp.stride():
-            raise RuntimeError(f"the gradient of {where} has strides {lg.stride()}, the "
-                               f"parameter {lp.stride()}: EMCL needs a gradient laid out like "
-                               "its parameter (autograd makes them so; a gradient set by hand "
-                               "must follow the parameter's memory format)")
+        check_like(f"the gradient of {where}", where, p.grad, p, p.dtype, state=False)
         st = self.state.get(p)
         if not st:
             return
@@ -390,7 +371,7 @@ class FusedEMCLOptimizer(Optimizer):
             if t.shape != p.shape:
                 raise RuntimeError(f"{where} has shape {tuple(p.shape)} but its {key} state "
                                    f"has {tuple(t.shape)}")
-            if local(t).numel() > 1 and local(t).stride() != lp.stride():
+            if local(t).numel() > 1 and local(t).stride() != local(p).stride():
                 st[key] = torch.empty_like(p, dtype=want).copy_(t)  # follow the layout
 
     def _init_state(self, p: Tensor, group: dict, recurrent: bool) -> None:
@@ -532,8 +513,7 @@ class FusedEMCLOptimizer(Optimizer):
             for device, c in self._counters.items():  # a device without gradients this step
                 if all(p.device != device for p in plans):
                     c[_CALLS] += 1
-        if not capturing():
-            self._skips.after_step()
+        self._skips.after_step()
 
     def _home_device(self) -> torch.device:
         if self._counters:

@@ -8,7 +8,7 @@ host learns about it without waiting for the GPU:
   :data:`POLL_EVERY` steps; the copy is read when its event has completed (checked without
   blocking at later steps). A warning may therefore come up to about ``POLL_EVERY`` steps late on a
   GPU. Reading :attr:`FusedEMCLOptimizer.skipped_steps` or ``state_dict()`` waits for the count.
-- While torch.compile traces or a CUDA graph is captured, nothing is read.
+- While a CUDA graph is captured nothing is read (a compiled step never calls this).
 
 The buffer and the event are made once per counters tensor; no step allocates.
 """
@@ -77,6 +77,8 @@ class SkipLog:
             return
         if c.device.type == "cpu":
             self._report(int(self._host[_SKIPPED]))
+            return
+        if torch.cuda.is_current_stream_capturing():
             return
         if self._pending:
             if not self._event.query():

@@ -28,7 +28,7 @@ from emcl_kernels.integration import capturing, is_dtensor, local
 
 __all__ = ["FLT_MAX", "FLT_TINY", "PARAM_DTYPES", "LR_MODES", "IMPORTANCE_KINDS",
            "INNER_KEYS", "META_KEYS", "NUMERIC_KEYS", "check_hyperparameters", "check_flag",
-           "check_param", "check_tensor", "check_no_overlap", "is_dense", "resolve_lr_scale",
+           "check_param", "check_tensor", "check_like", "check_no_overlap", "is_dense", "resolve_lr_scale",
            "state_dtype"]
 
 FLT_MAX = float(torch.finfo(torch.float32).max)
@@ -256,33 +256,42 @@ def check_param(where: str, p) -> None:
 
 def check_tensor(role: str, i: int, t, p: Tensor, dtype: torch.dtype) -> None:
     """Tensor ``role[i]`` belongs to ``params[i]``: same shape, strides and device, ``dtype``."""
-    where = f"{role}[{i}]"
+    check_like(f"{role}[{i}]", f"params[{i}]", t, p, dtype, state=role != "grads")
+
+
+def check_like(where: str, owner: str, t, p: Tensor, dtype: torch.dtype, *,
+               state: bool) -> None:
+    """``t`` (named ``where``) goes with the parameter ``p`` (named ``owner``): a dense tensor of
+    ``dtype`` with the parameter's shape, device and memory layout. ``state``: ``t`` is
+    optimizer state (else a gradient), for the messages."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{where} must be a tensor, got {type(t).__name__}")
     if is_dtensor(t) != is_dtensor(p):
-        raise TypeError(f"{where} is {'a' if is_dtensor(t) else 'not a'} DTensor but params[{i}] "
+        raise TypeError(f"{where} is {'a' if is_dtensor(t) else 'not a'} DTensor but {owner} "
                         f"is {'a' if is_dtensor(p) else 'not a'} DTensor; a sharded "
                         "parameter needs its gradient and state sharded like it")
     if is_dtensor(t) and t.placements != p.placements:
-        raise ValueError(f"{where} has placements {t.placements} but params[{i}] has "
+        raise ValueError(f"{where} has placements {t.placements} but {owner} has "
                          f"{p.placements}")
     if t.layout != torch.strided:
         raise RuntimeError(f"{where} is a {t.layout} tensor; EMCL needs dense (strided) "
                            "tensors: sparse gradients are not supported (for nn.Embedding, "
                            "use sparse=False)")
     if t.dtype != dtype:
-        why = "" if role == "grads" else f" (the state of a {p.dtype} parameter is {dtype})"
+        why = f" (the state of a {p.dtype} parameter is {dtype})" if state else ""
         raise TypeError(f"{where} has dtype {t.dtype}, expected {dtype}{why}")
     if t.device != p.device:
-        raise RuntimeError(f"{where} is on {t.device} but params[{i}] is on {p.device}")
+        raise RuntimeError(f"{where} is on {t.device} but {owner} is on {p.device}")
     if t.shape != p.shape:
-        raise ValueError(f"{where} has shape {tuple(t.shape)} but params[{i}] has shape "
+        raise ValueError(f"{where} has shape {tuple(t.shape)} but {owner} has shape "
                          f"{tuple(p.shape)}")
     lt, lp = local(t), local(p)
     if lt.numel() > 1 and lt.stride() != lp.stride():
-        raise RuntimeError(f"{where} has strides {lt.stride()} but params[{i}] has "
-                           f"{lp.stride()}: it must have the parameter's memory layout "
-                           "(e.g. torch.empty_like(param))")
+        raise RuntimeError(f"{where} has strides {lt.stride()} but {owner} has "
+                           f"{lp.stride()}: it must have the parameter's memory layout ("
+                           + ("e.g. torch.empty_like(param))" if state else
+                              "autograd makes gradients so; a gradient set by hand must "
+                              "follow the parameter's memory format)"))
 
 
 def _extent(t: Tensor):
