@@ -61,8 +61,8 @@ from __future__ import annotations
 
 __all__ = ["HYPER_FIELDS", "HYPER", "LR_SCALE_FROM_REG", "COUNTER_FIELDS", "COUNTER", "OPS",
            "OP", "LR_MODES", "LR_MODE", "IMPORTANCE_KINDS", "IMPORTANCE", "PARAM_DTYPES",
-           "INTERFACE_VERSION", "STEP_SCHEMA", "CHECK_FINITE_SCHEMA", "layout_string",
-           "render_header"]
+           "INTERFACE_VERSION", "STEP_ARGS", "STEP_POSITIONAL", "CHECK_FINITE_ARGS",
+           "STEP_SCHEMA", "CHECK_FINITE_SCHEMA", "layout_string", "render_header"]
 
 #: Bumped whenever the meaning of an argument changes (the header and the build carry it).
 INTERFACE_VERSION = 2
@@ -90,15 +90,34 @@ IMPORTANCE = {name: i for i, name in enumerate(IMPORTANCE_KINDS)}
 #: Parameter dtypes, by torch name.
 PARAM_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
-# [note: schemas] The ops update their tensors in place and return nothing, like torch's
-# _fused_adam_. Every written list has its own alias set so that functionalization
-# (torch.compile) knows what each call mutates.
-STEP_SCHEMA = (
-    "step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] anchors, Tensor(c!)[] importances, "
-    "Tensor(d!)[] meta_lrs, Tensor(e!) steps, Tensor hyper, Tensor(f!) counters, *, int op, "
-    "bool prox, int importance, int lr_mode, int meta_every, bool check, bool finalize, "
-    "Tensor? grad_scale=None, Tensor? found_inf=None) -> ()")
-CHECK_FINITE_SCHEMA = "check_finite_(Tensor[] grads, Tensor(a!) counters) -> ()"
+# The arguments of ``step``, in order: (name, schema type). Positional up to ``counters``,
+# keyword-only after it. [note: schemas] The ops update their tensors in place and return
+# nothing, like torch's _fused_adam_; every written list has its own alias set so that
+# functionalization (torch.compile) knows what each call mutates.
+STEP_ARGS = (
+    ("params", "Tensor(a!)[]"), ("grads", "Tensor[]"), ("anchors", "Tensor(b!)[]"),
+    ("importances", "Tensor(c!)[]"), ("meta_lrs", "Tensor(d!)[]"), ("steps", "Tensor(e!)"),
+    ("hyper", "Tensor"), ("counters", "Tensor(f!)"),
+    ("op", "int"), ("prox", "bool"), ("importance", "int"), ("lr_mode", "int"),
+    ("meta_every", "int"), ("check", "bool"), ("finalize", "bool"),
+    ("grad_scale", "Tensor?=None"), ("found_inf", "Tensor?=None"),
+)
+STEP_POSITIONAL = 8  # params .. counters
+CHECK_FINITE_ARGS = (("grads", "Tensor[]"), ("counters", "Tensor(a!)"))
+
+
+def _schema(name: str, args, positional: int) -> str:
+    parts = []
+    for i, (arg, typ) in enumerate(args):
+        if i == positional:
+            parts.append("*")
+        typ, _, default = typ.partition("=")
+        parts.append(f"{typ} {arg}" + (f"={default}" if default else ""))
+    return f"{name}({', '.join(parts)}) -> ()"
+
+
+STEP_SCHEMA = _schema("step_", STEP_ARGS, STEP_POSITIONAL)
+CHECK_FINITE_SCHEMA = _schema("check_finite_", CHECK_FINITE_ARGS, len(CHECK_FINITE_ARGS))
 
 
 def layout_string() -> str:
