@@ -71,8 +71,9 @@ def _batches(n, device="cpu"):
     return x.to(device), torch.cos(x[..., :2]).to(device)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("lr_mode", ("recurrent", "inverse", "constant"))
-def test_capturable_mode_equals_default_mode(lr_mode):
+def test_capturable_mode_equals_default_mode(backend, lr_mode):
     """capturable=True: tensor hyper-parameters, step counts on the device, and step() choosing
     the fused meta step on the device (both computed, one selected) == the default mode."""
     xs, ys = _batches(10)
@@ -81,7 +82,7 @@ def test_capturable_mode_equals_default_mode(lr_mode):
         model = _model()
         opt = FusedEMCLOptimizer(model.parameters(), meta_lr=0.3, inner_lr=0.05, reg=2.0,
                                  lr_mode=lr_mode, lr_max=0.5, meta_every=3,
-                                 capturable=capturable, backend="foreach")
+                                 capturable=capturable, backend=backend)
         for x, y in zip(xs, ys):
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
@@ -138,13 +139,20 @@ def _schedule(opt, i):
     opt.param_groups[0]["meta_lr"].fill_(0.3 + 0.01 * i)
 
 
+GPU_BACKENDS = [b for b in ("cuda", "triton", "foreach") if b in available_backends()] if CUDA \
+    else ["cuda"]
+
+
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("lr_mode", ("recurrent", "inverse"))
-def test_cuda_graph_whole_iteration_replays_like_eager(lr_mode):
+def test_cuda_graph_whole_iteration_replays_like_eager(backend, lr_mode):
+    """The fused kernels read the hyper-parameters, the meta_every cadence and the skip flag on
+    the device: a captured iteration replays like eager, step for step."""
     device = "cuda"
     xs, ys = _batches(12, device)
     kw = dict(meta_lr=0.3, inner_lr=0.05, reg=2.0, lr_mode=lr_mode, lr_max=0.5, meta_every=3,
-              capturable=True, backend="foreach")
+              capturable=True, backend=backend)
     eager_model, graph_model = _model(device), _model(device)
     eager_opt = FusedEMCLOptimizer(eager_model.parameters(), **kw)
     graph_opt = FusedEMCLOptimizer(graph_model.parameters(), **kw)
