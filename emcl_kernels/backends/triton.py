@@ -16,7 +16,8 @@ counters, ``found_inf`` and ``grad_scale`` are read by the kernels on the device
   (``zero_grad(set_to_none=True)``) only this small table is made again.
 
 A call where nothing moved costs a few C-level passes over the lists (``map`` of ``data_ptr``
-and ``numel``), two dictionary look-ups and the launch: no Python loop over the tensors. A
+and ``numel``), one look-up by a short signature, two tuple comparisons and the launch: no
+Python loop over the tensors ([note: cache keys]). A
 table is made on the host, pinned, and sent with a non-blocking copy (no host sync); a table
 is never written again once made (a new one replaces it), so a kernel that is still queued,
 or a CUDA graph that captured it, keeps reading what it was given.
@@ -37,7 +38,8 @@ host-visible is allocated:
 So a user must (1) run one eager step of the same tensors before capturing (torch asks for
 warm-up iterations anyway: it builds the state tables and the reserve, and compiles the
 kernels), and (2) keep stable what the graph reads: the parameters and the optimizer state
-(the same tensors, not reallocated: ``load_state_dict`` copies into them in place), the
+(the same tensors: capture again after anything that replaces them, such as a
+``load_state_dict`` that makes new state tensors), the
 gradients (stable when they are allocated by the captured backward, in the graph's pool, or
 kept with ``zero_grad(set_to_none=False)``), and ``hyper``, ``counters``, ``steps``,
 ``found_inf``, ``grad_scale``.
@@ -47,12 +49,12 @@ Where it runs:
 - compiled, on CUDA tensors (a GPU that torch and Triton support);
 - interpreted, on CPU tensors, when ``TRITON_INTERPRET=1`` was set in the environment before
   this module was first imported (Triton decides at import which of the two its kernels are).
-  The interpreter is slow (about 20 ms per chunk): it is for tests and CI. It cannot run CUDA
+  The interpreter is slow (tens of milliseconds per chunk): it is for tests and CI. It cannot run CUDA
   tensors here: the kernels follow raw addresses from the tables, and the interpreter only
   copies the tensors passed as arguments to the host.
 
 Tunables (module attributes, read at every call): :data:`BLOCK_SIZE` elements per chunk (a
-power of two >= 8) and :data:`NUM_WARPS` per program on the GPU. The kernels are never
+power of two >= 16) and :data:`NUM_WARPS` per program on the GPU. The kernels are never
 autotuned: the update is in place, so an autotuner's trial runs would apply the step more than
 once.
 """

@@ -32,7 +32,8 @@ The same source runs compiled on a GPU and under Triton's interpreter on CPU ten
   out-of-bounds access, it corrupts memory);
 - only builtins of ``triton.language`` are called (no ``tl.zeros``, ``tl.max``, ``tl.sum``:
   those are ``@jit`` functions of Triton's standard library, see DEVELOPERS.md), and a program
-  calls at most one ``@jit`` helper (each call costs the interpreter milliseconds);
+  calls one ``@jit`` helper, once per piece of its chunk (each call costs the interpreter
+  milliseconds);
 - the kernels have fixed launch parameters, no ``@triton.autotune``: the update is in place, so
   an autotuner's benchmarking runs would apply the step several times.
 """
@@ -175,7 +176,7 @@ def emcl_step_kernel(chunks, tensors, grads, hyper, counters, steps, n_steps, me
     scalar accesses, in a loop over ``SUB``-element pieces: a scalar element costs a register
     where four fp32 share one vector load, and the kernel's register count is the largest of
     its paths (ptxas, sm_90, 8 warps, BLOCK 4096: the fp32 combined step needs 106 registers
-    this way, 148 when the scalar path took the whole chunk at once). One odd tensor costs only
+    this way, 155 when the scalar path took the whole chunk at once). One odd tensor costs only
     its own chunks the vector path. fp64 chunks are half as long (the host halves ``BLOCK``):
     the same bytes per chunk, 146 registers instead of 254.
     """
