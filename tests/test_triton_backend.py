@@ -489,10 +489,10 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the other tests run compiled")
 def test_compiles_for_the_gpu_with_vector_access():
-    """Both kernels compile for sm_90 (front end to PTX, no GPU needed) for every dtype, op
-    and flag, each with its vector path (16-byte loads and stores of the aligned full chunks)
-    beside its scalar path; the finalizing update ends with a block barrier and then one
-    acq_rel atomic add on counters[DONE]."""
+    """Both kernels compile for sm_90 (front end to PTX, no GPU needed) for every dtype and
+    several ops and flags, each with its vector path (16-byte loads and stores of the aligned
+    full chunks; bf16/fp16 also show the 16-bit accesses of their scalar path); a finalizing
+    update has one acq_rel atomic add on counters[DONE], right after a block barrier."""
     import json
     import subprocess
     # PARAM, OP, PROX, IMPORTANCE_KIND, LR_MODE, HAS_GRAD_SCALE, HAS_FOUND_INF, FINALIZE,
@@ -515,9 +515,9 @@ def test_compiles_for_the_gpu_with_vector_access():
     for (kind, consts), ops in zip(combos, results):
         wide = ("ld.global.v2.b64", "st.global.v2.b64") if consts[0] == 3 else \
             ("ld.global.v4.b32", "st.global.v4.b32")
-        scalar = {0: "ld.global.b32", 1: "ld.global.b16", 2: "ld.global.b16",
-                  3: "ld.global.b64"}[consts[0]]
-        assert wide[0] in ops and scalar in ops, (kind, consts, sorted(set(ops)))
+        assert wide[0] in ops, (kind, consts, sorted(set(ops)))
+        if consts[0] in (1, 2):   # bf16/fp16: 16-bit loads come from the scalar path only
+            assert "ld.global.b16" in ops, (kind, consts, sorted(set(ops)))
         if kind == "check":
             continue
         assert wide[1] in ops, (kind, consts, sorted(set(ops)))
