@@ -1,15 +1,29 @@
-"""Tune and check the Triton backend on a GPU: the numbers issue 4 asks for.
+"""Tune and check the Triton backend's step (the op interface of ``emcl_kernels.interface``).
 
-    python benchmarks/sweep_triton.py                 # on a GPU
+    python benchmarks/sweep_triton.py                       # on a GPU: everything below
+    python benchmarks/sweep_triton.py --host                # any machine: host cost only
     TRITON_INTERPRET=1 python benchmarks/sweep_triton.py --smoke   # CPU, tiny: does it run?
 
-For every (BLOCK_SIZE, NUM_WARPS) of the sweep it times each op on one tensor of 2**24
-elements (fp32 and bf16; ``--numel`` to change) and reports GB/s under SPEC section 5's byte
-model and the ratio to the copy bandwidth measured in the same run (``dst.copy_(src)``, bytes
-read + written). Then, at the default configuration, it times a list of 1,000 tensors of 4,096
-elements against the ``reference`` backend, and against the ``cuda`` backend when that is
-available. Times are medians of CUDA-event timings (``time.perf_counter`` on CPU), through
-``emcl_kernels.functional`` as a user calls it. Prints one JSON object per line.
+On a GPU it prints, one JSON object per line:
+
+1. ``copy``: the device-to-device copy bandwidth (bytes read + written), the roof;
+2. ``bandwidth``: for every (BLOCK_SIZE, NUM_WARPS) of the sweep, every op (inner, meta,
+   inner_meta) and dtype, GB/s of one step on one tensor of ``--numel`` elements under SPEC
+   section 5's byte model (lr_mode inverse: no stored α) and its ratio to the copy (target
+   >= 0.95 for the meta step at 2**24..2**28 fp32, distinct tensors);
+3. ``odd_tensor``: 8 tensors of ``--numel / 8`` elements, all 16-byte aligned and then with
+   one of them one element off: only that tensor should lose the vector path (the ratio of
+   the two times stays near 8/7 at worst, near 1 when the scalar path keeps up);
+4. ``check``: the cost of ``check=True`` (the read of g by the check kernel) at ``--numel``;
+5. ``host``: wall time per call of ``step(op=cadence, check=True)`` over 1,000 tensors of
+   4,096 fp32 (pipelined, one sync at the end), against ``torch.optim.Adam(fused=True).step()``
+   on the same shapes, and the same step replayed from a CUDA graph.
+
+``--host`` measures, on any machine, the host cost of a step call of this backend with the
+kernel launches stubbed out (the tables' look-up, the key of 1,000 tensors, the argument
+packing): the part of ``host`` above that this module adds to Triton's own launch cost.
+Times are medians of CUDA-event timings (``time.perf_counter`` for host costs; ``--host`` also
+reports the process's CPU time, which a loaded shared machine inflates less).
 """
 from __future__ import annotations
 
@@ -24,43 +38,44 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from emcl_kernels import available_backends, functional as F  # noqa: E402
 from emcl_kernels.backends import triton as TB  # noqa: E402
+from emcl_kernels.interface import (COUNTER_FIELDS, HYPER_FIELDS, IMPORTANCE,  # noqa: E402
+                                    LR_MODE, OP)
 
-OPS = ("inner_step", "meta_step", "inner_meta_step")
 HYPER = dict(inner_lr=0.05, meta_lr=0.2, reg=1.5, gamma=0.3, decay=0.8, lr_scale=0.6,
-             lr_mode="inverse", lr_min=0.0, lr_max=50.0, eps=1e-8, importance="taylor",
-             prox=True)
-KEYS = {"inner_step": ("inner_lr", "reg", "gamma", "prox"),
-        "meta_step": ("meta_lr", "reg", "decay", "lr_scale", "lr_mode", "lr_min", "lr_max",
-                      "eps", "importance"),
-        "inner_meta_step": tuple(HYPER)}
+             lr_min=0.0, lr_max=50.0, eps=1e-8)
+OPS = ("inner", "meta", "inner_meta")
 
 
 def bytes_per_element(op, dtype):
     """SPEC section 5 (lr_mode "inverse": no stored α)."""
     p = torch.empty((), dtype=dtype).element_size()
-    return 3 * p + (2 if op == "inner_step" else 4) * 4
+    return 3 * p + (2 if op == "inner" else 4) * 4
 
 
-def make(sizes, dtype, device):
-    g = torch.Generator(device="cpu").manual_seed(0)
-    def rnd(n, dt):
-        return torch.randn(n, generator=g).to(device=device, dtype=dt)
-    params = [rnd(n, dtype) for n in sizes]
-    grads = [rnd(n, dtype) for n in sizes]
-    anchors = [p.float() + 0.1 * rnd(n, torch.float32) for p, n in zip(params, sizes)]
-    imps = [rnd(n, torch.float32).abs() + 0.1 for n in sizes]
-    return params, grads, anchors, imps
+class Group:
+    """One group's tensors and the interface's device tensors, on ``device``."""
 
+    def __init__(self, sizes, dtype, device, odd=()):
+        gen = torch.Generator(device="cpu").manual_seed(0)
 
-def step(op, backend, tensors):
-    params, grads, anchors, imps = tensors
-    hp = {k: HYPER[k] for k in KEYS[op]}
-    if op == "inner_step":
-        return lambda: F.inner_step_(params, grads, anchors, imps, backend=backend, **hp)
-    fn = getattr(F, op + "_")
-    return lambda: fn(params, grads, anchors, imps, None, backend=backend, **hp)
+        def rnd(n, dt, shift=False):
+            t = torch.randn(n + shift, generator=gen).to(device=device, dtype=dt)
+            return t[1:] if shift else t
+        self.params = [rnd(n, dtype, i in odd) for i, n in enumerate(sizes)]
+        self.grads = [rnd(n, dtype) for n in sizes]
+        self.anchors = [p.float() + 0.1 * rnd(n, torch.float32) for p, n in zip(self.params, sizes)]
+        self.importances = [rnd(n, torch.float32).abs() + 0.1 for n in sizes]
+        self.hyper = torch.tensor([HYPER[k] for k in HYPER_FIELDS], dtype=torch.float64,
+                                  device=device)
+        self.counters = torch.zeros(len(COUNTER_FIELDS), dtype=torch.int64, device=device)
+        self.steps = torch.zeros(len(sizes), device=device)
+
+    def step(self, op, check=False, meta_every=1):
+        TB.step(self.params, self.grads, self.anchors, self.importances, [], self.steps,
+                self.hyper, self.counters, op=OP[op], prox=True,
+                importance=IMPORTANCE["taylor"], lr_mode=LR_MODE["inverse"],
+                meta_every=meta_every, check=check, finalize=True)
 
 
 def median_seconds(fn, device, reps):
@@ -81,22 +96,76 @@ def median_seconds(fn, device, reps):
     return statistics.median(times)
 
 
+def wall_per_call(fn, device, calls):
+    """Wall time per call of ``calls`` back-to-back calls (host-bound when the kernels are
+    short), synchronized once at the end."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) / calls
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def host_cost(n_tensors, numel, calls, out):
+    """Host time per step call with the launches stubbed out, on CPU tensors."""
+    torch.set_num_threads(1)
+    group = Group([numel] * n_tensors, torch.float32, torch.device("cpu"))
+    kernels = TB._kernels
+    saved = kernels.emcl_step_kernel, kernels.emcl_check_kernel
+    kernels.emcl_step_kernel = kernels.emcl_check_kernel = _NoLaunch()
+    try:
+        for check in (False, True):
+            fn = lambda: group.step("inner_meta", check=check)  # noqa: E731
+            fn()
+            wall, cpu = [], []
+            for _ in range(7):
+                t, c = time.perf_counter(), time.process_time()
+                for _ in range(calls):
+                    fn()
+                wall.append((time.perf_counter() - t) / calls)
+                cpu.append((time.process_time() - c) / calls)
+            # CPU time too: on a shared machine, wall time includes waiting for a core
+            w, c = statistics.median(wall), statistics.median(cpu)
+            out({"host": "stubbed launches", "tensors": n_tensors, "check": check,
+                 "us_per_call": round(w * 1e6, 1), "us_per_tensor": round(w * 1e6 / n_tensors, 3),
+                 "cpu_us_per_call": round(c * 1e6, 1),
+                 "cpu_us_per_tensor": round(c * 1e6 / n_tensors, 3),
+                 "load_average": round(os.getloadavg()[0], 1)})
+    finally:
+        kernels.emcl_step_kernel, kernels.emcl_check_kernel = saved
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--numel", type=int, default=2 ** 24)
     ap.add_argument("--blocks", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--host", action="store_true", help="host cost only (stubbed launches)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, to check it runs on CPU")
     args = ap.parse_args(argv)
+    out = lambda rec: print(json.dumps(rec), flush=True)  # noqa: E731
+    if args.host:
+        host_cost(1000, 4096, 200, out)
+        host_cost(6, 4096, 2000, out)
+        return
     device = torch.device("cuda" if torch.cuda.is_available() and not TB.INTERPRETED else "cpu")
     if TB.unavailable_reason("triton", device.type):
         sys.exit(f"triton backend unavailable: {TB.unavailable_reason('triton', device.type)}")
     if args.smoke:
         args.numel, args.blocks, args.warps, args.reps = 5000, [4096], [8], 2
-    many = (10, 257) if args.smoke else (1000, 4096)
-    out = lambda rec: print(json.dumps(rec), flush=True)  # noqa: E731
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
+    import triton
+    out({"device": name, "torch": torch.__version__, "triton": triton.__version__})
 
     copy_numel = max(args.numel, 2 ** 26) if device.type == "cuda" else args.numel
     src = torch.randn(copy_numel, device=device)
@@ -104,42 +173,65 @@ def main(argv=None):
     copy_s = median_seconds(lambda: dst.copy_(src), device, args.reps)
     copy_gbps = 2 * src.numel() * 4 / copy_s / 1e9
     del src, dst
-    out({"device": name, "copy_gbps": round(copy_gbps, 1)})
+    out({"copy_gbps": round(copy_gbps, 1)})
 
     default = (TB.BLOCK_SIZE, TB.NUM_WARPS)
     for dtype in (torch.float32, torch.bfloat16):
-        tensors = make([args.numel], dtype, device)
+        group = Group([args.numel], dtype, device)
         for block in args.blocks:
             for warps in args.warps:
                 TB.BLOCK_SIZE, TB.NUM_WARPS = block, warps
                 for op in OPS:
-                    s = median_seconds(step(op, "triton", tensors), device, args.reps)
+                    s = median_seconds(lambda: group.step(op), device, args.reps)
                     gbps = bytes_per_element(op, dtype) * args.numel / s / 1e9
-                    out({"op": op, "dtype": str(dtype), "numel": args.numel, "block": block,
-                         "warps": warps, "us": round(s * 1e6, 1), "gbps": round(gbps, 1),
-                         "of_copy": round(gbps / copy_gbps, 3)})
-        del tensors
+                    out({"bandwidth": op, "dtype": str(dtype)[6:], "numel": args.numel,
+                         "block": block, "warps": warps, "us": round(s * 1e6, 1),
+                         "gbps": round(gbps, 1), "of_copy": round(gbps / copy_gbps, 3)})
+        del group
     TB.BLOCK_SIZE, TB.NUM_WARPS = default
 
-    others = [b for b in ("cuda", "foreach") if b in available_backends()
-              and (b != "cuda" or device.type == "cuda")]
-    for dtype in (torch.float32,):
-        tensors = make([args.numel], dtype, device)
-        for op in OPS:
-            rec = {"op": op, "numel": args.numel, "dtype": str(dtype)}
-            for b in ["triton"] + others:
-                rec[b + "_us"] = round(median_seconds(step(op, b, tensors), device,
-                                                      args.reps) * 1e6, 1)
-            out(rec)
-        del tensors
-        tensors = make([many[1]] * many[0], dtype, device)
-        for op in OPS:
-            rec = {"op": op, "tensors": many[0], "numel_each": many[1], "dtype": str(dtype)}
-            for b in ["triton", "reference"] + others:
-                reps = max(3, args.reps // 10) if b == "reference" else args.reps
-                rec[b + "_us"] = round(median_seconds(step(op, b, tensors), device, reps) * 1e6, 1)
-            rec["triton_speedup_vs_reference"] = round(rec["reference_us"] / rec["triton_us"], 1)
-            out(rec)
+    n = max(args.numel // 8, 8)
+    times = {}
+    for label, odd in (("aligned", ()), ("one_odd", (3,))):
+        group = Group([n] * 8, torch.float32, device, odd=odd)
+        times[label] = median_seconds(lambda: group.step("meta"), device, args.reps)
+        del group
+    out({"odd_tensor": "meta", "tensors": 8, "numel_each": n,
+         **{k + "_us": round(v * 1e6, 1) for k, v in times.items()},
+         "ratio": round(times["one_odd"] / times["aligned"], 3)})
+
+    group = Group([args.numel], torch.float32, device)
+    plain = median_seconds(lambda: group.step("inner_meta"), device, args.reps)
+    checked = median_seconds(lambda: group.step("inner_meta", check=True), device, args.reps)
+    out({"check": "inner_meta", "numel": args.numel, "us": round(plain * 1e6, 1),
+         "with_check_us": round(checked * 1e6, 1),
+         "check_gbps": (round(4 * args.numel / (checked - plain) / 1e9, 1)
+                        if checked > plain else None)})
+    del group
+
+    if device.type != "cuda":
+        return
+    sizes = [4096] * 1000
+    group = Group(sizes, torch.float32, device)
+    calls = 200
+    emcl = wall_per_call(lambda: group.step("cadence", check=True), device, calls)
+    params = [torch.nn.Parameter(p.clone()) for p in group.params]
+    for p, g in zip(params, group.grads):
+        p.grad = g.clone()
+    adam = torch.optim.Adam(params, lr=1e-3, fused=True)
+    adam_s = wall_per_call(adam.step, device, calls)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        group.step("cadence", check=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        group.step("cadence", check=True)
+    replay = wall_per_call(graph.replay, device, calls)
+    out({"host": "1000 x 4096 fp32", "emcl_cadence_check_us": round(emcl * 1e6, 1),
+         "adam_fused_us": round(adam_s * 1e6, 1), "emcl_graph_replay_us": round(replay * 1e6, 1),
+         "emcl_over_adam": round(emcl / adam_s, 2)})
 
 
 if __name__ == "__main__":

@@ -1,10 +1,16 @@
-"""The Triton backend equals the reference (SPEC section 4), in one launch per group and step.
+"""The Triton backend does [note: the step call] of emcl_kernels.interface like the reference
+backend: tensors, counters and meta-step counts (SPEC section 4), in one launch per group for
+the update and one for the finite check.
 
 Without a GPU these tests run the kernels through Triton's interpreter on CPU tensors
 (``TRITON_INTERPRET=1`` is set below, before the kernels are imported). When torch sees a GPU
 and ``TRITON_INTERPRET`` is not set to 1 in the environment, the same tests run compiled on
-CUDA tensors. The interpreter costs milliseconds per program (one program per chunk of
-``BLOCK_SIZE`` elements), so the sizes here are chosen to keep the program count small.
+CUDA tensors, plus the GPU-only ones (CUDA graph capture, 2**31 elements). The interpreter
+costs tens of milliseconds per program (one program per chunk of ``BLOCK_SIZE`` elements), so
+the sizes and the mode grid here are chosen to keep the program count small.
+
+The checks every backend passes are those of ``tests/test_step_interface.py``: they are called
+from here with the Triton backend and this file's device.
 """
 import importlib
 import os
@@ -20,10 +26,13 @@ if not ON_GPU:
 triton = pytest.importorskip("triton")
 
 import emcl_kernels  # noqa: E402
-from emcl_kernels import functional as F  # noqa: E402
 from emcl_kernels.backends import get_backend  # noqa: E402
-from emcl_testing import (DTYPES, MODES, OPS, SIZES, apply, assert_case_close,  # noqa: E402
-                          assert_close, check_against_reference, clone_case, fresh_grads, make_case)
+from emcl_kernels.interface import OP  # noqa: E402
+from emcl_testing import (DTYPES, MODES, SIZES, assert_case_close, assert_close,  # noqa: E402
+                          call_step, check_step_matches_reference, clone_case, counters_dict,
+                          fresh_grads, make_case, mode_codes, new_counters, pack_hyper,
+                          reference_backend, step_hyper)
+import test_step_interface as shared  # noqa: E402  (the checks every backend passes)
 
 
 def _load_backend():
@@ -38,20 +47,20 @@ def _load_backend():
 
 TB = _load_backend()
 DEVICE = "cuda" if ON_GPU else "cpu"
-
-
-def _check(op, sizes, dtype, mode, **kw):
-    check_against_reference("triton", op, sizes, dtype, mode, device=DEVICE, **kw)
+STEP_OPS = ("inner", "meta", "inner_meta", "cadence")
 
 
 class _CountingKernel:
-    """Wraps the kernel and counts launches (``kernel[grid](...)``)."""
+    """Wraps a kernel and counts its launches (``kernel[grid](...)``)."""
 
     def __init__(self, kernel):
-        self.kernel, self.launches, self.grids = kernel, 0, []
+        self.kernel, self.grids = kernel, []
+
+    @property
+    def launches(self):
+        return len(self.grids)
 
     def __getitem__(self, grid):
-        self.launches += 1
         self.grids.append(grid)
         return self.kernel[grid]
 
@@ -59,11 +68,22 @@ class _CountingKernel:
         return getattr(self.kernel, name)
 
 
+class _Launches:
+    def __init__(self, monkeypatch):
+        self.update = _CountingKernel(TB._kernels.emcl_step_kernel)
+        self.check = _CountingKernel(TB._kernels.emcl_check_kernel)
+        monkeypatch.setattr(TB._kernels, "emcl_step_kernel", self.update)
+        monkeypatch.setattr(TB._kernels, "emcl_check_kernel", self.check)
+
+
 @pytest.fixture
-def count_launches(monkeypatch):
-    counter = _CountingKernel(TB._kernels.emcl_kernel)
-    monkeypatch.setattr(TB._kernels, "emcl_kernel", counter)
-    return counter
+def launches(monkeypatch):
+    return _Launches(monkeypatch)
+
+
+def _chunks(sizes, block=None):
+    block = block or TB.BLOCK_SIZE
+    return sum((n + block - 1) // block for n in sizes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,91 +105,80 @@ def test_interpreter_refuses_cuda_tensors_with_a_reason():
 def test_no_autotuner_reapplies_the_in_place_update():
     # An autotuner benchmarks several runs of the kernel: each would apply the step again.
     from triton.runtime.autotuner import Autotuner
-    assert not isinstance(TB._kernels.emcl_kernel, Autotuner)
+    assert not isinstance(TB._kernels.emcl_step_kernel, Autotuner)
+    assert not isinstance(TB._kernels.emcl_check_kernel, Autotuner)
 
 
 # ---------------------------------------------------------------------------------------------
-# Against the reference
+# Against the reference backend
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.id)
-@pytest.mark.parametrize("op", OPS)
-def test_triton_matches_reference(op, mode, dtype):
-    """Every op, mode and dtype on sizes 0, 1, 7, 4097 (a full chunk and a 1-element tail)."""
-    _check(op, SIZES, dtype, mode, steps=2, seed=3)
+def _modes_for(op, dtype):
+    """Every mode for fp32; for the other dtypes three modes per op, so that each dtype meets
+    every mode once over the four ops (the math is the same code, the dtype only changes the
+    loads and stores)."""
+    if dtype == torch.float32:
+        return MODES
+    k = STEP_OPS.index(op)
+    return MODES[3 * k:3 * k + 3]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("op", OPS)
-def test_triton_chained_steps(op, dtype):
-    """Nine chained steps with fresh gradients; each (op, dtype) under a different mode so that
-    every mode is chained somewhere."""
-    mode = MODES[(OPS.index(op) * len(DTYPES) + DTYPES.index(dtype)) % len(MODES)]
-    _check(op, [1, 7, 300, 33], dtype, mode, steps=9, seed=11)
+_GRID = [pytest.param(op, mode, dtype, id=f"{op}-{mode.id}-{str(dtype)[6:]}")
+         for dtype in DTYPES for op in STEP_OPS for mode in _modes_for(op, dtype)]
 
 
-@pytest.mark.parametrize("op,dtype", [("inner_meta_step", torch.float32),
-                                      ("inner_meta_step", torch.bfloat16),
-                                      ("meta_step", torch.float16),
-                                      ("inner_step", torch.float64)], ids=str)
-def test_triton_many_tensors(op, dtype, count_launches):
-    """123 tensors of odd sizes (some empty) in one launch per step."""
-    sizes = [(i * 37) % 101 for i in range(123)]
-    _check(op, sizes, dtype, MODES[1], steps=2, seed=5)
-    assert count_launches.launches == 2
-    assert count_launches.grids[0] == (sum(1 for n in sizes if n),)
+@pytest.mark.parametrize("op, mode, dtype", _GRID)
+def test_step_matches_reference(op, mode, dtype):
+    """Sizes 0, 1, 7, 4097 (an empty tensor, tails, a full chunk and a one-element tail):
+    tensors, counters and steps after each call; the cadence (meta_every 2) does an inner
+    step, an inner+meta step, an inner step."""
+    check_step_matches_reference(TB, op, SIZES, dtype, mode, device=DEVICE,
+                                 calls=3 if op == "cadence" else 2, meta_every=2, seed=3)
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
-def test_small_blocks_many_chunks(dtype, monkeypatch):
-    """Chunk boundaries: sizes around multiples of a small block, several chunks per tensor."""
-    monkeypatch.setattr(TB, "BLOCK_SIZE", 64)
-    _check("inner_meta_step", [0, 1, 63, 64, 65, 130, 7, 256], dtype, MODES[0], steps=3, seed=2)
+def test_many_tensors_of_odd_sizes_in_one_launch(dtype, launches):
+    """133 tensors, sizes around the vector width and the chunk size: one launch, one
+    program per chunk."""
+    sizes = [(i * 37) % 301 + (i % 5) for i in range(130)] + [16385, 4099, 33]
+    check_step_matches_reference(TB, "inner_meta", sizes, dtype, MODES[1], device=DEVICE,
+                                 calls=1, seed=5)
+    assert launches.update.grids == [(_chunks(sizes),)] and launches.check.launches == 0
 
 
-def test_unaligned_tensors(count_launches):
-    """Contiguous views at odd element offsets: addresses not 16-byte aligned."""
-    hyper = MODES[4].hyper("inner_meta_step")
-    case = make_case([33, 70, 5], torch.float32, seed=9, device=DEVICE)
-    buf = [torch.empty(t.numel() + 1, dtype=t.dtype, device=DEVICE) for t in case.params]
-    for b, t in zip(buf, case.params):
-        b[1:].copy_(t.reshape(-1))
-    case.params = [b[1:].view(t.shape) for b, t in zip(buf, case.params)]
-    expected = clone_case(case, torch.float64, device="cpu")
-    apply("inner_meta_step", "triton", case, hyper)
-    apply("inner_meta_step", "reference", expected, hyper)
-    assert_case_close(case, expected, torch.float32, "unaligned")
-    key = next(reversed(TB._plans))
-    assert not TB._plans[key].state_aligned
+def _at_odd_address(t):
+    """``t``'s values in a new tensor that starts one element past a 16-byte boundary."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = buf[1:].view(t.shape)
+    out.copy_(t)
+    return out
 
-
-# ---------------------------------------------------------------------------------------------
-# grad_scale and found_inf: read inside the kernel
-# ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=str)
-@pytest.mark.parametrize("op", OPS)
-def test_grad_scale_and_found_inf(op, dtype):
+@pytest.mark.parametrize("op", ("inner", "cadence"))
+def test_chunks_and_odd_addresses(op, dtype, monkeypatch):
+    """Small chunks (BLOCK_SIZE 64: the scalar path loops over 16-element pieces) around the
+    chunk boundaries, with one tensor's param and another's gradient at odd addresses among
+    aligned tensors: every chunk right, whichever path it takes."""
+    monkeypatch.setattr(TB, "BLOCK_SIZE", 64)
     mode = MODES[0]
-    hyper = mode.hyper(op)
-    case = make_case([7, 300], dtype, seed=4, device=DEVICE)
+    hyper = step_hyper(mode)
+    sizes = [0, 1, 15, 16, 17, 64, 65, 130, 7, 256]
+    case = make_case(sizes, dtype, seed=2, device=DEVICE)
+    case.params[5] = _at_odd_address(case.params[5])
+    case.grads[7] = _at_odd_address(case.grads[7])
     ref_dtype = torch.float64 if dtype == torch.float32 else dtype
     expected = clone_case(case, ref_dtype, device="cpu")
-    scale = torch.tensor(8.0)
-    case.grads = [g * 8 for g in case.grads]               # exact in every dtype
-    expected.grads = [g.to("cpu", ref_dtype) for g in case.grads]
-    apply(op, "triton", case, hyper, grad_scale=scale.to(DEVICE),
-          found_inf=torch.tensor(0.0, device=DEVICE))
-    apply(op, "reference", expected, hyper, grad_scale=scale)
-    assert_case_close(case, expected, dtype, f"{op} grad_scale", with_meta_lrs=op != "inner_step")
-
-    before = clone_case(case)
-    apply(op, "triton", case, hyper, grad_scale=scale.to(DEVICE),
-          found_inf=torch.tensor(1.0, device=DEVICE))
-    for name, lst in case.tensors().items():
-        for a, b in zip(lst, before.tensors()[name]):
-            assert torch.equal(a, b), f"found_inf=1 but {name} was written"
+    counters, ref_counters = new_counters(DEVICE), new_counters()
+    for call in range(3):
+        call_step(TB, op, case, mode, hyper, counters, meta_every=2)
+        call_step(reference_backend(), op, expected, mode, hyper, ref_counters, meta_every=2)
+        assert_case_close(case, expected, dtype, f"{op} {dtype} call {call + 1}")
+        for g, new in zip(case.grads, fresh_grads(case, seed=call)):
+            g.copy_(new)                                  # the odd gradient stays odd
+        expected.grads = [g.detach().to("cpu", ref_dtype, copy=True) for g in case.grads]
+    assert counters_dict(counters.cpu()) == counters_dict(ref_counters)
+    assert case.params[5].data_ptr() % 16 != 0 and case.grads[7].data_ptr() % 16 != 0
 
 
 def _assert_same_values(actual, expected, dtype, what):
@@ -185,53 +194,138 @@ def _assert_same_values(actual, expected, dtype, what):
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, inf*0
 @pytest.mark.parametrize("mode", [m for m in MODES if m.prox and m.lr_mode != "constant"],
                          ids=lambda m: m.id)
-@pytest.mark.parametrize("op", ("meta_step", "inner_meta_step"))
-def test_non_finite_gradients_propagate_like_the_reference(op, mode):
-    """Without found_inf, NaN/inf gradients give the reference's NaN/inf (the clamp of the
+def test_unchecked_non_finite_gradients_propagate_like_the_reference(mode):
+    """With check=False, NaN/inf gradients give the reference's NaN/inf (the clamp of the
     meta learning rate keeps NaN as torch.clamp does), never silently finite values."""
-    hyper = mode.hyper(op)
+    hyper = step_hyper(mode)
     case = make_case([37, 5], torch.float32, seed=8, device=DEVICE)
     for g in case.grads:
         flat = g.view(-1)
-        flat[1], flat[3] = float("nan"), float("inf")
-        flat[4] = -float("inf")
+        flat[1], flat[3], flat[4] = float("nan"), float("inf"), -float("inf")
     expected = clone_case(case, torch.float64, device="cpu")
-    apply(op, "triton", case, hyper)
-    apply(op, "reference", expected, hyper)
+    call_step(TB, "inner_meta", case, mode, hyper, new_counters(DEVICE))
+    call_step(reference_backend(), "inner_meta", expected, mode, hyper, new_counters())
     for name, lst in case.tensors().items():
         if name == "meta_lrs" and mode.lr_mode != "recurrent":
             continue
         for i, (a, e) in enumerate(zip(lst, expected.tensors()[name])):
-            _assert_same_values(a, e, torch.float32, f"{op} {mode.id} {name}[{i}]")
+            _assert_same_values(a, e, torch.float32, f"{mode.id} {name}[{i}]")
 
 
 # ---------------------------------------------------------------------------------------------
-# One launch per group and step; the tables are cached while the tensors do not move
+# The checks of tests/test_step_interface.py, on this backend
 # ---------------------------------------------------------------------------------------------
 
-def test_one_launch_per_group(count_launches):
-    """Two dtypes in one call: two groups, two launches."""
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("value", (float("nan"), float("inf"), -float("inf")))
+@pytest.mark.parametrize("op", ("inner", "meta", "cadence"))
+def test_check_skips_the_whole_call(dtype, value, op):
+    shared.test_check_skips_the_whole_call("triton", DEVICE, dtype, value, op)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_check_finite_sets_found_and_writes_nothing(dtype):
+    shared.test_check_finite_sets_found_and_writes_nothing("triton", DEVICE, dtype)
+
+
+def test_found_inf_skips_without_counting_a_skip():
+    shared.test_found_inf_skips_without_counting_a_skip("triton", DEVICE)
+
+
+@pytest.mark.parametrize("op", ("inner", "inner_meta"))
+def test_grad_scale_divides_the_gradients(op):
+    shared.test_grad_scale_divides_the_gradients("triton", DEVICE, op)
+
+
+def test_cadence_is_every_meta_every_th_call():
+    shared.test_cadence_is_every_meta_every_th_call("triton", DEVICE)
+
+
+def test_one_bad_group_skips_every_group():
+    shared.test_one_bad_group_skips_every_group("triton", DEVICE)
+
+
+@pytest.mark.parametrize("op", ("meta", "inner_meta"))
+def test_lr_scale_sentinel_means_one_over_reg(op):
+    shared.test_lr_scale_sentinel_means_one_over_reg("triton", DEVICE, op)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_prox_update_of_huge_parameters(dtype):
+    shared.test_prox_update_of_huge_parameters("triton", DEVICE, dtype)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy: α overflows
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.id)
+def test_dead_units_stay_put(mode):
+    shared.test_dead_units_stay_put("triton", DEVICE, mode)
+
+
+def test_dense_non_contiguous_layouts():
+    shared.test_dense_non_contiguous_layouts("triton", DEVICE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launches, counters without tensors, cached tables
+# ---------------------------------------------------------------------------------------------
+
+def test_one_launch_for_the_update_and_one_for_the_check(launches):
+    """step(check=True) is two launches over the same chunks; check_finite is one per dtype;
+    the multi-group protocol is one check and one update per group."""
+    mode = MODES[1]
+    hyper = step_hyper(mode)
     a = make_case([5, 4097, 0], torch.float32, seed=1, device=DEVICE)
     b = make_case([9, 1], torch.bfloat16, seed=2, device=DEVICE)
-    hyper = MODES[2].hyper("meta_step")
-    F.meta_step_(a.params + b.params, a.grads + b.grads, a.anchors + b.anchors,
-                 a.importances + b.importances, None, backend="triton", **hyper)
-    assert count_launches.launches == 2
-    assert sorted(count_launches.grids) == [(2,), (3,)]
+    counters = new_counters(DEVICE)
+    call_step(TB, "cadence", a, mode, hyper, counters, check=True)
+    assert launches.check.grids == [(3,)] and launches.update.grids == [(3,)]
+    TB.check_finite(a.grads + b.grads, counters)                # two dtypes: two launches
+    assert sorted(launches.check.grids[1:]) == [(2,), (3,)]
+    assert launches.update.launches == 1
+    TB.check_finite(a.grads, counters)
+    TB.check_finite(b.grads, counters)
+    call_step(TB, "cadence", a, mode, hyper, counters, finalize=False)
+    call_step(TB, "cadence", b, mode, hyper, counters, finalize=True)
+    assert launches.check.launches == 5 and launches.update.grids[1:] == [(3,), (2,)]
+    assert counters_dict(counters.cpu()) == dict(found=0, calls=2, skipped=0, done=0)
 
 
-def test_all_empty_launches_nothing(count_launches):
+def test_a_group_of_empty_tensors_still_counts(launches):
+    """No element to update: no check launch, one single-program update launch that counts
+    the meta step of every param (the empty ones too) and finalizes; nothing at all when
+    there is nothing to count."""
+    mode = MODES[2]
     case = make_case([0, 0], torch.float32, seed=1, device=DEVICE)
-    apply("inner_step", "triton", case, MODES[0].hyper("inner_step"))
-    assert count_launches.launches == 0
+    counters = new_counters(DEVICE, found=1, calls=4)
+    steps = torch.zeros(2, device=DEVICE)
+    call_step(TB, "cadence", case, mode, step_hyper(mode), counters, steps=steps,
+              meta_every=5, check=True)
+    assert launches.check.launches == 0 and launches.update.grids == [(1,)]
+    assert counters_dict(counters.cpu()) == dict(found=0, calls=5, skipped=1, done=0)
+    assert not steps.any()                                   # skipped (found was 1)
+    call_step(TB, "meta", case, mode, step_hyper(mode), counters, steps=steps)
+    assert steps.tolist() == [1.0, 1.0]
+    call_step(TB, "inner", case, mode, step_hyper(mode), counters, finalize=False)
+    assert launches.update.launches == 2                     # nothing to do: no launch
+    empty = make_case([], torch.float32, seed=1, device=DEVICE)
+    call_step(TB, "cadence", empty, mode, step_hyper(mode), counters,
+              steps=torch.zeros(0, device=DEVICE))
+    assert counters_dict(counters.cpu())["calls"] == 6
 
 
 def test_tables_cached_and_gradient_table_refreshed():
+    """Nothing moved: no table made. New gradients: only the gradient table. Moved state: a new
+    state table (the chunk table of the same sizes is kept). check_finite shares the tables."""
     TB.clear_cache()
-    hyper = MODES[0].hyper("inner_meta_step")
+    mode = MODES[0]
+    hyper = step_hyper(mode)
     case = make_case([7, 300], torch.float32, seed=6, device=DEVICE)
     expected = clone_case(case, torch.float64, device="cpu")
+    counters, ref_counters = new_counters(DEVICE), new_counters()
     start = dict(TB.build_counts)
+
+    def made():
+        return {k: TB.build_counts[k] - start[k] for k in ("state", "grads", "chunks")}
 
     def step(new_grads):
         if new_grads:                                    # reallocated, as set_to_none does
@@ -240,24 +334,100 @@ def test_tables_cached_and_gradient_table_refreshed():
             for g, n in zip(case.grads, fresh_grads(case, seed=77)):
                 g.copy_(n)
         expected.grads = [g.to("cpu", torch.float64) for g in case.grads]
-        apply("inner_meta_step", "triton", case, hyper)
-        apply("inner_meta_step", "reference", expected, hyper)
+        call_step(TB, "inner_meta", case, mode, hyper, counters, check=True)
+        call_step(reference_backend(), "inner_meta", expected, mode, hyper, ref_counters)
         assert_case_close(case, expected, torch.float32, "cached tables")
 
     step(new_grads=False)
-    assert TB.build_counts["state"] - start["state"] == 1
-    assert TB.build_counts["grads"] - start["grads"] == 1
+    assert made() == dict(state=1, grads=1, chunks=1)
     step(new_grads=False)
-    assert TB.build_counts["state"] - start["state"] == 1     # nothing moved: no rebuild
-    assert TB.build_counts["grads"] - start["grads"] == 1
+    assert made() == dict(state=1, grads=1, chunks=1)        # nothing moved: nothing made
+    TB.check_finite(case.grads, counters)
+    assert made() == dict(state=1, grads=1, chunks=1)        # the step's tables
     step(new_grads=True)
-    assert TB.build_counts["state"] - start["state"] == 1     # only the gradient table
-    assert TB.build_counts["grads"] - start["grads"] == 2
-    # Parameters and state moved (e.g. load_state_dict into new tensors): new tables.
-    for name in ("params", "anchors", "importances"):
+    assert made() == dict(state=1, grads=2, chunks=1)        # only the gradient table
+    for name in ("params", "anchors", "importances", "meta_lrs"):
         setattr(case, name, [t.clone() for t in getattr(case, name)])
-    step(new_grads=False)
-    assert TB.build_counts["state"] - start["state"] == 2
+    step(new_grads=False)                                    # e.g. load_state_dict into new tensors
+    assert made() == dict(state=2, grads=2, chunks=1)
+
+
+def test_hyper_is_read_at_every_call():
+    """The kernels read ``hyper`` from the tensor each call: changed in place, it acts."""
+    mode = MODES[4]
+    hyper = step_hyper(mode)
+    a = make_case([7, 300], torch.float32, seed=3, device=DEVICE)
+    b = clone_case(a)
+    h = pack_hyper(hyper, DEVICE)
+    counters = new_counters(DEVICE)
+    steps = torch.zeros(0, device=DEVICE)
+    codes = dict(mode_codes(mode), meta_every=1, check=False, finalize=True)
+    TB.step(a.params, a.grads, a.anchors, a.importances, [], steps, h, counters,
+            op=OP["inner_meta"], **codes)
+    h.copy_(pack_hyper({**hyper, "inner_lr": 0.01, "decay": 0.5}, DEVICE))
+    TB.step(a.params, a.grads, a.anchors, a.importances, [], steps, h, counters,
+            op=OP["inner_meta"], **codes)
+    for hp in (hyper, {**hyper, "inner_lr": 0.01, "decay": 0.5}):
+        call_step(reference_backend(), "inner_meta", b, mode, hp, new_counters())
+    assert_case_close(a, b, torch.float32, "hyper changed in place")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU only
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (CUDA graphs)")
+@pytest.mark.parametrize("new_grads_in_capture", (False, True), ids=("static-grads", "graph-grads"))
+def test_captured_cadence_step_replays_like_eager(new_grads_in_capture):
+    """A CUDA graph of step(op=cadence, check=True) replays like eager calls, bit for bit,
+    with the hyper-parameters changed in place between replays, one replay skipped on a NaN,
+    and (graph-grads) a gradient table made during the capture."""
+    mode = MODES[0]
+    hyper = step_hyper(mode)
+    eager = make_case([7, 4097, 300, 0], torch.float32, seed=21, device="cuda")
+    graphed = clone_case(eager)
+    h_e, h_g = pack_hyper(hyper, "cuda"), pack_hyper(hyper, "cuda")
+    c_e, c_g = new_counters("cuda"), new_counters("cuda")
+    s_e, s_g = torch.zeros(4, device="cuda"), torch.zeros(4, device="cuda")
+    static_grads = [g.clone() for g in graphed.grads]
+    codes = dict(mode_codes(mode), op=OP["cadence"], meta_every=3, check=True, finalize=True)
+
+    def graphed_step(grads):
+        TB.step(graphed.params, grads, graphed.anchors, graphed.importances, graphed.meta_lrs,
+                s_g, h_g, c_g, **codes)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                             # warm-up: one eager step each
+        graphed_step(static_grads)
+    torch.cuda.current_stream().wait_stream(side)
+    TB.step(eager.params, eager.grads, eager.anchors, eager.importances, eager.meta_lrs, s_e,
+            h_e, c_e, **codes)
+    graph = torch.cuda.CUDAGraph()
+    captured_before = TB.build_counts["captured"]
+    with torch.cuda.graph(graph):
+        grads = [g * 1.0 for g in static_grads] if new_grads_in_capture else static_grads
+        graphed_step(grads)
+    assert (TB.build_counts["captured"] > captured_before) == new_grads_in_capture
+    for i in range(7):
+        new = fresh_grads(eager, seed=100 + i)
+        if i == 4:
+            new[1].view(-1)[17] = float("nan")
+        for dst, src in zip(static_grads, new):
+            dst.copy_(src)
+        eager.grads = [g.clone() for g in new]
+        for h in (h_e, h_g):
+            h.copy_(pack_hyper({**hyper, "inner_lr": 0.05 + 0.01 * i, "decay": 0.7 + 0.02 * i},
+                               "cuda"))
+        graph.replay()
+        TB.step(eager.params, eager.grads, eager.anchors, eager.importances, eager.meta_lrs,
+                s_e, h_e, c_e, **codes)
+        torch.cuda.synchronize()
+        for name, lst in graphed.tensors().items():
+            for a, b in zip(lst, eager.tensors()[name]):
+                assert torch.equal(a, b), f"replay {i + 1}: {name} differs from eager"
+        assert torch.equal(c_g, c_e) and torch.equal(s_g, s_e), f"replay {i + 1}"
+    assert counters_dict(c_g.cpu()) == dict(found=0, calls=8, skipped=1, done=0)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU with > 40 GB (2**31 + 5 elements)")
@@ -266,15 +436,19 @@ def test_past_2_31_elements():
     n = 2 ** 31 + 5
     if free < 40 * 2 ** 30:
         pytest.skip("needs 40 GB of free GPU memory")
-    hyper = MODES[1].hyper("inner_step")
+    mode = MODES[1]
+    hyper = step_hyper(mode)
     p = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     a = torch.randn(n, device="cuda")
     h = torch.rand(n, device="cuda") + 0.1
     tail = slice(n - 4101, n)
     want_p = p[tail].clone()
-    emcl_kernels.reference.inner_step_(want_p, g[tail], a[tail], h[tail], **hyper)
-    F.inner_step_([p], [g], [a], [h], backend="triton", **hyper)
+    emcl_kernels.reference.inner_step_(want_p, g[tail], a[tail], h[tail], inner_lr=0.05,
+                                       reg=1.5, gamma=0.3, prox=True)
+    TB.step([p], [g], [a], [h], [], torch.zeros(0, device="cuda"), pack_hyper(hyper, "cuda"),
+            new_counters("cuda"), op=OP["inner"], prox=True, importance=0, lr_mode=1,
+            meta_every=1, check=True, finalize=True)
     assert_close(p[tail], want_p, torch.bfloat16, "the last 4101 of 2**31 + 5 elements")
 
 
@@ -288,29 +462,47 @@ import triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 from emcl_kernels.backends import triton_kernels as K
-assert type(K.emcl_kernel).__name__ == "JITFunction", type(K.emcl_kernel)
-names = ["PARAM", "DO_INNER", "DO_META", "PROX", "SI", "LR_MODE", "HAS_GRAD_SCALE",
-         "HAS_FOUND_INF", "ALIGNED", "BLOCK"]
-signature = {"chunks": "*i64", "tensors": "*i64", "grads": "*i64", "hyper": "*fp64",
-             "grad_scale_ptr": "*fp32", "found_inf_ptr": "*fp32"}
-signature.update({n: "constexpr" for n in names})
+assert type(K.emcl_step_kernel).__name__ == "JITFunction", type(K.emcl_step_kernel)
+names = ["PARAM", "OP", "PROX", "IMPORTANCE_KIND", "LR_MODE", "HAS_GRAD_SCALE",
+         "HAS_FOUND_INF", "FINALIZE", "BLOCK", "SUB"]
+step_sig = {"chunks": "*i64", "tensors": "*i64", "grads": "*i64", "hyper": "*fp64",
+            "counters": "*i64", "steps": "*fp32", "n_steps": "i64", "meta_every": "i64",
+            "grad_scale_ptr": "*fp32", "found_inf_ptr": "*fp32"}
+step_sig.update({n: "constexpr" for n in names})
+check_sig = {"chunks": "*i64", "grads": "*i64", "counters": "*i64", "PARAM": "constexpr",
+             "BLOCK": "constexpr"}
+target = GPUTarget("cuda", 90, 32)
 out = []
-for combo in json.loads(sys.argv[1]):
-    src = ASTSource(fn=K.emcl_kernel, signature=signature, constexprs=dict(zip(names, combo)))
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
-    out.append(sorted(set(re.findall(r"(?:ld|st)\.global\.v\d\.b\d+", ptx))))
+for kind, consts in json.loads(sys.argv[1]):
+    if kind == "step":
+        src = ASTSource(fn=K.emcl_step_kernel, signature=step_sig,
+                        constexprs=dict(zip(names, consts)))
+    else:
+        src = ASTSource(fn=K.emcl_check_kernel, signature=check_sig,
+                        constexprs=dict(PARAM=consts[0], BLOCK=consts[1]))
+    ptx = triton.compile(src, target=target, options={"num_warps": 8}).asm["ptx"]
+    ops = re.findall(r"((?:ld|st|atom)\.global[.\w]*)|(bar\.sync)", ptx)
+    out.append([a or b for a, b in ops])
 print(json.dumps(out))
 """
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the other tests run compiled")
 def test_compiles_for_the_gpu_with_vector_access():
-    """The GPU source compiles (front end to PTX, no GPU needed) for every dtype and the
-    combined step, and aligned full chunks use 16-byte vector loads and stores."""
+    """Both kernels compile for sm_90 (front end to PTX, no GPU needed) for every dtype and
+    several ops and flags, each with its vector path (16-byte loads and stores of the aligned
+    full chunks; bf16/fp16 also show the 16-bit accesses of their scalar path); a finalizing
+    update has one acq_rel atomic add on counters[DONE], right after a block barrier."""
     import json
     import subprocess
-    combos = [[p, True, True, True, False, 0, True, True, True, 4096] for p in range(4)]
-    combos.append([1, True, True, False, True, 1, False, False, False, 4096])
+    # PARAM, OP, PROX, IMPORTANCE_KIND, LR_MODE, HAS_GRAD_SCALE, HAS_FOUND_INF, FINALIZE,
+    # BLOCK, SUB (as the backend passes them: fp64 chunks are half as long)
+    steps = [[p, OP["cadence"], True, 0, 0, True, True, True, 4096 // (2 if p == 3 else 1),
+              1024 // (2 if p == 3 else 1)] for p in range(4)]
+    steps += [[1, OP["inner"], False, 1, 1, False, False, False, 4096, 1024],
+              [0, OP["meta"], True, 1, 2, False, True, True, 4096, 1024]]
+    checks = [[p, 4096 // (2 if p == 3 else 1)] for p in range(4)]
+    combos = [["step", c] for c in steps] + [["check", c] for c in checks]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
@@ -319,10 +511,20 @@ def test_compiles_for_the_gpu_with_vector_access():
     if proc.returncode != 0 and "ptxas" in proc.stderr.lower() and "not found" in proc.stderr.lower():
         pytest.skip("Triton's ptxas is missing here")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    vectors = json.loads(proc.stdout.strip().splitlines()[-1])
-    for combo, v in zip(combos, vectors):
-        if combo[8]:                          # aligned: loads and stores of 16 bytes
-            assert any(x.startswith("ld") and x.endswith(("v4.b32", "v2.b64")) for x in v), (combo, v)
-            assert any(x.startswith("st") and x.endswith(("v4.b32", "v2.b64")) for x in v), (combo, v)
-        else:                                 # unaligned addresses: no vector access promised
-            assert v == [], (combo, v)
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    for (kind, consts), ops in zip(combos, results):
+        wide = ("ld.global.v2.b64", "st.global.v2.b64") if consts[0] == 3 else \
+            ("ld.global.v4.b32", "st.global.v4.b32")
+        assert wide[0] in ops, (kind, consts, sorted(set(ops)))
+        if consts[0] in (1, 2):   # bf16/fp16: 16-bit loads come from the scalar path only
+            assert "ld.global.b16" in ops, (kind, consts, sorted(set(ops)))
+        if kind == "check":
+            continue
+        assert wide[1] in ops, (kind, consts, sorted(set(ops)))
+        atomics = [i for i, op in enumerate(ops) if op.startswith("atom")]
+        if consts[7]:                                        # FINALIZE
+            assert [ops[i] for i in atomics] == ["atom.global.gpu.acq_rel.add.u64"], ops
+            assert ops[atomics[0] - 1] == "bar.sync", ops[atomics[0] - 5:atomics[0] + 1]
+        else:
+            assert atomics == [], (kind, consts)
+
