@@ -15,7 +15,7 @@ from emcl_kernels.skips import NonFiniteGradientWarning, SkipLog
 from emcl_kernels.validation import (IMPORTANCE_KINDS, INNER_KEYS, LR_MODES, META_KEYS,
                                      NUMERIC_KEYS, PARAM_DTYPES,
                                      check_flag, check_hyperparameters, check_no_overlap,
-                                     check_like, check_param, state_dtype)
+                                     check_like, check_param, same_layout, state_dtype)
 
 __all__ = ["FusedEMCLOptimizer", "NonFiniteGradientWarning"]
 
@@ -47,15 +47,27 @@ def _kind(v) -> str:
 _MODE_INDEX = tuple(_HYPER_KEYS.index(k) for k in _MODE_KEYS)
 
 
+_layout = Tensor.layout.__get__
+_dtype = Tensor.dtype.__get__
+_device = Tensor.device.__get__
+_shape = Tensor.shape.__get__
+_stride = Tensor.stride
+
+
 def _grads_fit(plan: Plan, grads: list) -> bool:
     """Per step, for the backends that do not check their gradients themselves: every
-    gradient is dense and like its parameter (dtype, shape, device, strides)."""
-    for p, g in zip(plan.params, grads):
-        if g.layout != torch.strided or g.dtype != p.dtype or g.shape != p.shape \
-                or g.device != p.device or (g.numel() > 1 and g.stride() != p.stride()) \
-                or p.dtype != plan.dtype or p.device != plan.device:
-            return False
-    return True
+    gradient is dense and like its parameter (dtype, shape, device, strides), and the
+    parameters are still what the plan was built for. C-level maps: ~0.5 µs per tensor."""
+    params = plan.params
+    want = plan.dtype
+    return (all(d is want for d in map(_dtype, params)) and
+            all(d is want for d in map(_dtype, grads)) and
+            all(lay is torch.strided for lay in map(_layout, grads)) and
+            all(d == plan.device for d in map(_device, grads)) and
+            all(d == plan.device for d in map(_device, params)) and
+            list(map(_shape, grads)) == list(map(_shape, params)) and
+            (list(map(_stride, grads)) == list(map(_stride, params))
+             or all(map(same_layout, grads, params))))
 
 
 class FusedEMCLOptimizer(Optimizer):
@@ -371,7 +383,7 @@ class FusedEMCLOptimizer(Optimizer):
             if t.shape != p.shape:
                 raise RuntimeError(f"{where} has shape {tuple(p.shape)} but its {key} state "
                                    f"has {tuple(t.shape)}")
-            if local(t).numel() > 1 and local(t).stride() != local(p).stride():
+            if not same_layout(local(t), local(p)):
                 st[key] = torch.empty_like(p, dtype=want).copy_(t)  # follow the layout
 
     def _init_state(self, p: Tensor, group: dict, recurrent: bool) -> None:

@@ -28,7 +28,7 @@ from emcl_kernels.integration import capturing, is_dtensor, local
 
 __all__ = ["FLT_MAX", "FLT_TINY", "PARAM_DTYPES", "LR_MODES", "IMPORTANCE_KINDS",
            "INNER_KEYS", "META_KEYS", "NUMERIC_KEYS", "check_hyperparameters", "check_flag",
-           "check_param", "check_tensor", "check_like", "check_no_overlap", "is_dense", "resolve_lr_scale",
+           "check_param", "check_tensor", "check_like", "check_no_overlap", "same_layout", "is_dense", "resolve_lr_scale",
            "state_dtype"]
 
 FLT_MAX = float(torch.finfo(torch.float32).max)
@@ -236,6 +236,13 @@ def is_dense(t: Tensor) -> bool:
     return True
 
 
+def same_layout(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors of one shape put their elements in the same memory order (strides
+    equal wherever a dimension has more than one element)."""
+    sa, sb = a.stride(), b.stride()
+    return sa == sb or all(x == y for x, y, n in zip(sa, sb, a.shape) if n > 1)
+
+
 def check_param(where: str, p) -> None:
     """A parameter EMCL can update: a floating-point, dense tensor with data."""
     if not isinstance(p, Tensor):
@@ -286,7 +293,7 @@ def check_like(where: str, owner: str, t, p: Tensor, dtype: torch.dtype, *,
         raise ValueError(f"{where} has shape {tuple(t.shape)} but {owner} has shape "
                          f"{tuple(p.shape)}")
     lt, lp = local(t), local(p)
-    if lt.numel() > 1 and lt.stride() != lp.stride():
+    if not same_layout(lt, lp):
         raise RuntimeError(f"{where} has strides {lt.stride()} but {owner} has "
                            f"{lp.stride()}: it must have the parameter's memory layout ("
                            + ("e.g. torch.empty_like(param))" if state else

@@ -253,3 +253,14 @@ def test_errors_after_many_good_calls(op):
              importances=[case.importances[0], case.importances[0], case.importances[2]],
              **({} if op == "inner" else {"meta_lrs": [case.meta_lrs[0], case.meta_lrs[0], case.meta_lrs[2]]}))
     assert_unchanged(case, before)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_size_one_dimensions_may_have_any_stride(op):
+    """(1, 12) with strides (12, 1) and (1, 1) are the same memory order: accepted."""
+    case = make_case([5, 7, 12], torch.float32, seed=11)
+    case.params[2] = case.params[2].reshape(1, 12)
+    case.grads[2] = torch.as_strided(case.grads[2].reshape(-1).clone(), (1, 12), (1, 1))
+    for lst in (case.anchors, case.importances, case.meta_lrs):
+        lst[2] = lst[2].reshape(1, 12)
+    call(op, case)
