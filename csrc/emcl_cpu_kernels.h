@@ -1,11 +1,18 @@
 // The CPU kernels, included twice: by emcl_cpu.cpp with torch's portable at::vec (any CPU) and
 // by emcl_cpu_avx2.cpp compiled for AVX2+FMA, where at::vec uses AVX2 intrinsics.
-// EMCL_CPU_NS names the namespace of each copy; emcl_cpu.cpp picks one at run time.
+// EMCL_CPU_NS names the namespace of each copy; emcl_cpu.cpp picks one at run time and does the
+// host-side part of a call (checks, counters, steps) itself.
 //
+// Each copy has two passes over tensor lists:
+// - any_nonfinite(grads): the read-only finite check (any parameter dtype per tensor);
+// - update(...): the step of SPEC section 2 for a resolved op (kInner, kMeta, kInnerMeta).
 // Work is cut into pieces of at most kPieceSize elements across all tensors of the call, so one
 // parallel region covers the whole list (many small tensors parallelize as well as one big
-// one). Parameters in bf16/fp16 are widened to fp32 vectors, updated in fp32 and rounded once
-// on store; fp32 and fp64 parameters are updated in their own precision.
+// one); a call with fewer than kSerialBelow elements runs on the calling thread. Pieces are
+// the same whatever the number of threads, and no result depends on which thread did a piece:
+// the results are bitwise the same at any thread count. Parameters in bf16/fp16 are widened to
+// fp32 vectors, updated in fp32 and rounded once on store; fp32 and fp64 parameters are updated
+// in their own precision.
 #pragma once
 #ifndef EMCL_CPU_NS
 #error "define EMCL_CPU_NS before including emcl_cpu_kernels.h"
@@ -15,6 +22,8 @@
 #include "emcl_math.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <type_traits>
 #include <vector>
 
@@ -28,17 +37,105 @@
 
 namespace emcl {
 namespace EMCL_CPU_NS {
+
+// The entry points of this copy (see the top of this file).
+bool any_nonfinite(at::TensorList grads);
+void update(const Lists& lists, Op which, bool prox, Importance importance, LrMode lr_mode,
+            const double* hyper, const float* grad_scale);
+
 namespace {
 
 constexpr int64_t kPieceSize = 32768;     // elements per parallel work item
 constexpr int64_t kSerialBelow = 131072;  // a call with fewer elements runs on one thread
 
-// One work item: elements [begin, end) of tensor `tensor`.
+// One work item: elements [begin, end) of the call's tensor `tensor`.
 struct Piece {
   int64_t tensor, begin, end;
 };
 
-// The data pointers of one tensor's lists; `alpha` is null unless lr_mode is "recurrent".
+// The pieces of tensors with these sizes, in a buffer reused by every call of this thread
+// (no allocation once it has grown); returns the total number of elements.
+template <typename NumelOf>
+int64_t cut_pieces(size_t count, NumelOf numel_of, std::vector<Piece>& pieces) {
+  pieces.clear();
+  int64_t total = 0;
+  for (size_t k = 0; k < count; ++k) {
+    const int64_t numel = numel_of(k);
+    for (int64_t b = 0; b < numel; b += kPieceSize) {
+      pieces.push_back({static_cast<int64_t>(k), b, std::min(numel, b + kPieceSize)});
+    }
+    total += numel;
+  }
+  return total;
+}
+
+std::vector<Piece>& piece_buffer() {
+  thread_local std::vector<Piece> pieces;
+  return pieces;
+}
+
+// Runs body(piece) over every piece, in parallel when the call is big enough.
+template <typename Body>
+void for_each_piece(const std::vector<Piece>& pieces, int64_t total, const Body& body) {
+  const int64_t npieces = static_cast<int64_t>(pieces.size());
+  if (npieces == 0) return;
+  if (total < kSerialBelow || npieces == 1) {
+    for (const Piece& piece : pieces) body(piece);
+    return;
+  }
+  at::parallel_for(0, npieces, 1, [&](int64_t first, int64_t last) {
+    for (int64_t k = first; k < last; ++k) body(pieces[k]);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// The finite check: x − x is 0 for a finite x and NaN for ±inf and NaN, and a sum of zeros
+// stays 0 until it meets a NaN, so two vector adds per vector decide a piece.
+// ---------------------------------------------------------------------------------------------
+template <typename T>
+bool lanes_nonzero(const at::vec::Vectorized<T>& acc) {
+  alignas(64) T lanes[at::vec::Vectorized<T>::size()];
+  acc.store(lanes);
+  for (int64_t j = 0; j < at::vec::Vectorized<T>::size(); ++j) {
+    if (lanes[j] != T(0)) return true;  // NaN != 0 too
+  }
+  return false;
+}
+
+template <typename scalar_t>
+bool piece_nonfinite(const scalar_t* x, int64_t n) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using Vec = at::vec::Vectorized<acc_t>;
+  Vec acc0(acc_t(0)), acc1(acc_t(0));
+  int64_t i = 0;
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    constexpr int64_t W = Vec::size();
+    for (; i + 2 * W <= n; i += 2 * W) {
+      const Vec a = Vec::loadu(x + i), b = Vec::loadu(x + i + W);
+      acc0 = acc0 + (a - a);
+      acc1 = acc1 + (b - b);
+    }
+  } else {
+    using bVec = at::vec::Vectorized<scalar_t>;
+    constexpr int64_t W = bVec::size();
+    for (; i + W <= n; i += W) {
+      auto [a, b] = at::vec::convert_to_float<scalar_t>(bVec::loadu(x + i));
+      acc0 = acc0 + (a - a);
+      acc1 = acc1 + (b - b);
+    }
+  }
+  for (; i < n; ++i) {
+    const acc_t v = static_cast<acc_t>(x[i]);
+    if (!std::isfinite(v)) return true;
+  }
+  return lanes_nonzero(acc0 + acc1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The update.
+// ---------------------------------------------------------------------------------------------
+
+// The data pointers of one tensor's lists; `alpha` is null unless lr_mode is recurrent.
 template <typename scalar_t, typename acc_t>
 struct Pointers {
   scalar_t* param;
@@ -68,9 +165,12 @@ void store(const V& v, typename V::value_type* ptr, int64_t count) {
 // (fp32, fp64): Vectorized<acc_t> loads, the math, stores of what the op writes.
 template <Op kOp, bool kProx, Importance kImp, LrMode kLr, typename acc_t>
 void update_full(const Pointers<acc_t, acc_t>& t, int64_t begin, int64_t end,
-                 const Hyper<at::vec::Vectorized<acc_t>>& hp) {
+                 const Hyper<at::vec::Vectorized<acc_t>>& hyper) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr bool kAlpha = has_meta(kOp) && kLr == LrMode::kRecurrent;
+  // A local copy: the stores below go through acc_t pointers, which may alias the Vectorized
+  // fields of a struct the compiler cannot see the origin of, forcing a reload per vector.
+  const Hyper<Vec> hp = hyper;
   for (int64_t i = begin; i < end; i += Vec::size()) {
     const int64_t n = std::min<int64_t>(Vec::size(), end - i);
     Vec theta = load<Vec>(t.param + i, n);
@@ -91,12 +191,13 @@ void update_full(const Pointers<acc_t, acc_t>& t, int64_t begin, int64_t end,
 // Vectorized<float> of state; θ and g are widened, the math runs in fp32, θ is rounded on store.
 template <Op kOp, bool kProx, Importance kImp, LrMode kLr, typename scalar_t>
 void update_reduced(const Pointers<scalar_t, float>& t, int64_t begin, int64_t end,
-                    const Hyper<at::vec::Vectorized<float>>& hp) {
+                    const Hyper<at::vec::Vectorized<float>>& hyper) {
   using fVec = at::vec::Vectorized<float>;
   using bVec = at::vec::Vectorized<scalar_t>;
   constexpr int64_t W = fVec::size();
   constexpr bool kAlpha = has_meta(kOp) && kLr == LrMode::kRecurrent;
   static_assert(bVec::size() == 2 * W, "a reduced-precision vector holds two float vectors");
+  const Hyper<fVec> hp = hyper;  // see update_full
   for (int64_t i = begin; i < end; i += bVec::size()) {
     const int64_t n = std::min<int64_t>(bVec::size(), end - i);
     const int64_t n0 = std::min(n, W), n1 = n - n0;
@@ -128,66 +229,72 @@ void update_reduced(const Pointers<scalar_t, float>& t, int64_t begin, int64_t e
 }
 
 template <Op kOp, bool kProx, Importance kImp, LrMode kLr, typename scalar_t>
-void run_typed(const Lists& l, const StepArgs& args, double grad_scale, bool scaled) {
+void update_typed(const Lists& l, const double* raw, const float* grad_scale) {
   using acc_t = at::opmath_type<scalar_t>;
   using Vec = at::vec::Vectorized<acc_t>;
-  const Hyper<Vec> hp = args.hyper<acc_t>(grad_scale, scaled).template as<Vec>();
-  constexpr bool kAlpha = has_meta(kOp) && kLr == LrMode::kRecurrent;
+  constexpr bool kAlpha = kLr == LrMode::kRecurrent;  // meta_lrs are passed (maybe unused)
+  constexpr bool kReadsAlpha = has_meta(kOp) && kAlpha;
+  const bool scaled = grad_scale != nullptr;
+  const Hyper<Vec> hp =
+      make_hyper<acc_t>(raw, scaled ? static_cast<acc_t>(*grad_scale) : acc_t(1), scaled)
+          .template as<Vec>();
 
-  std::vector<Pointers<scalar_t, acc_t>> ptrs;
-  std::vector<Piece> pieces;
-  int64_t total = 0;
-  for (size_t k = 0; k < l.params.size(); ++k) {
-    const int64_t numel = l.params[k].numel();
-    if (numel == 0) continue;
-    ptrs.push_back({l.params[k].data_ptr<scalar_t>(), l.grads[k].data_ptr<scalar_t>(),
-                    l.anchors[k].data_ptr<acc_t>(), l.importances[k].data_ptr<acc_t>(),
-                    kAlpha ? l.meta_lrs[k].data_ptr<acc_t>() : nullptr});
-    const int64_t idx = static_cast<int64_t>(ptrs.size()) - 1;
-    for (int64_t b = 0; b < numel; b += kPieceSize) {
-      pieces.push_back({idx, b, std::min(numel, b + kPieceSize)});
-    }
-    total += numel;
-  }
-  if (pieces.empty()) return;
-  const int64_t npieces = static_cast<int64_t>(pieces.size());
-  const int64_t grain = total < kSerialBelow ? npieces : 1;
-  at::parallel_for(0, npieces, grain, [&](int64_t first, int64_t last) {
-    for (int64_t k = first; k < last; ++k) {
-      const Piece& piece = pieces[k];
-      if constexpr (std::is_same_v<scalar_t, acc_t>) {
-        update_full<kOp, kProx, kImp, kLr>(ptrs[piece.tensor], piece.begin, piece.end, hp);
-      } else {
-        update_reduced<kOp, kProx, kImp, kLr>(ptrs[piece.tensor], piece.begin, piece.end, hp);
-      }
+  std::vector<Piece>& pieces = piece_buffer();
+  const int64_t total =
+      cut_pieces(l.params.size(), [&](size_t k) { return l.params[k].numel(); }, pieces);
+  // data_ptr() once per tensor and piece: a few loads from the TensorImpl, no checks.
+  auto pointers = [&](int64_t k) {
+    return Pointers<scalar_t, acc_t>{
+        static_cast<scalar_t*>(l.params[k].data_ptr()),
+        static_cast<const scalar_t*>(l.grads[k].data_ptr()),
+        static_cast<acc_t*>(l.anchors[k].data_ptr()),
+        static_cast<acc_t*>(l.importances[k].data_ptr()),
+        kReadsAlpha ? static_cast<acc_t*>(l.meta_lrs[k].data_ptr()) : nullptr};
+  };
+  for_each_piece(pieces, total, [&](const Piece& piece) {
+    const auto ptrs = pointers(piece.tensor);
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      update_full<kOp, kProx, kImp, kLr>(ptrs, piece.begin, piece.end, hp);
+    } else {
+      update_reduced<kOp, kProx, kImp, kLr>(ptrs, piece.begin, piece.end, hp);
     }
   });
 }
 
-void run_all(const Lists& l, const StepArgs& args, const OptTensor& grad_scale,
-             const OptTensor& found_inf) {
+}  // namespace
+
+bool any_nonfinite(at::TensorList grads) {
+  std::vector<Piece>& pieces = piece_buffer();
+  const int64_t total = cut_pieces(grads.size(), [&](size_t k) { return grads[k].numel(); },
+                                   pieces);
+  std::atomic<bool> found{false};
+  for_each_piece(pieces, total, [&](const Piece& piece) {
+    if (found.load(std::memory_order_relaxed)) return;  // the answer is known
+    const at::Tensor& g = grads[piece.tensor];
+    bool bad = false;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "emcl_check",
+                                    [&] {
+      bad = piece_nonfinite(static_cast<const scalar_t*>(g.data_ptr()) + piece.begin,
+                            piece.end - piece.begin);
+    });
+    if (bad) found.store(true, std::memory_order_relaxed);
+  });
+  return found.load();
+}
+
+void update(const Lists& l, Op which, bool prox, Importance importance, LrMode lr_mode,
+            const double* hyper, const float* grad_scale) {
   if (l.params.empty()) return;
-  // On the CPU reading the flags is free (no device to synchronize with).
-  if (found_inf.has_value() && found_inf->item<float>() != 0.f) return;
-  const bool scaled = grad_scale.has_value();
-  const double scale = scaled ? static_cast<double>(grad_scale->item<float>()) : 1.0;
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, l.params[0].scalar_type(), "emcl_cpu", [&] {
-        dispatch_op(args.op, [&](auto op) {
-          dispatch_modes<decltype(op)::value>(args, [&](auto prox, auto imp, auto lr) {
-            run_typed<decltype(op)::value, decltype(prox)::value, decltype(imp)::value,
-                      decltype(lr)::value, scalar_t>(l, args, scale, scaled);
+        dispatch_op(which, [&](auto op) {
+          constexpr Op kOp = decltype(op)::value;
+          dispatch_modes_of<kOp>(prox, importance, lr_mode, [&](auto p, auto imp, auto lr) {
+            update_typed<kOp, decltype(p)::value, decltype(imp)::value, decltype(lr)::value,
+                         scalar_t>(l, hyper, grad_scale);
           });
         });
       });
-}
-
-}  // namespace
-
-// The CPU runner of this copy of the kernels (see emcl_ops.h, Runner).
-void run_cpu(const Lists& l, const StepArgs& args, const OptTensor& grad_scale,
-             const OptTensor& found_inf) {
-  run_all(l, args, grad_scale, found_inf);
 }
 
 }  // namespace EMCL_CPU_NS
