@@ -326,8 +326,14 @@ def step_op_call(device="cpu", dtype=torch.float32, mode: Mode = MODES[0], *, op
                 found_inf=None, **mode_codes(mode))
 
 
-def call_step_op(call: dict) -> None:
-    """``torch.ops.emcl.step_`` with the arguments of ``call``."""
+def call_step_op(call: dict, entry: str = "torch.ops") -> None:
+    """The compiled step with the arguments of ``call``: through ``torch.ops.emcl.step_``
+    (``entry="torch.ops"``) or through the backend's ``step`` (``entry="backend"``, the direct
+    entry point of ``emcl_kernels._C`` outside torch.compile)."""
+    if entry == "backend":
+        from emcl_kernels.backends import extension
+        extension.step(**call)
+        return
     positional = [call[k] for k in STEP_ARG_NAMES]
     keywords = {k: v for k, v in call.items() if k not in STEP_ARG_NAMES}
     torch.ops.emcl.step_(*positional, **keywords)

@@ -66,15 +66,16 @@ def test_a_stale_build_is_refused_with_the_rebuild_command(monkeypatch):
 # Bad calls: refused before anything is written.
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("entry", ("torch.ops", "backend"))
 @pytest.mark.parametrize("name, mutate, exc, match", BAD_STEP_CALLS,
                          ids=[b[0] for b in BAD_STEP_CALLS])
-def test_step_op_refuses_a_bad_call_before_writing(name, mutate, exc, match):
+def test_step_op_refuses_a_bad_call_before_writing(name, mutate, exc, match, entry):
     call = step_op_call("cpu")
     mutate(call)
     tensors = call_tensors(call)
     before = bitwise_snapshot(tensors)
     with pytest.raises(exc, match=match):
-        call_step_op(call)
+        call_step_op(call, entry)
     assert_bitwise_unchanged(tensors, before, name)
 
 
@@ -264,13 +265,15 @@ def test_portable_and_avx2_kernels_give_the_same_bits(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 def test_step_traces_under_torch_compile():
-    """The fake implementations let torch.compile trace a step as one graph (no breaks), and
-    the compiled step writes what the eager one writes: tensors, counters, steps."""
+    """The fake implementations let torch.compile trace the backend's step as one graph (no
+    breaks: it calls torch.ops.emcl.step_ while compiling), and the compiled step writes what
+    the eager one writes: tensors, counters, steps."""
+    from emcl_kernels.backends import extension
     eager = step_op_call("cpu", sizes=(33, 7), seed=4)
     compiled = step_op_call("cpu", sizes=(33, 7), seed=4)
 
     def step(call):
-        call_step_op(call)
+        extension.step(**call)
 
     torch._dynamo.reset()
     run = torch.compile(step, backend="aot_eager", fullgraph=True)
@@ -280,6 +283,32 @@ def test_step_traces_under_torch_compile():
     for i, (a, e) in enumerate(zip(call_tensors(compiled), call_tensors(eager))):
         assert torch.equal(a, e), f"compiled step differs from eager on tensor {i}"
     assert counters_dict(compiled["counters"])["calls"] == 3
+
+
+def test_direct_entry_points_refuse_malformed_arguments():
+    """emcl_kernels._C.step/check_finite take the schema's arguments by position; anything
+    else is a TypeError naming the argument, before the operator runs."""
+    from emcl_kernels import _C
+    call = step_op_call("cpu")
+    args = [call[k] for k in ("params", "grads", "anchors", "importances", "meta_lrs", "steps",
+                              "hyper", "counters", "op", "prox", "importance", "lr_mode",
+                              "meta_every", "check", "finalize", "grad_scale", "found_inf")]
+    tensors = call_tensors(call)
+    before = bitwise_snapshot(tensors)
+    with pytest.raises(TypeError, match="17 arguments"):
+        _C.step(*args[:-1])
+    for i, bad, match in ((0, call["params"][0], "params must be a list"),
+                          (1, [call["grads"][0], 3.0], r"grads\[1\] must be a tensor"),
+                          (6, [call["hyper"]], "hyper must be a tensor"),
+                          (8, 3.0, "op must be an int"), (8, True, "op must be an int"),
+                          (9, 1, "prox must be a bool"), (15, 8.0, "grad_scale must be a tensor")):
+        with pytest.raises(TypeError, match=match):
+            _C.step(*args[:i], bad, *args[i + 1:])
+    with pytest.raises(TypeError, match="grads, counters"):
+        _C.check_finite(call["grads"])
+    assert_bitwise_unchanged(tensors, before, "malformed direct calls")
+    _C.step(*args)
+    assert counters_dict(call["counters"])["calls"] == 1
 
 
 def test_check_skip_in_one_call_writes_nothing_but_the_counters():

@@ -296,15 +296,16 @@ def test_tensor_past_2_31_elements():
 # Bad calls
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("entry", ("torch.ops", "backend"))
 @pytest.mark.parametrize("name, mutate, exc, match", BAD_STEP_CALLS,
                          ids=[b[0] for b in BAD_STEP_CALLS])
-def test_step_op_refuses_a_bad_call_before_writing(name, mutate, exc, match):
+def test_step_op_refuses_a_bad_call_before_writing(name, mutate, exc, match, entry):
     call = step_op_call("cuda")
     mutate(call)
     tensors = call_tensors(call)
     before = bitwise_snapshot(tensors)
     with pytest.raises(exc, match=match):
-        call_step_op(call)
+        call_step_op(call, entry)
     torch.cuda.synchronize()
     assert_bitwise_unchanged(tensors, before, name)
 
