@@ -1,6 +1,7 @@
-// The "cpu" backend: EMCL's steps over lists of CPU tensors in one pass per element,
-// vectorized with at::vec over the math of emcl_math.h and spread over torch's intra-op threads
-// with at::parallel_for (the kernels: emcl_cpu_kernels.h).
+// The "cpu" backend: [note: the step call] of emcl_kernels/interface.py for CPU tensors. The
+// host part of a call (argument checks, the counters, the meta-step counts) is here; the passes
+// over the elements (the finite check and the update, vectorized with at::vec over the math of
+// emcl_math.h and spread over torch's intra-op threads) are in emcl_cpu_kernels.h.
 //
 // Two copies of the kernels are built: this file's, with the portable at::vec of the default
 // compiler flags (runs on any CPU), and emcl_cpu_avx2.cpp's, compiled for AVX2+FMA. The AVX2
@@ -8,6 +9,7 @@
 // switch) asks for the portable one.
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include <torch/library.h>
 
@@ -18,8 +20,9 @@
 #define EMCL_HAVE_AVX2 1
 namespace emcl {
 namespace avx2 {
-void run_cpu(const Lists& l, const StepArgs& args, const OptTensor& grad_scale,
-             const OptTensor& found_inf);
+bool any_nonfinite(at::TensorList grads);
+void update(const Lists& lists, Op which, bool prox, Importance importance, LrMode lr_mode,
+            const double* hyper, const float* grad_scale);
 }  // namespace avx2
 }  // namespace emcl
 #endif
@@ -43,16 +46,64 @@ bool use_avx2() {
 #endif
 }
 
-void run_cpu(const Lists& l, const StepArgs& args, const OptTensor& grad_scale,
-             const OptTensor& found_inf) {
+bool any_nonfinite(at::TensorList grads) {
 #ifdef EMCL_HAVE_AVX2
-  if (use_avx2()) return avx2::run_cpu(l, args, grad_scale, found_inf);
+  if (use_avx2()) return avx2::any_nonfinite(grads);
 #endif
-  portable::run_cpu(l, args, grad_scale, found_inf);
+  return portable::any_nonfinite(grads);
 }
 
-c10::string_view cpu_kernel_name() { return use_avx2() ? "avx2" : "portable"; }
-std::string cpu_kernel() { return std::string(cpu_kernel_name()); }
+void update(const Lists& l, Op which, const StepCall& call, const double* hyper,
+            const float* grad_scale) {
+#ifdef EMCL_HAVE_AVX2
+  if (use_avx2()) {
+    return avx2::update(l, which, call.prox, call.importance, call.lr_mode, hyper, grad_scale);
+  }
+#endif
+  portable::update(l, which, call.prox, call.importance, call.lr_mode, hyper, grad_scale);
+}
+
+// step_ on CPU tensors. On the CPU the counters, flags and hyper-parameters are host memory:
+// reading them is free, so the call does the interface's five points in order, on the host.
+void step_cpu(at::TensorList params, at::TensorList grads, at::TensorList anchors,
+              at::TensorList importances, at::TensorList meta_lrs, const at::Tensor& steps,
+              const at::Tensor& hyper, const at::Tensor& counters, int64_t op, bool prox,
+              int64_t importance, int64_t lr_mode, int64_t meta_every, bool check,
+              bool finalize, const OptTensor& grad_scale, const OptTensor& found_inf) {
+  const Lists lists{params, grads, anchors, importances, meta_lrs};
+  const StepCall call = check_step_call(lists, steps, hyper, counters, op, prox, importance,
+                                        lr_mode, meta_every, grad_scale, found_inf);
+  int64_t* c = counters.data_ptr<int64_t>();
+  // 1. the finite check over this call's gradients
+  if (check && any_nonfinite(grads)) c[counter::kFound] = 1;
+  // 2. skip?
+  const bool skip = c[counter::kFound] != 0 ||
+                    (found_inf.has_value() && *found_inf->data_ptr<float>() != 0.f);
+  // 3. which update
+  const Op which = resolve_op(call.op, c[counter::kCalls], call.meta_every);
+  // 4. the update, and the meta-step counts
+  if (!skip) {
+    update(lists, which, call, hyper.data_ptr<double>(),
+           grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr);
+    if (has_meta(which) && steps.numel() > 0) {
+      float* s = steps.data_ptr<float>();
+      for (int64_t i = 0; i < steps.numel(); ++i) s[i] += 1.f;
+    }
+  }
+  // 5. the bookkeeping of the step's last call on this device
+  if (finalize) {
+    if (call.op == Op::kCadence) c[counter::kCalls] += 1;
+    if (c[counter::kFound] != 0) c[counter::kSkipped] += 1;
+    c[counter::kFound] = 0;
+  }
+}
+
+void check_finite_cpu(at::TensorList grads, const at::Tensor& counters) {
+  check_finite_call(grads, counters);
+  if (any_nonfinite(grads)) counters.data_ptr<int64_t>()[counter::kFound] = 1;
+}
+
+std::string cpu_kernel() { return use_avx2() ? "avx2" : "portable"; }
 
 }  // namespace
 }  // namespace emcl
@@ -63,7 +114,6 @@ TORCH_LIBRARY_FRAGMENT(emcl, m) {
 }
 
 TORCH_LIBRARY_IMPL(emcl, CPU, m) {
-  m.impl("inner_step_", &emcl::inner_step_op<emcl::run_cpu>);
-  m.impl("meta_step_", &emcl::meta_step_op<emcl::run_cpu>);
-  m.impl("inner_meta_step_", &emcl::inner_meta_step_op<emcl::run_cpu>);
+  m.impl("step_", &emcl::step_cpu);
+  m.impl("check_finite_", &emcl::check_finite_cpu);
 }

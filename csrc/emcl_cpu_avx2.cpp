@@ -6,7 +6,16 @@
 // functions stay baseline code (the linker may pick this file's copy of any inline function
 // for the whole library), and only what follows (at::vec in its own CPU_CAPABILITY namespace,
 // and the kernels) is compiled for AVX2.
+//
+// [note: no FMA contraction] GCC contracts a*b + c into one fused multiply-add wherever the
+// target has FMA (its C++ default is -ffp-contract=fast), which rounds once instead of twice:
+// the AVX2 copy would then differ from the portable copy (no FMA on baseline x86-64) in the
+// last bit of about one element in ten. Contraction is off for this whole file, so both copies
+// compute every element with the same roundings, the ones of reference.py (bitwise the same
+// results, tests/test_cpu_backend.py). The update is memory-bound; the separate multiply costs
+// nothing measurable.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
 
 #include <ATen/Dispatch.h>
 #include <ATen/NumericUtils.h>

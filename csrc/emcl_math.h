@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "emcl_interface.h"
+
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define EMCL_HD __host__ __device__ __forceinline__
 #elif defined(__GNUC__)
@@ -29,15 +31,11 @@
 
 namespace emcl {
 
-// Which update a kernel does: the inner step, the meta step, or both in one pass.
-enum class Op : int { kInner = 0, kMeta = 1, kInnerMeta = 2 };
-// How the importance sample Ω is taken (eq. 13, or the EMCL-SI ablation).
-enum class Importance : int { kTaylor = 0, kSI = 1 };
-// How the meta learning rate α is formed (eq. 8 recurrent, inverse in h, or constant α₀).
-enum class LrMode : int { kRecurrent = 0, kInverse = 1, kConstant = 2 };
-
-constexpr bool has_inner(Op op) { return op != Op::kMeta; }
-constexpr bool has_meta(Op op) { return op != Op::kInner; }
+// The op, importance and lr_mode codes are the interface's (emcl_interface.h, generated from
+// emcl_kernels/interface.py). A kernel does kInner, kMeta or kInnerMeta; kCadence is resolved
+// to one of those from the device's call counter before any element is touched.
+constexpr bool has_inner(Op op) { return op == Op::kInner || op == Op::kInnerMeta; }
+constexpr bool has_meta(Op op) { return op == Op::kMeta || op == Op::kInnerMeta; }
 
 // ---------------------------------------------------------------------------------------------
 // The few non-arithmetic functions the math needs, for every value type.
@@ -55,8 +53,10 @@ EMCL_HD double emcl_clamp(double x, double lo, double hi) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The hyper-parameters, pre-combined on the host exactly as reference.py combines its Python
-// floats (e.g. γ·λ is one scalar there too), then held in the compute type V.
+// The hyper-parameters: the raw fp64 values of the `hyper` tensor (emcl_interface.h,
+// hyper::k*), combined in double exactly as reference.py combines its Python floats (γ·λ is one
+// scalar there too, 1 − η another, α₀·r another), then rounded once to the compute type T.
+// A kernel does this once per call (CPU) or once per block (CUDA), never per element.
 // ---------------------------------------------------------------------------------------------
 template <typename V>
 struct Hyper {
@@ -84,36 +84,41 @@ struct Hyper {
   }
 };
 
-// The hyper-parameters as the host receives them (Python floats are doubles).
-struct StepArgs {
-  Op op;
-  bool prox;
-  Importance importance;
-  LrMode lr_mode;
-  double inner_lr, meta_lr, reg, gamma, decay, lr_scale, lr_min, lr_max, eps;
+// r: hyper[kLrScale], or 1/λ (1 when λ = 0) for the kLrScaleFromReg sentinel.
+EMCL_HD double resolve_lr_scale(double lr_scale, double reg) {
+  if (lr_scale == kLrScaleFromReg) return reg > 0.0 ? 1.0 / reg : 1.0;
+  return lr_scale;
+}
 
-  // Combined in double like the Python reference, then rounded once to the compute type T.
-  // The upper clip of α is at most T's largest finite value (see meta_update).
-  template <typename T>
-  Hyper<T> hyper(double grad_scale, bool scaled) const {
-    const double max_finite = static_cast<double>(std::numeric_limits<T>::max());
-    return Hyper<T>{T(1),
-                    T(inner_lr),
-                    T(gamma * reg),
-                    T(reg),
-                    T(decay),
-                    T(1.0 - decay),
-                    T(lr_scale),
-                    T(meta_lr * lr_scale),
-                    T(meta_lr),
-                    T(lr_min),
-                    T(lr_max < max_finite ? lr_max : max_finite),
-                    T(eps),
-                    T(max_finite),
-                    T(grad_scale),
-                    scaled};
-  }
-};
+// Hyper<T> from the raw `hyper` values (hyper::kCount doubles). `grad_scale` is the value of
+// the grad_scale tensor in T (only read when `scaled`). The upper clip of α is at most T's
+// largest finite value (see meta_update).
+template <typename T>
+EMCL_HD Hyper<T> make_hyper(const double* raw, T grad_scale, bool scaled) {
+  const double reg = raw[hyper::kReg];
+  const double decay = raw[hyper::kDecay];
+  const double meta_lr = raw[hyper::kMetaLr];
+  const double r = resolve_lr_scale(raw[hyper::kLrScale], reg);
+  const double max_finite = static_cast<double>(std::numeric_limits<T>::max());
+  const double lr_max = raw[hyper::kLrMax];
+  Hyper<T> h;
+  h.one = T(1);
+  h.inner_lr = T(raw[hyper::kInnerLr]);
+  h.gamma_reg = T(raw[hyper::kGamma] * reg);
+  h.reg = T(reg);
+  h.decay = T(decay);
+  h.one_minus_decay = T(1.0 - decay);
+  h.lr_scale = T(r);
+  h.base_rate = T(meta_lr * r);
+  h.meta_lr = T(meta_lr);
+  h.lr_min = T(raw[hyper::kLrMin]);
+  h.lr_max = T(lr_max < max_finite ? lr_max : max_finite);
+  h.eps = T(raw[hyper::kEps]);
+  h.max_finite = T(max_finite);
+  h.grad_scale = grad_scale;
+  h.scaled = scaled;
+  return h;
+}
 
 // ---------------------------------------------------------------------------------------------
 // The updates.

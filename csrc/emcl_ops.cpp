@@ -1,52 +1,26 @@
-// The emcl:: torch operators: schemas, argument checks, and the Python module stub.
+// The emcl:: torch operators: their schemas (generated into emcl_interface.h from
+// emcl_kernels/interface.py), the argument checks every implementation runs first, the small
+// informational ops, and the Python module stub.
 //
 // The CPU kernels register themselves in emcl_cpu.cpp, the CUDA kernels in emcl_cuda.cu; the
 // fake (meta) implementations that let torch.compile trace a step live in Python
 // (emcl_kernels/backends/extension.py, torch.library.register_fake).
 #include <Python.h>
 
+#include <string>
+#include <vector>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
+#include "emcl_interface.h"
 #include "emcl_ops.h"
 
 namespace emcl {
 
 std::atomic<int64_t> g_launch_count{0};
-
-StepArgs make_args(Op op, bool prox, c10::string_view importance, c10::string_view lr_mode,
-                   double inner_lr, double meta_lr, double reg, double gamma, double decay,
-                   double lr_scale, double lr_min, double lr_max, double eps) {
-  StepArgs a{};
-  a.op = op;
-  a.prox = prox;
-  if (importance == "taylor") {
-    a.importance = Importance::kTaylor;
-  } else if (importance == "si") {
-    a.importance = Importance::kSI;
-  } else {
-    TORCH_CHECK_VALUE(false, "importance must be 'taylor' or 'si', got '", importance, "'");
-  }
-  if (lr_mode == "recurrent") {
-    a.lr_mode = LrMode::kRecurrent;
-  } else if (lr_mode == "inverse") {
-    a.lr_mode = LrMode::kInverse;
-  } else if (lr_mode == "constant") {
-    a.lr_mode = LrMode::kConstant;
-  } else {
-    TORCH_CHECK_VALUE(false, "lr_mode must be 'recurrent', 'inverse' or 'constant', got '",
-                      lr_mode, "'");
-  }
-  a.inner_lr = inner_lr;
-  a.meta_lr = meta_lr;
-  a.reg = reg;
-  a.gamma = gamma;
-  a.decay = decay;
-  a.lr_scale = lr_scale;
-  a.lr_min = lr_min;
-  a.lr_max = lr_max;
-  a.eps = eps;
-  return a;
-}
 
 namespace {
 
@@ -54,91 +28,338 @@ bool is_param_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
 }
 
+at::ScalarType compute_dtype(at::ScalarType param) {
+  return param == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// Tensor `t` is laid out like param `p`: the same sizes, and the same strides on every
+// dimension of more than one element (a size-1 dimension's stride moves nothing; autograd's
+// layout contract lets a gradient differ from its parameter there). Together with "dense and
+// non-overlapping" this makes element k of `t`'s memory the same index as element k of `p`'s.
+bool same_layout(const at::Tensor& t, const at::Tensor& p) {
+  const auto ts = t.sizes(), ps = p.sizes();
+  if (ts != ps) return false;
+  const auto tst = t.strides(), pst = p.strides();
+  for (size_t d = 0; d < ts.size(); ++d) {
+    if (ts[d] != 1 && tst[d] != pst[d]) return false;
+  }
+  return true;
+}
+
+// One tensor of the lists: defined, strided, on `device`, of dtype `want`, laid out like `p`,
+// and dense non-overlapping (so a kernel may treat it as numel() elements from data_ptr()).
+void check_tensor(const char* role, size_t i, const at::Tensor& t, at::ScalarType want,
+                  const at::Tensor& p, const at::Device& device) {
+  TORCH_CHECK(t.defined(), role, "[", i, "] is undefined (None); every list needs a tensor "
+              "per parameter");
+  TORCH_CHECK(t.layout() == at::kStrided, role, "[", i, "] is ", t.layout(),
+              "; the EMCL kernels take dense (strided) tensors only");
+  TORCH_CHECK(t.device() == device, role, "[", i, "] is on ", t.device(), " but the call's "
+              "tensors are on ", device, "; a call takes the tensors of one device");
+  TORCH_CHECK_TYPE(t.scalar_type() == want, role, "[", i, "] has dtype ", t.scalar_type(),
+                   " but ", want, " is expected (params and grads share the parameter dtype; "
+                   "the state is float32, float64 for float64 parameters)");
+  if (&t != &p) {
+    TORCH_CHECK_VALUE(same_layout(t, p), role, "[", i, "] has shape ", t.sizes(),
+                      " and strides ", t.strides(), " but params[", i, "] has shape ",
+                      p.sizes(), " and strides ", p.strides(),
+                      "; every tensor must be laid out like its parameter");
+  }
+  TORCH_CHECK(t.numel() == 0 || t.is_non_overlapping_and_dense(), role, "[", i,
+              "] is not dense (strides ", t.strides(), " for shape ", t.sizes(),
+              "); pass a contiguous (or channels_last, or other dense) tensor");
+}
+
+// A one-dimensional contiguous tensor of `count` elements of `dtype` on `device`.
+void check_vector(const char* name, const at::Tensor& t, at::ScalarType dtype, int64_t count,
+                  const at::Device& device, const char* what) {
+  TORCH_CHECK(t.defined(), name, " is undefined");
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must be ", dtype, " (", what,
+                   "), got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.numel() == count, name, " must be one-dimensional with ",
+                    count, " elements (", what, "), got shape ", t.sizes());
+  TORCH_CHECK(t.layout() == at::kStrided && t.is_contiguous(), name, " must be a contiguous "
+              "dense tensor (", what, ")");
+  TORCH_CHECK(t.device() == device, name, " is on ", t.device(), " but the call's tensors are "
+              "on ", device);
+}
+
 void check_flag(const char* name, const OptTensor& t, const at::Device& device) {
   if (!t.has_value()) return;
-  TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat && t->numel() == 1,
-                   name, " must be a one-element float32 tensor, got ", t->scalar_type(),
-                   " with ", t->numel(), " elements");
-  TORCH_CHECK(t->device() == device, name, " is on ", t->device(),
-              " but the tensors are on ", device);
+  TORCH_CHECK(t->defined(), name, " is undefined; pass None instead");
+  TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, name, " must be float32 (as "
+                   "torch.amp.GradScaler makes it), got ", t->scalar_type());
+  TORCH_CHECK_VALUE(t->numel() == 1, name, " must have one element, got shape ", t->sizes());
+  TORCH_CHECK(t->layout() == at::kStrided, name, " must be a dense tensor");
+  TORCH_CHECK(t->device() == device, name, " is on ", t->device(), " but the call's tensors "
+              "are on ", device);
+}
+
+void check_counters(const at::Tensor& counters, const at::Device& device) {
+  check_vector("counters", counters, at::kLong, counter::kCount, device,
+               "the device's step counters, emcl_kernels.interface.COUNTER_FIELDS");
 }
 
 }  // namespace
 
-void check_call(const Lists& l, const StepArgs& args, const OptTensor& grad_scale,
-                const OptTensor& found_inf) {
+StepCall check_step_call(const Lists& l, const at::Tensor& steps, const at::Tensor& hyper,
+                         const at::Tensor& counters, int64_t op, bool prox, int64_t importance,
+                         int64_t lr_mode, int64_t meta_every, const OptTensor& grad_scale,
+                         const OptTensor& found_inf) {
+  TORCH_CHECK_VALUE(op >= 0 && op <= static_cast<int64_t>(Op::kCadence), "op must be one of "
+                    "emcl_kernels.interface.OP (0 inner, 1 meta, 2 inner_meta, 3 cadence), "
+                    "got ", op);
+  TORCH_CHECK_VALUE(importance >= 0 && importance <= static_cast<int64_t>(Importance::kSI),
+                    "importance must be one of emcl_kernels.interface.IMPORTANCE (0 taylor, "
+                    "1 si), got ", importance);
+  TORCH_CHECK_VALUE(lr_mode >= 0 && lr_mode <= static_cast<int64_t>(LrMode::kConstant),
+                    "lr_mode must be one of emcl_kernels.interface.LR_MODE (0 recurrent, "
+                    "1 inverse, 2 constant), got ", lr_mode);
+  TORCH_CHECK_VALUE(meta_every >= 1, "meta_every must be >= 1, got ", meta_every);
+
   const size_t n = l.params.size();
-  const bool need_lrs = has_meta(args.op) && args.lr_mode == LrMode::kRecurrent;
   TORCH_CHECK_VALUE(l.grads.size() == n && l.anchors.size() == n && l.importances.size() == n,
-                    "params, grads, anchors and importances must have one tensor each; got ", n,
-                    ", ", l.grads.size(), ", ", l.anchors.size(), ", ", l.importances.size());
-  TORCH_CHECK_VALUE(l.meta_lrs.size() == (need_lrs ? n : 0),
-                    need_lrs ? "lr_mode='recurrent' needs one meta_lrs tensor per param"
-                             : "meta_lrs must be empty unless lr_mode='recurrent'",
-                    "; got ", l.meta_lrs.size(), " for ", n, " params");
-  if (n == 0) return;
-  const at::Device device = l.params[0].device();
-  const at::ScalarType dtype = l.params[0].scalar_type();
+                    "params, grads, anchors and importances must have one tensor each per "
+                    "parameter; got ", n, ", ", l.grads.size(), ", ", l.anchors.size(), ", ",
+                    l.importances.size());
+  const bool alpha = static_cast<LrMode>(lr_mode) == LrMode::kRecurrent;
+  TORCH_CHECK_VALUE(l.meta_lrs.size() == (alpha ? n : 0),
+                    alpha ? "lr_mode=recurrent needs one meta_lrs tensor per parameter"
+                          : "meta_lrs must be empty unless lr_mode is recurrent",
+                    "; got ", l.meta_lrs.size(), " for ", n, " parameters");
+
+  TORCH_CHECK(counters.defined(), "counters is undefined");
+  const at::Device device = n > 0 && l.params[0].defined() ? l.params[0].device()
+                                                           : counters.device();
+  const at::ScalarType dtype = n > 0 && l.params[0].defined() ? l.params[0].scalar_type()
+                                                              : at::kFloat;
   TORCH_CHECK_TYPE(is_param_dtype(dtype), "params must be float32, float64, bfloat16 or "
                    "float16, got ", dtype);
-  const at::ScalarType state = dtype == at::kDouble ? at::kDouble : at::kFloat;
-  auto check = [&](const char* role, size_t i, const at::Tensor& t, at::ScalarType want,
-                   const at::Tensor& p) {
-    TORCH_CHECK(t.defined(), role, "[", i, "] is undefined");
-    TORCH_CHECK(t.layout() == at::kStrided, role, "[", i, "] must be a dense tensor");
-    TORCH_CHECK(t.device() == device, role, "[", i, "] is on ", t.device(),
-                " but params[0] is on ", device, "; a call takes tensors of one device");
-    TORCH_CHECK_TYPE(t.scalar_type() == want, role, "[", i, "] has dtype ", t.scalar_type(),
-                     ", expected ", want);
-    TORCH_CHECK_VALUE(t.numel() == p.numel(), role, "[", i, "] has ", t.numel(),
-                      " elements but params[", i, "] has ", p.numel());
-    TORCH_CHECK(t.is_contiguous(), role, "[", i, "] is not contiguous");
-  };
+  check_counters(counters, device);
+  check_vector("hyper", hyper, at::kDouble, hyper::kCount, device,
+               "the raw hyper-parameters, emcl_kernels.interface.HYPER_FIELDS");
+  TORCH_CHECK(steps.defined(), "steps is undefined; pass an empty float32 tensor when the "
+              "meta steps are not counted");
+  TORCH_CHECK_TYPE(steps.scalar_type() == at::kFloat, "steps must be float32 (the step of each "
+                   "parameter's optimizer state), got ", steps.scalar_type());
+  TORCH_CHECK_VALUE(steps.numel() == 0 || (steps.dim() == 1 && static_cast<size_t>(
+                    steps.numel()) == n), "steps must be empty or one-dimensional with one "
+                    "element per parameter (", n, "), got shape ", steps.sizes());
+  TORCH_CHECK(steps.layout() == at::kStrided && steps.is_contiguous(), "steps must be a "
+              "contiguous dense tensor");
+  TORCH_CHECK(steps.numel() == 0 || steps.device() == device, "steps is on ", steps.device(),
+              " but the call's tensors are on ", device);
+
+  const at::ScalarType state = compute_dtype(dtype);
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = l.params[i];
-    check("params", i, p, dtype, p);
-    check("grads", i, l.grads[i], dtype, p);
-    check("anchors", i, l.anchors[i], state, p);
-    check("importances", i, l.importances[i], state, p);
-    if (need_lrs) check("meta_lrs", i, l.meta_lrs[i], state, p);
+    check_tensor("params", i, p, dtype, p, device);
+    check_tensor("grads", i, l.grads[i], dtype, p, device);
+    check_tensor("anchors", i, l.anchors[i], state, p, device);
+    check_tensor("importances", i, l.importances[i], state, p, device);
+    if (alpha) check_tensor("meta_lrs", i, l.meta_lrs[i], state, p, device);
   }
   check_flag("grad_scale", grad_scale, device);
   check_flag("found_inf", found_inf, device);
+  return StepCall{static_cast<Op>(op),
+                  prox,
+                  static_cast<Importance>(importance),
+                  static_cast<LrMode>(lr_mode),
+                  meta_every,
+                  alpha,
+                  device,
+                  dtype};
+}
+
+at::Device check_finite_call(at::TensorList grads, const at::Tensor& counters) {
+  TORCH_CHECK(counters.defined(), "counters is undefined");
+  const at::Device device = counters.device();
+  check_counters(counters, device);
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor& g = grads[i];
+    TORCH_CHECK(g.defined(), "grads[", i, "] is undefined (None)");
+    TORCH_CHECK_TYPE(is_param_dtype(g.scalar_type()), "grads[", i, "] has dtype ",
+                     g.scalar_type(), "; gradients must be float32, float64, bfloat16 or "
+                     "float16");
+    check_tensor("grads", i, g, g.scalar_type(), g, device);
+  }
+  return device;
 }
 
 namespace {
-int64_t launch_count() { return g_launch_count.load(); }
-}  // namespace
 
+int64_t launch_count() { return g_launch_count.load(std::memory_order_relaxed); }
+
+std::string interface_layout() { return kLayout; }
+
+}  // namespace
 }  // namespace emcl
 
-// [note: schemas] The steps update their tensor lists in place and return nothing, like torch's
-// _fused_adam_. Every list that a step writes carries its own alias set so functionalization
-// (torch.compile) knows which inputs are mutated: the inner step writes params only; the meta
-// steps write params, anchors, importances and meta_lrs (empty unless lr_mode='recurrent').
 TORCH_LIBRARY(emcl, m) {
-  m.def(
-      "inner_step_(Tensor(a!)[] params, Tensor[] grads, Tensor[] anchors, "
-      "Tensor[] importances, *, float inner_lr, float reg, float gamma, bool prox, "
-      "Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
-  m.def(
-      "meta_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] anchors, "
-      "Tensor(c!)[] importances, Tensor(d!)[] meta_lrs, *, float meta_lr, float reg, "
-      "float decay, float lr_scale, str lr_mode, float lr_min, float lr_max, float eps, "
-      "str importance, Tensor? grad_scale=None, "
-      "Tensor? found_inf=None) -> ()");
-  m.def(
-      "inner_meta_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] anchors, "
-      "Tensor(c!)[] importances, Tensor(d!)[] meta_lrs, *, float inner_lr, float meta_lr, "
-      "float reg, float gamma, float decay, float lr_scale, str lr_mode, float lr_min, "
-      "float lr_max, float eps, str importance, bool prox, "
-      "Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
-  // CUDA kernel launches of this library so far (tests check one launch per group and step).
+  // [note: schemas] in emcl_kernels/interface.py: the ops update their tensors in place and
+  // return nothing; every written list has its own alias set.
+  m.def(emcl::kStepSchema);
+  m.def(emcl::kCheckFiniteSchema);
+  // The interface layout this library was built with (Python compares it with
+  // emcl_kernels.interface.layout_string() and refuses a stale build).
+  m.def("interface() -> str", &emcl::interface_layout);
+  // CUDA kernel launches of this library so far, both kinds (finite check and update).
   m.def("launch_count() -> int", &emcl::launch_count);
 }
 
-// `import emcl_kernels._C` loads the library above; the module itself is empty.
+// ---------------------------------------------------------------------------------------------
+// [note: direct entry points] emcl_kernels._C.step and _C.check_finite call the operators with
+// the positional arguments of their schemas, from Python, without torch.ops' generic argument
+// parsing: that path matches every argument against the schema by name and type and costs
+// about 10 us per step_ call on the 2-core test machine (18 us for a call with empty lists
+// against 8 us for an op without arguments), a fifth of an MLP step. These functions only
+// unpack the arguments (a list of tensors is a few pointer copies per tensor) and call the same
+// operator through the dispatcher (c10::TypedOperatorHandle::call), so everything the dispatcher
+// does for torch.ops (the device's kernel, profiler records, dispatch modes, Python subclasses
+// with __torch_dispatch__) happens just the same; the GIL is released while the operator runs,
+// as torch's own bindings do. backends/extension.py uses them outside torch.compile (which
+// traces torch.ops.emcl.* instead).
+// ---------------------------------------------------------------------------------------------
+namespace emcl {
+namespace {
+
+using StepFn = void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+                    at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    int64_t, bool, int64_t, int64_t, int64_t, bool, bool, const OptTensor&,
+                    const OptTensor&);
+using CheckFiniteFn = void(at::TensorList, const at::Tensor&);
+
+// The arguments' positions in kStepSchema.
+const char* const kStepArgs[] = {"params", "grads", "anchors", "importances", "meta_lrs",
+                                 "steps", "hyper", "counters", "op", "prox", "importance",
+                                 "lr_mode", "meta_every", "check", "finalize", "grad_scale",
+                                 "found_inf"};
+constexpr Py_ssize_t kStepNargs = sizeof(kStepArgs) / sizeof(kStepArgs[0]);
+
+std::vector<at::Tensor> unpack_list(PyObject* obj, const char* name) {
+  TORCH_CHECK_TYPE(PyList_Check(obj) || PyTuple_Check(obj), name,
+                   " must be a list of tensors, got ", Py_TYPE(obj)->tp_name);
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
+  PyObject** items = PySequence_Fast_ITEMS(obj);
+  std::vector<at::Tensor> out;
+  out.reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    TORCH_CHECK_TYPE(THPVariable_Check(items[i]), name, "[", i, "] must be a tensor, got ",
+                     Py_TYPE(items[i])->tp_name);
+    out.push_back(THPVariable_Unpack(items[i]));
+  }
+  return out;
+}
+
+const at::Tensor& unpack_tensor(PyObject* obj, const char* name) {
+  TORCH_CHECK_TYPE(THPVariable_Check(obj), name, " must be a tensor, got ",
+                   Py_TYPE(obj)->tp_name);
+  return THPVariable_Unpack(obj);
+}
+
+OptTensor unpack_optional(PyObject* obj, const char* name) {
+  if (obj == Py_None) return std::nullopt;
+  return unpack_tensor(obj, name);
+}
+
+int64_t unpack_int(PyObject* obj, const char* name) {
+  TORCH_CHECK_TYPE(PyLong_Check(obj) && !PyBool_Check(obj), name, " must be an int, got ",
+                   Py_TYPE(obj)->tp_name);
+  const long long v = PyLong_AsLongLong(obj);
+  if (v == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    TORCH_CHECK_VALUE(false, name, " does not fit in 64 bits");
+  }
+  return static_cast<int64_t>(v);
+}
+
+bool unpack_bool(PyObject* obj, const char* name) {
+  TORCH_CHECK_TYPE(PyBool_Check(obj), name, " must be a bool, got ", Py_TYPE(obj)->tp_name);
+  return obj == Py_True;
+}
+
+// Releases the GIL for its lifetime.
+class WithoutGil {
+ public:
+  WithoutGil() : state_(PyEval_SaveThread()) {}
+  ~WithoutGil() { PyEval_RestoreThread(state_); }
+  WithoutGil(const WithoutGil&) = delete;
+  WithoutGil& operator=(const WithoutGil&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
+
+PyObject* py_step(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(nargs == kStepNargs, "emcl_kernels._C.step takes the ", kStepNargs,
+                   " arguments of torch.ops.emcl.step_ by position, got ", nargs);
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("emcl::step_", "")
+                             .typed<StepFn>();
+  const auto params = unpack_list(args[0], kStepArgs[0]);
+  const auto grads = unpack_list(args[1], kStepArgs[1]);
+  const auto anchors = unpack_list(args[2], kStepArgs[2]);
+  const auto importances = unpack_list(args[3], kStepArgs[3]);
+  const auto meta_lrs = unpack_list(args[4], kStepArgs[4]);
+  const at::Tensor& steps = unpack_tensor(args[5], kStepArgs[5]);
+  const at::Tensor& hyper = unpack_tensor(args[6], kStepArgs[6]);
+  const at::Tensor& counters = unpack_tensor(args[7], kStepArgs[7]);
+  const int64_t op_code = unpack_int(args[8], kStepArgs[8]);
+  const bool prox = unpack_bool(args[9], kStepArgs[9]);
+  const int64_t importance = unpack_int(args[10], kStepArgs[10]);
+  const int64_t lr_mode = unpack_int(args[11], kStepArgs[11]);
+  const int64_t meta_every = unpack_int(args[12], kStepArgs[12]);
+  const bool check = unpack_bool(args[13], kStepArgs[13]);
+  const bool finalize = unpack_bool(args[14], kStepArgs[14]);
+  const OptTensor grad_scale = unpack_optional(args[15], kStepArgs[15]);
+  const OptTensor found_inf = unpack_optional(args[16], kStepArgs[16]);
+  {
+    const WithoutGil released;
+    op.call(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, op_code,
+            prox, importance, lr_mode, meta_every, check, finalize, grad_scale, found_inf);
+  }
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* py_check_finite(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(nargs == 2, "emcl_kernels._C.check_finite takes (grads, counters), got ",
+                   nargs, " arguments");
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("emcl::check_finite_", "")
+                             .typed<CheckFiniteFn>();
+  const auto grads = unpack_list(args[0], "grads");
+  const at::Tensor& counters = unpack_tensor(args[1], "counters");
+  {
+    const WithoutGil released;
+    op.call(grads, counters);
+  }
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef kMethods[] = {
+    {"step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_step)),
+     METH_FASTCALL,
+     "step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, op, prox, "
+     "importance, lr_mode, meta_every, check, finalize, grad_scale, found_inf): "
+     "torch.ops.emcl.step_ with its arguments by position, without torch.ops' argument "
+     "parsing."},
+    {"check_finite", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_check_finite)),
+     METH_FASTCALL,
+     "check_finite(grads, counters): torch.ops.emcl.check_finite_, without torch.ops' "
+     "argument parsing."},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+}  // namespace emcl
+
+// `import emcl_kernels._C` loads the library above (registering torch.ops.emcl.*); the module
+// holds the direct entry points ([note: direct entry points]).
 extern "C" PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1,
+                                          emcl::kMethods};
   return PyModule_Create(&module_def);
 }

@@ -1,5 +1,6 @@
-// Host-side pieces shared by the CPU and CUDA implementations of the emcl:: operators:
-// argument checking, the runtime-to-compile-time mode dispatch, and the launch counter.
+// Host-side pieces shared by the CPU and CUDA implementations of the emcl:: operators (the op
+// interface of emcl_kernels/interface.py, [note: the step call]): the argument checks, the
+// runtime-to-compile-time mode dispatch, and the launch counter.
 #pragma once
 
 #include <atomic>
@@ -10,72 +11,106 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
-#include <c10/util/Optional.h>
-#include <c10/util/string_view.h>
 
+#include "emcl_interface.h"
 #include "emcl_math.h"
 
 namespace emcl {
 
-// The tensor lists of one call; `meta_lrs` is empty unless lr_mode is "recurrent".
+using OptTensor = std::optional<at::Tensor>;
+
+// The tensor lists of one step call; `meta_lrs` is empty unless lr_mode is recurrent.
 struct Lists {
   at::TensorList params, grads, anchors, importances, meta_lrs;
 };
 
-// Checks what the Python layer already guarantees (so a direct torch.ops.emcl call cannot
-// crash a kernel): equal list lengths and sizes, one device, contiguous tensors, the parameter
-// dtype on params/grads and its compute dtype on the state, 0-d fp32 flags on that device.
-void check_call(const Lists& lists, const StepArgs& args,
-                const std::optional<at::Tensor>& grad_scale,
-                const std::optional<at::Tensor>& found_inf);
+// The scalar arguments of one step call, checked and decoded.
+struct StepCall {
+  Op op;              // as passed: kInner, kMeta, kInnerMeta or kCadence
+  bool prox;
+  Importance importance;
+  LrMode lr_mode;
+  int64_t meta_every;
+  bool alpha;         // meta_lrs are passed (lr_mode is recurrent)
+  at::Device device;  // of every tensor of the call
+  at::ScalarType dtype;  // of params and grads (kFloat when there are no params)
+};
 
-StepArgs make_args(Op op, bool prox, c10::string_view importance, c10::string_view lr_mode,
-                   double inner_lr, double meta_lr, double reg, double gamma, double decay,
-                   double lr_scale, double lr_min, double lr_max, double eps);
+// Checks every argument of a step_ call against the interface (emcl_kernels/interface.py) and
+// returns the decoded scalars; throws before anything is written. A direct torch.ops.emcl call
+// with bad arguments gets a ValueError (counts, shapes, values), a TypeError (dtypes) or a
+// RuntimeError (devices, layouts), never a crash. Costs a few comparisons per tensor: no
+// allocation, no message formatting unless a check fails.
+StepCall check_step_call(const Lists& lists, const at::Tensor& steps, const at::Tensor& hyper,
+                         const at::Tensor& counters, int64_t op, bool prox, int64_t importance,
+                         int64_t lr_mode, int64_t meta_every, const OptTensor& grad_scale,
+                         const OptTensor& found_inf);
 
-// Kernel launches done by the CUDA backend since the library was loaded (read by tests through
-// torch.ops.emcl.launch_count to check one launch per (device, dtype) group and step).
+// The same for check_finite_(grads, counters): grads of any parameter dtypes, dense and
+// non-overlapping, on the device of `counters`. Returns that device.
+at::Device check_finite_call(at::TensorList grads, const at::Tensor& counters);
+
+// Which update the call does: `op`, or for kCadence kInnerMeta when (calls + 1) % meta_every
+// == 0, else kInner (`calls` is counters[kCalls] as the call finds it).
+EMCL_HD Op resolve_op(Op op, int64_t calls, int64_t meta_every) {
+  if (op != Op::kCadence) return op;
+  return (calls + 1) % meta_every == 0 ? Op::kInnerMeta : Op::kInner;
+}
+
+// Kernel launches done by the CUDA backend since the library was loaded, both kinds (the
+// finite check and the update); read by the tests through torch.ops.emcl.launch_count.
 extern std::atomic<int64_t> g_launch_count;
 
 // Calls f(std::integral_constant<bool, prox>, std::integral_constant<Importance, ...>,
 // std::integral_constant<LrMode, ...>) with the call's modes as compile-time constants.
-// Only the modes that the op reads are dispatched; the others are fixed, so the inner step is
-// instantiated twice (prox or not), the meta step six times, the fused step twelve times.
-template <Op kOp, typename F>
-void dispatch_modes(const StepArgs& a, F&& f) {
-  auto with_lr = [&](auto prox, auto imp) {
-    if constexpr (!has_meta(kOp)) {
-      f(prox, imp, std::integral_constant<LrMode, LrMode::kConstant>{});
-    } else {
-      switch (a.lr_mode) {
-        case LrMode::kRecurrent:
-          return f(prox, imp, std::integral_constant<LrMode, LrMode::kRecurrent>{});
-        case LrMode::kInverse:
-          return f(prox, imp, std::integral_constant<LrMode, LrMode::kInverse>{});
-        case LrMode::kConstant:
-          return f(prox, imp, std::integral_constant<LrMode, LrMode::kConstant>{});
-      }
+template <typename F>
+void dispatch_modes(bool prox, Importance importance, LrMode lr_mode, F&& f) {
+  auto with_lr = [&](auto p, auto imp) {
+    switch (lr_mode) {
+      case LrMode::kRecurrent:
+        return f(p, imp, std::integral_constant<LrMode, LrMode::kRecurrent>{});
+      case LrMode::kInverse:
+        return f(p, imp, std::integral_constant<LrMode, LrMode::kInverse>{});
+      case LrMode::kConstant:
+        return f(p, imp, std::integral_constant<LrMode, LrMode::kConstant>{});
     }
   };
-  auto with_imp = [&](auto prox) {
-    if constexpr (!has_meta(kOp)) {
-      with_lr(prox, std::integral_constant<Importance, Importance::kTaylor>{});
-    } else if (a.importance == Importance::kTaylor) {
-      with_lr(prox, std::integral_constant<Importance, Importance::kTaylor>{});
+  auto with_imp = [&](auto p) {
+    if (importance == Importance::kTaylor) {
+      with_lr(p, std::integral_constant<Importance, Importance::kTaylor>{});
     } else {
-      with_lr(prox, std::integral_constant<Importance, Importance::kSI>{});
+      with_lr(p, std::integral_constant<Importance, Importance::kSI>{});
     }
   };
-  if constexpr (!has_inner(kOp)) {
-    with_imp(std::true_type{});
-  } else if (a.prox) {
+  if (prox) {
     with_imp(std::true_type{});
   } else {
     with_imp(std::false_type{});
   }
 }
 
-// Calls f(std::integral_constant<Op, op>) for the runtime op.
+// The same with only the modes that `kOp` reads dispatched (the others fixed): the inner step
+// is instantiated twice (prox or not), the meta step six times, the fused step twelve times.
+template <Op kOp, typename F>
+void dispatch_modes_of(bool prox, Importance importance, LrMode lr_mode, F&& f) {
+  constexpr auto kFixedImp = std::integral_constant<Importance, Importance::kTaylor>{};
+  constexpr auto kFixedLr = std::integral_constant<LrMode, LrMode::kConstant>{};
+  if constexpr (!has_meta(kOp)) {
+    if (prox) {
+      f(std::true_type{}, kFixedImp, kFixedLr);
+    } else {
+      f(std::false_type{}, kFixedImp, kFixedLr);
+    }
+  } else if constexpr (!has_inner(kOp)) {
+    dispatch_modes(true, importance, lr_mode, [&](auto, auto imp, auto lr) {
+      f(std::true_type{}, imp, lr);
+    });
+  } else {
+    dispatch_modes(prox, importance, lr_mode, f);
+  }
+}
+
+// Calls f(std::integral_constant<Op, op>) for a resolved op (kInner, kMeta, kInnerMeta).
 template <typename F>
 void dispatch_op(Op op, F&& f) {
   switch (op) {
@@ -85,54 +120,10 @@ void dispatch_op(Op op, F&& f) {
       return f(std::integral_constant<Op, Op::kMeta>{});
     case Op::kInnerMeta:
       return f(std::integral_constant<Op, Op::kInnerMeta>{});
+    case Op::kCadence:
+      break;
   }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The operator kernels, one template per op over the device's runner
-//   void run(const Lists&, const StepArgs&, const std::optional<at::Tensor>& grad_scale,
-//            const std::optional<at::Tensor>& found_inf);
-// Their signatures follow the schemas of emcl_ops.cpp argument by argument.
-// ---------------------------------------------------------------------------------------------
-using OptTensor = std::optional<at::Tensor>;
-using Runner = void (*)(const Lists&, const StepArgs&, const OptTensor&, const OptTensor&);
-
-template <Runner run>
-void inner_step_op(at::TensorList params, at::TensorList grads, at::TensorList anchors,
-                   at::TensorList importances, double inner_lr, double reg, double gamma,
-                   bool prox, const OptTensor& grad_scale, const OptTensor& found_inf) {
-  const StepArgs args = make_args(Op::kInner, prox, "taylor", "constant", inner_lr, 0.0, reg,
-                                  gamma, 0.0, 1.0, 0.0, 0.0, 1.0);
-  const Lists lists{params, grads, anchors, importances, {}};
-  check_call(lists, args, grad_scale, found_inf);
-  run(lists, args, grad_scale, found_inf);
-}
-
-template <Runner run>
-void meta_step_op(at::TensorList params, at::TensorList grads, at::TensorList anchors,
-                  at::TensorList importances, at::TensorList meta_lrs, double meta_lr,
-                  double reg, double decay, double lr_scale, c10::string_view lr_mode,
-                  double lr_min, double lr_max, double eps, c10::string_view importance,
-                  const OptTensor& grad_scale, const OptTensor& found_inf) {
-  const StepArgs args = make_args(Op::kMeta, true, importance, lr_mode, 0.0, meta_lr, reg, 0.0,
-                                  decay, lr_scale, lr_min, lr_max, eps);
-  const Lists lists{params, grads, anchors, importances, meta_lrs};
-  check_call(lists, args, grad_scale, found_inf);
-  run(lists, args, grad_scale, found_inf);
-}
-
-template <Runner run>
-void inner_meta_step_op(at::TensorList params, at::TensorList grads, at::TensorList anchors,
-                        at::TensorList importances, at::TensorList meta_lrs, double inner_lr,
-                        double meta_lr, double reg, double gamma, double decay,
-                        double lr_scale, c10::string_view lr_mode, double lr_min,
-                        double lr_max, double eps, c10::string_view importance, bool prox,
-                        const OptTensor& grad_scale, const OptTensor& found_inf) {
-  const StepArgs args = make_args(Op::kInnerMeta, prox, importance, lr_mode, inner_lr, meta_lr,
-                                  reg, gamma, decay, lr_scale, lr_min, lr_max, eps);
-  const Lists lists{params, grads, anchors, importances, meta_lrs};
-  check_call(lists, args, grad_scale, found_inf);
-  run(lists, args, grad_scale, found_inf);
+  TORCH_INTERNAL_ASSERT(false, "dispatch_op: the cadence is resolved before the dispatch");
 }
 
 }  // namespace emcl

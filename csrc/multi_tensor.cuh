@@ -1,140 +1,187 @@
-// The generic multi-tensor launcher: one kernel launch updates a whole list of tensors.
+// The generic multi-tensor launcher: one kernel launch works on a whole list of tensors.
 //
-//   multi_tensor_apply<kDepth>(lists, functor, noop_flag)
+//   pack_tensor_lists<kDepth>(lists, launch_empty, [&](const TensorListMeta<kDepth>& meta,
+//                                                      bool last, int grid) { ...launch... });
+//   multi_tensor_kernel<kDepth, Functor><<<grid, kBlockSize, 0, stream>>>(meta, functor);
 //
-// `lists` holds kDepth tensor lists of equal length (list k, tensor t); the addresses and sizes
-// of all tensors go into the kernel's arguments (TensorListMeta) and every block walks the
-// chunks of the whole list: chunk c of the launch belongs to the tensor t with
-// chunk_start[t] <= c < chunk_start[t + 1] (a binary search over the arguments), so one launch
-// covers any number of elements; a new launch starts only when the argument struct is full
-// (kMaxTensors tensors, see [note: argument limit]). The functor does the per-element work:
+// `lists` holds kDepth tensor lists of equal length (list d, tensor t). The addresses and sizes
+// of the non-empty tensors go into the kernel's arguments (TensorListMeta, see [note: argument
+// limit]); a new table (a new launch) starts only when one is full, and the caller is told which
+// launch is the call's last. Every block of a launch walks the chunks of the whole table with
+// for_each_chunk: chunk c belongs to the tensor t with chunk_start[t] <= c < chunk_start[t + 1]
+// (a binary search over the arguments), so one launch covers any number of elements. Chunks
+// start at multiples of kChunkSize elements, so a chunk keeps the alignment of its tensor, and
+// indices are 64-bit: a tensor past 2**31 elements is worked on whole.
 //
-//   __device__ void operator()(const TensorListMeta<kDepth>& meta, int t,
-//                              int64_t begin, int64_t end) const;
+// The functor does everything else (apex's launcher/functor split):
 //
-// for elements [begin, end) of tensor t (begin is a multiple of kChunkSize, so a chunk keeps
-// the alignment of its tensor). Indices are 64-bit: a tensor past 2**31 elements is updated
-// whole. When `noop_flag` is non-null and *noop_flag != 0 the kernel writes nothing (the
-// found_inf of torch.amp), read on the device so the host never waits.
+//   __device__ void operator()(const TensorListMeta<kDepth>& meta) const;
+//
+// typically: read what the block needs once, for_each_chunk(meta, per-chunk work), then any
+// per-launch bookkeeping. Per tensor the table carries a tag: whether every one of its kDepth
+// addresses is kVectorBytes-aligned (the vector path is decided per tensor, so one odd tensor
+// does not put the others on the scalar path) and a dtype code (for lists of mixed dtypes).
 #pragma once
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
-#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
 namespace emcl {
 namespace cuda {
 
-constexpr int kBlockSize = 256;            // threads per block
-constexpr int64_t kChunkSize = 16384;      // elements a block handles before moving on
-constexpr int kBlocksPerSM = 8;            // resident blocks per SM the grid is sized for
-constexpr int64_t kVectorBytes = 16;       // width of a vector load/store
+constexpr int kBlockSize = 256;        // threads per block
+constexpr int64_t kChunkSize = 16384;  // elements a block works on before it moves on
+constexpr int64_t kVectorBytes = 16;   // width of a vector load/store
+
+// Per-tensor tag bits.
+constexpr uint8_t kTagAligned = 1;     // every address of the tensor is kVectorBytes-aligned
+constexpr int kTagDtypeShift = 1;      // bits 1-2: the dtype code (dtype_code)
+
+// The dtype codes of the tags (only the finite check reads them; a step's lists have one dtype).
+constexpr uint8_t kCodeFloat = 0, kCodeDouble = 1, kCodeBFloat16 = 2, kCodeHalf = 3;
+
+inline uint8_t dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble:
+      return kCodeDouble;
+    case at::kBFloat16:
+      return kCodeBFloat16;
+    case at::kHalf:
+      return kCodeHalf;
+    default:
+      return kCodeFloat;
+  }
+}
 
 // [note: argument limit] Kernel arguments are limited to 4 KiB on every CUDA version and
 // driver (12.1+ allows 32 KiB on new drivers only). TensorListMeta uses at most kMetaBytes and
-// leaves the rest to the functor's hyper-parameters and the flag pointer.
+// leaves the rest to the functor (device pointers and a few scalars).
 constexpr int kMetaBytes = 3584;
 
 template <int kDepth>
 struct TensorListMeta {
-  // Per tensor: kDepth addresses, the size, and the first chunk (one extra entry at the end).
-  static constexpr int kMaxTensors =
-      (kMetaBytes - 2 * 8 - 8) / (kDepth * 8 + 8 + 8);
+  // Per tensor: kDepth addresses, the size, the first chunk (one extra entry at the end), a tag.
+  static constexpr int kMaxTensors = (kMetaBytes - 16) / (kDepth * 8 + 8 + 8 + 1);
   void* addresses[kDepth][kMaxTensors];
   int64_t numel[kMaxTensors];
   int64_t chunk_start[kMaxTensors + 1];
-  int ntensors;
-  bool aligned;  // every address is kVectorBytes-aligned: the functor may use vector loads
+  int32_t ntensors;     // tensors in the tables (the non-empty ones)
+  int32_t first_param;  // index in the call's lists of the first parameter this launch covers
+  int32_t num_params;   // parameters this launch covers, empty ones included
+  uint8_t tag[kMaxTensors];
+
+  __host__ __device__ bool aligned(int t) const { return (tag[t] & kTagAligned) != 0; }
+  __host__ __device__ int dtype(int t) const { return tag[t] >> kTagDtypeShift; }
+  __host__ __device__ int64_t num_chunks() const { return chunk_start[ntensors]; }
 };
 
-template <int kDepth, typename Functor>
-__global__ void __launch_bounds__(kBlockSize)
-    multi_tensor_kernel(const TensorListMeta<kDepth> meta, const Functor functor,
-                        const float* noop_flag) {
-  if (noop_flag != nullptr && *noop_flag != 0.f) return;
-  const int64_t nchunks = meta.chunk_start[meta.ntensors];
+// Calls f(t, begin, end) for every chunk of the table that this block owns (chunks
+// blockIdx.x, blockIdx.x + gridDim.x, ...): elements [begin, end) of table tensor t. The loop
+// is uniform across the block.
+template <int kDepth, typename F>
+__device__ __forceinline__ void for_each_chunk(const TensorListMeta<kDepth>& meta, F&& f) {
+  const int64_t nchunks = meta.num_chunks();
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
     int lo = 0, hi = meta.ntensors - 1;  // the last tensor whose first chunk is <= c
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
-      if (meta.chunk_start[mid] <= c) lo = mid; else hi = mid - 1;
+      if (meta.chunk_start[mid] <= c) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
     }
     const int64_t begin = (c - meta.chunk_start[lo]) * kChunkSize;
-    const int64_t end =
-        begin + kChunkSize < meta.numel[lo] ? begin + kChunkSize : meta.numel[lo];
-    functor(meta, lo, begin, end);
+    const int64_t end = begin + kChunkSize < meta.numel[lo] ? begin + kChunkSize : meta.numel[lo];
+    f(lo, begin, end);
   }
 }
 
-inline int sm_count(int device) {
-  static int counts[64] = {0};
-  if (device < 0 || device >= 64) device = 0;
-  if (counts[device] == 0) {
-    int n = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    counts[device] = n > 0 ? n : 1;
-  }
-  return counts[device];
+// The kernel of every launch: the table lives in the parameter space (__grid_constant__: no
+// per-thread copy however it is indexed) and the functor does the work.
+template <int kDepth, typename Functor>
+__global__ void __launch_bounds__(kBlockSize)
+    multi_tensor_kernel(const __grid_constant__ TensorListMeta<kDepth> meta,
+                        const Functor functor) {
+  functor(meta);
 }
 
-// Launches `functor` over the tensors of `lists` (all on one device, the current stream):
-// one launch, or one per kMaxTensors tensors. Empty tensors are skipped. `on_launch` is called
-// once per launch (the launch counter of the tests).
-template <int kDepth, typename Functor, typename OnLaunch>
-void multi_tensor_apply(const std::array<at::TensorList, kDepth>& lists, const Functor& functor,
-                        const float* noop_flag, OnLaunch&& on_launch) {
+// The grid of a launch of `multi_tensor_kernel<kDepth, Functor>` on `device`: as many blocks
+// as can be resident at once (SMs x the occupancy of that kernel at kBlockSize threads), so
+// every block starts at once and walks its share of the chunks; fewer when there are fewer
+// chunks. Cached per kernel and device; safe during CUDA graph capture (no stream work).
+template <int kDepth, typename Functor>
+int resident_grid(int device) {
+  static std::atomic<int> cache[64];
+  std::atomic<int>* slot = device >= 0 && device < 64 ? &cache[device] : nullptr;
+  int grid = slot != nullptr ? slot->load(std::memory_order_relaxed) : 0;
+  if (grid == 0) {
+    int sms = 0, per_sm = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, multi_tensor_kernel<kDepth, Functor>, kBlockSize, 0));
+    grid = std::max(1, sms) * std::max(1, per_sm);
+    if (slot != nullptr) slot->store(grid, std::memory_order_relaxed);
+  }
+  return grid;
+}
+
+// Packs the tensors of `lists` (all on `device`) into tables and calls
+// launch(meta, last, grid) once per table: a table is launched when it is full (with
+// last = false) and the remaining one at the end (last = true). Empty tensors take no table
+// entry but are covered by a table's [first_param, first_param + num_params) range. When no
+// tensor has an element, the last (empty) table is launched only if `launch_empty` (the
+// functor has bookkeeping to do); its grid is then one block. Grids are at most `max_grid`.
+template <int kDepth, typename Launch>
+void pack_tensor_lists(const std::array<at::TensorList, kDepth>& lists, int max_grid,
+                       bool launch_empty, Launch&& launch) {
   using Meta = TensorListMeta<kDepth>;
   static_assert(sizeof(Meta) <= kMetaBytes, "TensorListMeta outgrew its share of the arguments");
-  static_assert(sizeof(Meta) + sizeof(Functor) + sizeof(void*) <= 4096,
-                "kernel arguments past the 4 KiB limit, see [note: argument limit]");
   const at::TensorList& first = lists[0];
-  if (first.empty()) return;
-  const c10::cuda::CUDAGuard guard(first[0].device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int max_grid = sm_count(first[0].get_device()) * kBlocksPerSM;
+  const int32_t n = static_cast<int32_t>(first.size());
 
   Meta meta;
-  auto reset = [&] {
+  auto reset = [&](int32_t first_param) {
     meta.ntensors = 0;
     meta.chunk_start[0] = 0;
-    meta.aligned = true;
+    meta.first_param = first_param;
+    meta.num_params = 0;
   };
-  auto launch = [&] {
-    const int64_t nchunks = meta.chunk_start[meta.ntensors];
-    if (nchunks == 0) return;
-    const int grid = static_cast<int>(std::min<int64_t>(nchunks, max_grid));
-    multi_tensor_kernel<kDepth, Functor><<<grid, kBlockSize, 0, stream>>>(meta, functor,
-                                                                           noop_flag);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    on_launch();
+  auto emit = [&](int32_t end_param, bool last) {
+    meta.num_params = end_param - meta.first_param;
+    const int64_t nchunks = meta.num_chunks();
+    const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nchunks, max_grid)));
+    launch(static_cast<const Meta&>(meta), last, grid);
   };
-  reset();
-  for (size_t t = 0; t < first.size(); ++t) {
+  reset(0);
+  for (int32_t t = 0; t < n; ++t) {
     const int64_t numel = first[t].numel();
     if (numel == 0) continue;
+    if (meta.ntensors == Meta::kMaxTensors) {  // full: launch it, start the next table here
+      emit(t, false);
+      reset(t);
+    }
     const int k = meta.ntensors;
+    bool aligned = true;
     for (int d = 0; d < kDepth; ++d) {
       void* ptr = lists[d][t].data_ptr();
       meta.addresses[d][k] = ptr;
-      meta.aligned = meta.aligned && reinterpret_cast<uintptr_t>(ptr) % kVectorBytes == 0;
+      aligned = aligned && reinterpret_cast<uintptr_t>(ptr) % kVectorBytes == 0;
     }
+    meta.tag[k] = static_cast<uint8_t>((aligned ? kTagAligned : 0) |
+                                       (dtype_code(first[t].scalar_type()) << kTagDtypeShift));
     meta.numel[k] = numel;
     meta.chunk_start[k + 1] = meta.chunk_start[k] + (numel + kChunkSize - 1) / kChunkSize;
     meta.ntensors = k + 1;
-    if (meta.ntensors == Meta::kMaxTensors) {
-      launch();
-      reset();
-    }
   }
-  if (meta.ntensors > 0) launch();
+  if (meta.ntensors > 0 || launch_empty) emit(n, true);
 }
 
 }  // namespace cuda

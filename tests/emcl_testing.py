@@ -297,3 +297,167 @@ def assert_unchanged(case: Case, before: list, what: str) -> None:
         same = a.dtype == b.dtype and torch.equal(a.view(-1).view(torch.uint8) if a.numel() else a,
                                                   b.view(-1).view(torch.uint8) if b.numel() else b)
         assert same, f"{what}: tensor {i} changed"
+
+
+# ---------------------------------------------------------------------------------------------
+# Direct calls of the compiled operators (torch.ops.emcl.step_ / check_finite_): a valid call
+# as a dict of every argument, and the calls the operators must refuse before writing anything.
+# ---------------------------------------------------------------------------------------------
+
+STEP_ARG_NAMES = ("params", "grads", "anchors", "importances", "meta_lrs", "steps", "hyper",
+                  "counters")
+
+
+def step_op_call(device="cpu", dtype=torch.float32, mode: Mode = MODES[0], *, op: str = "cadence",
+                 sizes=(12, 3), seed: int = 1, check: bool = True) -> dict:
+    """Every argument of a valid ``torch.ops.emcl.step_`` call, by name (see
+    :func:`call_step_op`): ``mode``'s codes, ``meta_lrs`` exactly when it is recurrent, a
+    ``steps`` tensor, ``op`` by name, finalize on (a refused call that wrongly ran would move
+    the counters)."""
+    from emcl_kernels.interface import OP
+    case = make_case(list(sizes), dtype, seed=seed, device=device)
+    n = len(case.params)
+    return dict(params=case.params, grads=case.grads, anchors=case.anchors,
+                importances=case.importances,
+                meta_lrs=case.meta_lrs if mode.lr_mode == "recurrent" else [],
+                steps=torch.zeros(n, dtype=torch.float32, device=device),
+                hyper=pack_hyper(step_hyper(mode), device), counters=new_counters(device),
+                op=OP[op], meta_every=1, check=check, finalize=True, grad_scale=None,
+                found_inf=None, **mode_codes(mode))
+
+
+def call_step_op(call: dict, entry: str = "torch.ops") -> None:
+    """The compiled step with the arguments of ``call``: through ``torch.ops.emcl.step_``
+    (``entry="torch.ops"``) or through the backend's ``step`` (``entry="backend"``, the direct
+    entry point of ``emcl_kernels._C`` outside torch.compile)."""
+    if entry == "backend":
+        from emcl_kernels.backends import extension
+        extension.step(**call)
+        return
+    positional = [call[k] for k in STEP_ARG_NAMES]
+    keywords = {k: v for k, v in call.items() if k not in STEP_ARG_NAMES}
+    torch.ops.emcl.step_(*positional, **keywords)
+
+
+def call_tensors(call: dict) -> list:
+    """Every tensor of a call (the lists' tensors, then the single ones), in a fixed order."""
+    out = []
+    for k, v in call.items():
+        if isinstance(v, (list, tuple)):
+            out.extend(v)
+        elif isinstance(v, torch.Tensor):
+            out.append(v)
+    return out
+
+
+def element_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of t's elements in index order (NaN payloads included)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def bitwise_snapshot(tensors: list) -> list:
+    return [t.detach().clone() for t in tensors]
+
+
+def assert_bitwise_unchanged(tensors: list, before: list, what: str) -> None:
+    assert len(tensors) == len(before), what
+    for i, (a, b) in enumerate(zip(tensors, before)):
+        if a.layout != torch.strided:
+            assert torch.equal(a.to_dense(), b.to_dense()), f"{what}: tensor {i} changed"
+            continue
+        same = a.dtype == b.dtype and a.shape == b.shape and (
+            a.numel() == 0 or torch.equal(element_bytes(a), element_bytes(b)))
+        assert same, f"{what}: tensor {i} ({tuple(a.shape)} {a.dtype}) changed"
+
+
+def _set(key, value_of):
+    def mutate(call):
+        call[key] = value_of(call)
+    return mutate
+
+
+def _set_item(key, i, value_of):
+    def mutate(call):
+        lst = list(call[key])
+        lst[i] = value_of(call, lst[i])
+        call[key] = lst
+    return mutate
+
+
+def _strided_like(t: torch.Tensor) -> torch.Tensor:
+    """A tensor with t's shape and values whose memory is not dense (every other element)."""
+    buf = torch.zeros(t.numel() * 2, dtype=t.dtype, device=t.device)
+    out = torch.as_strided(buf, t.shape, [2 * s for s in t.contiguous().stride()])
+    out.copy_(t)
+    return out
+
+
+def _not_dense_param(call):
+    """params[0] and every tensor laid out like it: strided every other element."""
+    for key in ("params", "grads", "anchors", "importances", "meta_lrs"):
+        lst = list(call[key])
+        if lst:
+            lst[0] = _strided_like(lst[0])
+        call[key] = lst
+
+
+def _transposed_like(t: torch.Tensor) -> torch.Tensor:
+    """t's shape (2-d) and values, dense, but with the other strides (column major)."""
+    return t.t().contiguous().t()
+
+
+# (id, mutate(call), exception type, message pattern): each makes a valid step_op_call
+# (fp32, recurrent, sizes (12, 3): params[0] is 2-d, (3, 4)) invalid in one way. They are in the
+# order of SPEC section 4's list: counts, shapes, dtypes, devices/layouts, values.
+BAD_STEP_CALLS = [
+    ("grads-short", _set("grads", lambda c: c["grads"][:1]), ValueError, "one tensor each"),
+    ("anchors-long", _set("anchors", lambda c: c["anchors"] + c["anchors"][:1]), ValueError,
+     "one tensor each"),
+    ("importances-empty", _set("importances", lambda c: []), ValueError, "one tensor each"),
+    ("meta_lrs-missing", _set("meta_lrs", lambda c: []), ValueError, "recurrent"),
+    ("meta_lrs-not-recurrent", _set("lr_mode", lambda c: 1), ValueError,
+     "meta_lrs must be empty"),
+    ("grads-swapped", _set("grads", lambda c: c["grads"][::-1]), ValueError,
+     "laid out like its parameter"),
+    ("grad-reshaped", _set_item("grads", 0, lambda c, t: t.reshape(4, 3)), ValueError,
+     "laid out like its parameter"),
+    ("anchor-other-strides", _set_item("anchors", 0, lambda c, t: _transposed_like(t)),
+     ValueError, "strides"),
+    ("grad-not-dense", _set_item("grads", 0, lambda c, t: _strided_like(t)), ValueError,
+     "laid out like its parameter"),
+    ("param-not-dense", _not_dense_param, RuntimeError, "not dense"),
+    ("anchor-float64", _set_item("anchors", 1, lambda c, t: t.double()), TypeError, "dtype"),
+    ("grad-float64", _set_item("grads", 1, lambda c, t: t.double()), TypeError, "dtype"),
+    ("meta_lr-bfloat16", _set_item("meta_lrs", 0, lambda c, t: t.bfloat16()), TypeError,
+     "dtype"),
+    ("params-int", lambda c: c.update({k: [t.to(torch.int32) for t in c[k]]
+                                       for k in ("params", "grads")}), TypeError, "float32"),
+    ("steps-short", _set("steps", lambda c: c["steps"][:1]), ValueError, "steps"),
+    ("steps-2d", _set("steps", lambda c: c["steps"].reshape(1, -1)), ValueError, "steps"),
+    ("steps-float64", _set("steps", lambda c: c["steps"].double()), TypeError, "steps"),
+    ("steps-strided", _set("steps", lambda c: torch.zeros(2 * len(c["params"]),
+                                                          device=c["steps"].device)[::2]),
+     RuntimeError, "steps"),
+    ("hyper-float32", _set("hyper", lambda c: c["hyper"].float()), TypeError, "hyper"),
+    ("hyper-short", _set("hyper", lambda c: c["hyper"][:-1]), ValueError, "hyper"),
+    ("hyper-strided", _set("hyper", lambda c: c["hyper"].repeat_interleave(2)[::2]),
+     RuntimeError, "hyper"),
+    ("hyper-2d", _set("hyper", lambda c: c["hyper"].reshape(1, -1)), ValueError, "hyper"),
+    ("counters-int32", _set("counters", lambda c: c["counters"].int()), TypeError, "counters"),
+    ("counters-long", _set("counters", lambda c: torch.zeros(
+        c["counters"].numel() + 1, dtype=torch.int64, device=c["counters"].device)),
+     ValueError, "counters"),
+    ("grad_scale-two", _set("grad_scale", lambda c: torch.ones(2, device=c["hyper"].device)),
+     ValueError, "grad_scale"),
+    ("grad_scale-float64", _set("grad_scale", lambda c: torch.ones(
+        (), dtype=torch.float64, device=c["hyper"].device)), TypeError, "grad_scale"),
+    ("found_inf-empty", _set("found_inf", lambda c: torch.ones(0, device=c["hyper"].device)),
+     ValueError, "found_inf"),
+    ("found_inf-int", _set("found_inf", lambda c: torch.zeros(
+        (), dtype=torch.int32, device=c["hyper"].device)), TypeError, "found_inf"),
+    ("op-4", _set("op", lambda c: 4), ValueError, "op"),
+    ("op-negative", _set("op", lambda c: -1), ValueError, "op"),
+    ("importance-2", _set("importance", lambda c: 2), ValueError, "importance"),
+    ("lr_mode-3", _set("lr_mode", lambda c: 3), ValueError, "lr_mode"),
+    ("meta_every-0", _set("meta_every", lambda c: 0), ValueError, "meta_every"),
+]

@@ -1,53 +1,43 @@
-"""The "cpu" backend (the extension's C++ kernel) equals the reference (SPEC section 4): every
-op, mode and dtype, odd sizes, chained steps, many tensors, large tensors that span several
-parallel pieces, grad_scale/found_inf, and bad inputs raising clear errors."""
+"""The "cpu" backend (the extension's C++ kernels) on the op interface: the operators refuse every
+bad call before writing anything, the portable and the AVX2 copies of the kernels compute the
+same bits, the result does not depend on the number of threads, tensors that span several
+parallel pieces agree with the reference, and torch.compile traces a step.
+
+(The behaviour every backend shares, [note: the step call] against the reference backend, is in
+tests/test_step_interface.py, which runs it for "cpu" too.)"""
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
-from emcl_kernels.backends import backend_status
-from emcl_testing import (DTYPES, MODES, OPS, SIZES, apply, assert_case_close,
-                          check_against_reference, clone_case, make_case)
+from emcl_kernels.backends import backend_status, get_backend
+from emcl_kernels.interface import OP
+from emcl_testing import (BAD_STEP_CALLS, MODES, assert_bitwise_unchanged, assert_unchanged,
+                          bitwise_snapshot, call_step, call_step_op, call_tensors,
+                          check_step_matches_reference, clone_case, counters_dict,
+                          element_bytes, make_case, new_counters, snapshot, step_hyper,
+                          step_op_call)
 
 pytestmark = pytest.mark.skipif(backend_status()["cpu"] != "available",
                                 reason=f"cpu backend: {backend_status()['cpu']}")
 
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.id)
-@pytest.mark.parametrize("op", OPS)
-def test_cpu_matches_reference(op, mode, dtype):
-    check_against_reference("cpu", op, SIZES, dtype, mode, steps=7, seed=3)
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 
 
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
-@pytest.mark.parametrize("op", OPS)
-def test_cpu_many_tensors(op, dtype):
-    sizes = [(i * 37) % 301 for i in range(123)]
-    check_against_reference("cpu", op, sizes, dtype, MODES[0], steps=7, seed=5)
+def _cpu():
+    return get_backend("cpu", torch.device("cpu"))
 
 
-@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.float64), ids=str)
-@pytest.mark.parametrize("op", OPS)
-def test_cpu_large_tensors_span_parallel_pieces(op, dtype):
-    # 300_007 elements: several 32768-element pieces spread over the threads, odd tail.
-    check_against_reference("cpu", op, [300_007, 65_537, 3], dtype, MODES[3], steps=2, seed=7)
-
-
-@pytest.mark.parametrize("op", OPS)
-def test_cpu_grad_scale_and_found_inf(op):
-    mode = MODES[0]
-    hyper = mode.hyper(op)
-    case = make_case([5, 4097], torch.float32, seed=11)
-    expected = clone_case(case, torch.float64)
-    scale = torch.tensor(8.0)
-    apply(op, "cpu", case, hyper, grad_scale=scale, found_inf=torch.tensor(0.0))
-    apply(op, "reference", expected, hyper, grad_scale=scale)
-    assert_case_close(case, expected, torch.float32, f"{op} grad_scale=8")
-    before = clone_case(case)
-    apply(op, "cpu", case, hyper, grad_scale=scale, found_inf=torch.tensor(1.0))
-    for name, lst in case.tensors().items():
-        for a, b in zip(lst, before.tensors()[name]):
-            assert torch.equal(a, b), f"found_inf=1 but {name} was written"
+@pytest.fixture
+def threads():
+    """Sets torch's intra-op thread count for one test and puts it back afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
 
 
 def test_auto_picks_cpu_for_cpu_tensors():
@@ -55,103 +45,280 @@ def test_auto_picks_cpu_for_cpu_tensors():
     assert auto_backend(torch.device("cpu")) == "cpu"
 
 
-def _lists(n=10, dtype=torch.float32):
-    case = make_case([n, 3], dtype, seed=1)
-    return case.params, case.grads, case.anchors, case.importances, case.meta_lrs
+def test_the_build_reports_its_interface_and_kernel_copy():
+    from emcl_kernels import interface
+    assert torch.ops.emcl.interface() == interface.layout_string()
+    assert torch.ops.emcl.cpu_kernel() in ("avx2", "portable")
 
 
-def test_cpu_op_rejects_bad_lists_before_writing():
-    """The operators check their lists themselves (torch.ops.emcl.* can be called directly)."""
-    params, grads, anchors, imps, lrs = _lists()
-    snapshot = [p.clone() for p in params]
-    kw = dict(inner_lr=0.1, reg=1.0, gamma=0.1, prox=True)
-    with pytest.raises(ValueError, match="one tensor each"):
-        torch.ops.emcl.inner_step_(params, grads[:1], anchors, imps, **kw)
-    with pytest.raises(ValueError, match="elements"):
-        torch.ops.emcl.inner_step_(params, [grads[1], grads[0]], anchors, imps, **kw)
-    with pytest.raises(TypeError, match="dtype"):
-        torch.ops.emcl.inner_step_(params, grads, [a.double() for a in anchors], imps, **kw)
-    with pytest.raises(RuntimeError, match="contiguous"):
-        big = torch.randn(20)
-        torch.ops.emcl.inner_step_([params[0]], [big[::2]], [anchors[0]], [imps[0]], **kw)
-    meta = dict(meta_lr=0.1, reg=1.0, decay=0.9, lr_scale=1.0, lr_min=0.0, lr_max=1.0,
-                eps=1e-8, importance="taylor")
-    with pytest.raises(ValueError, match="recurrent"):
-        torch.ops.emcl.meta_step_(params, grads, anchors, imps, [], lr_mode="recurrent", **meta)
-    with pytest.raises(ValueError, match="lr_mode"):
-        torch.ops.emcl.meta_step_(params, grads, anchors, imps, [], lr_mode="fast", **meta)
-    with pytest.raises(ValueError, match="importance"):
-        torch.ops.emcl.meta_step_(params, grads, anchors, imps, [], lr_mode="inverse",
-                                  **{**meta, "importance": "fisher"})
-    with pytest.raises(TypeError, match="grad_scale"):
-        torch.ops.emcl.inner_step_(params, grads, anchors, imps, grad_scale=torch.ones(2), **kw)
-    for p, s in zip(params, snapshot):
-        assert torch.equal(p, s)
+def test_a_stale_build_is_refused_with_the_rebuild_command(monkeypatch):
+    from emcl_kernels import interface
+    from emcl_kernels.backends import extension
+    monkeypatch.setattr(interface, "layout_string", lambda: "v0;another layout")
+    reason = extension._stale_reason()
+    assert reason is not None and "another version of the op interface" in reason
+    assert "rebuild with pip install --no-build-isolation -e ." in reason
+    monkeypatch.undo()
+    assert extension._stale_reason() is None
 
 
-def test_cpu_backend_rejects_bad_input_through_functional():
-    from emcl_kernels import functional as F
-    params, grads, anchors, imps, _ = _lists()
-    snapshot = [p.clone() for p in params]
-    with pytest.raises(RuntimeError, match="contiguous"):
-        F.inner_step_(params, [grads[0], torch.randn(6)[::2]], anchors, imps, inner_lr=0.1,
-                      reg=1.0, gamma=0.1, backend="cpu")
-    with pytest.raises(ValueError, match="inner_lr"):
-        F.inner_step_(params, grads, anchors, imps, inner_lr=float("nan"), reg=1.0, gamma=0.1,
-                      backend="cpu")
-    for p, s in zip(params, snapshot):
-        assert torch.equal(p, s)
+# ---------------------------------------------------------------------------------------------
+# Bad calls: refused before anything is written.
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("entry", ("torch.ops", "backend"))
+@pytest.mark.parametrize("name, mutate, exc, match", BAD_STEP_CALLS,
+                         ids=[b[0] for b in BAD_STEP_CALLS])
+def test_step_op_refuses_a_bad_call_before_writing(name, mutate, exc, match, entry):
+    call = step_op_call("cpu")
+    mutate(call)
+    tensors = call_tensors(call)
+    before = bitwise_snapshot(tensors)
+    with pytest.raises(exc, match=match):
+        call_step_op(call, entry)
+    assert_bitwise_unchanged(tensors, before, name)
 
 
-def test_cpu_op_traces_under_torch_compile():
-    """The fake implementations let torch.compile trace a step as one graph (no breaks)."""
-    params, grads, anchors, imps, lrs = _lists(33)
-    eager = [[t.clone() for t in lst] for lst in (params, anchors, imps, lrs)]
-    kw = dict(inner_lr=0.05, meta_lr=0.2, reg=1.5, gamma=0.3, decay=0.8, lr_scale=0.9,
-              lr_mode="recurrent", lr_min=0.01, lr_max=0.3, eps=1e-8, importance="taylor",
-              prox=True)
-
-    def step(p, g, a, h, r):
-        torch.ops.emcl.inner_meta_step_(p, g, a, h, r, **kw)
-
-    torch._dynamo.reset()
-    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
-    compiled(params, grads, anchors, imps, lrs)
-    step(eager[0], grads, eager[1], eager[2], eager[3])
-    for name, got, want in zip(("params", "anchors", "importances", "meta_lrs"),
-                               (params, anchors, imps, lrs), eager):
-        for a, e in zip(got, want):
-            assert torch.equal(a, e), f"compiled step differs from eager on {name}"
+def test_the_unmodified_call_of_the_bad_call_matrix_runs():
+    """The matrix above starts from a call that works (so each refusal is for its one change):
+    it updates the parameters, counts a meta step (cadence, meta_every=1) and advances CALLS."""
+    call = step_op_call("cpu")
+    before = [p.clone() for p in call["params"]]
+    call_step_op(call)
+    assert not any(torch.equal(p, b) for p, b in zip(call["params"], before))
+    assert call["steps"].tolist() == [1.0, 1.0]
+    assert counters_dict(call["counters"]) == dict(found=0, calls=1, skipped=0, done=0)
 
 
-def test_portable_cpu_kernels_match_reference():
-    """The portable copy of the CPU kernels (what a CPU without AVX2 runs; forced here with
-    torch's ATEN_CPU_CAPABILITY=default) agrees with the reference too."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
+def test_step_op_refuses_a_sparse_gradient():
+    call = step_op_call("cpu")
+    call["grads"] = [call["grads"][0].to_sparse(), call["grads"][1]]
+    tensors = call_tensors(call)
+    before = bitwise_snapshot(tensors)
+    with pytest.raises(RuntimeError):
+        call_step_op(call)
+    assert_bitwise_unchanged(tensors, before, "sparse grad")
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(here)
+
+def test_check_finite_op_refuses_bad_calls():
+    grads = make_case([10, 3], torch.float32, seed=1).grads
+    counters = new_counters()
+    with pytest.raises(TypeError, match="counters"):
+        torch.ops.emcl.check_finite_(grads, counters.int())
+    with pytest.raises(ValueError, match="counters"):
+        torch.ops.emcl.check_finite_(grads, counters[:2])
+    with pytest.raises(TypeError, match="float32, float64, bfloat16 or float16"):
+        torch.ops.emcl.check_finite_([grads[0].to(torch.int64)], counters)
+    with pytest.raises(RuntimeError, match="not dense"):
+        torch.ops.emcl.check_finite_([torch.randn(20)[::2]], counters)
+    assert not counters.any()
+
+
+def test_gradient_may_differ_in_the_stride_of_a_size_one_dimension():
+    """Autograd's layout contract ignores the strides of size-1 dimensions: a gradient of shape
+    (1, 6) with strides (1, 1) pairs element for element with a param of strides (6, 1)."""
+    mode = MODES[1]
+    a = make_case([6], torch.float32, seed=3)
+    for lst in (a.params, a.grads, a.anchors, a.importances, a.meta_lrs):
+        lst[0] = lst[0].reshape(1, 6)
+    b_grad = torch.as_strided(a.grads[0].clone(), (1, 6), (1, 1))
+    assert b_grad.stride() != a.params[0].stride()
+    b = make_case([6], torch.float32, seed=3)
+    for lst in (b.params, b.anchors, b.importances, b.meta_lrs):
+        lst[0] = lst[0].reshape(1, 6)
+    b.grads[0] = b_grad
+    mod = _cpu()
+    call_step(mod, "inner_meta", a, mode, step_hyper(mode), new_counters())
+    call_step(mod, "inner_meta", b, mode, step_hyper(mode), new_counters())
+    assert torch.equal(a.params[0], b.params[0]) and torch.equal(a.anchors[0], b.anchors[0])
+
+
+def test_empty_lists_still_do_the_bookkeeping():
+    counters = new_counters(found=1, calls=4)
+    torch.ops.emcl.step_([], [], [], [], [], torch.zeros(0), step_op_call()["hyper"], counters,
+                         op=OP["cadence"], prox=True, importance=0, lr_mode=1, meta_every=2,
+                         check=True, finalize=True)
+    assert counters_dict(counters) == dict(found=0, calls=5, skipped=1, done=0)
+
+
+def test_check_finite_sees_every_dtype_of_one_call():
+    grads = [torch.randn(5), torch.randn(300, dtype=torch.bfloat16),
+             torch.randn(7, dtype=torch.float16), torch.randn(40_000, dtype=torch.float64)]
+    counters = new_counters()
+    _cpu().check_finite(grads, counters)
+    assert counters_dict(counters)["found"] == 0
+    for i, where in ((1, 299), (2, 0), (3, 39_999), (0, 4)):
+        bad = [g.clone() for g in grads]
+        bad[i][where] = float("inf") if i % 2 else float("nan")
+        counters = new_counters()
+        _cpu().check_finite(bad, counters)
+        assert counters_dict(counters)["found"] == 1, (i, where)
+
+
+def test_cpu_calls_launch_no_cuda_kernel():
+    from emcl_kernels.backends.extension import launch_count
+    before = launch_count()
+    call_step_op(step_op_call("cpu"))
+    assert launch_count() == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Big calls: pieces, threads, the two copies of the kernels.
+# ---------------------------------------------------------------------------------------------
+
+# 300,007 + 65,537 + 3 elements: 12 pieces of at most 32,768 elements, odd tails, and past the
+# size below which a call runs on one thread.
+BIG = [300_007, 65_537, 3]
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.float64), ids=str)
+@pytest.mark.parametrize("op", ("inner", "meta", "inner_meta"))
+def test_large_tensors_span_parallel_pieces(op, dtype, threads):
+    threads(2)
+    check_step_matches_reference(_cpu(), op, BIG, dtype, MODES[3], calls=2, seed=7)
+
+
+def _run_scenarios(cases):
+    """Runs each (case, mode, op) once through the cpu backend (cadence over three calls for
+    op='cadence'), returning every tensor, the counters and the steps afterwards."""
+    out = []
+    mod = _cpu()
+    for case, mode, op in cases:
+        counters = new_counters()
+        steps = torch.zeros(len(case.params))
+        calls = 3 if op == "cadence" else 1
+        for _ in range(calls):
+            call_step(mod, op, case, mode, step_hyper(mode), counters, steps=steps,
+                      meta_every=2, check=True)
+        out.append([*snapshot(case), counters.clone(), steps.clone()])
+    return out
+
+
+def _scenario_cases():
+    cases = []
+    for i, dtype in enumerate((torch.float32, torch.bfloat16, torch.float16, torch.float64)):
+        for j, (mode, op) in enumerate(((MODES[0], "cadence"), (MODES[4], "meta"),
+                                        (MODES[8], "inner_meta"), (MODES[7], "inner"))):
+            cases.append((make_case(BIG, dtype, seed=10 * i + j), mode, op))
+    # a non-finite gradient in a late piece: found by the check, nothing written
+    poisoned = make_case(BIG, torch.bfloat16, seed=99)
+    poisoned.grads[0].view(-1)[290_001] = float("nan")
+    cases.append((poisoned, MODES[1], "inner_meta"))
+    return cases
+
+
+def _assert_same_bits(got, want, what):
+    for k, (g, w) in enumerate(zip(got, want)):
+        for i, (a, b) in enumerate(zip(g, w)):
+            assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: case {k} tensor {i}"
+            assert a.numel() == 0 or torch.equal(element_bytes(a), element_bytes(b)), \
+                f"{what}: case {k} tensor {i} ({a.dtype}) differs"
+
+
+def test_one_and_two_threads_give_the_same_bits(threads):
+    cases = _scenario_cases()
+    copies = [[(clone_case(c), m, o) for c, m, o in cases] for _ in range(2)]
+    threads(1)
+    one = _run_scenarios(copies[0])
+    threads(2)
+    two = _run_scenarios(copies[1])
+    _assert_same_bits(two, one, "2 threads vs 1")
+    assert counters_dict(one[-1][-2])["skipped"] == 1  # the poisoned case was skipped
+
+
+def test_portable_and_avx2_kernels_give_the_same_bits(tmp_path):
+    """The portable copy of the CPU kernels (what a CPU without AVX2 runs; forced in a
+    subprocess with torch's ATEN_CPU_CAPABILITY=default) computes the same bits as the AVX2
+    copy, on the same inputs (made here and passed in a file: torch's own random kernels
+    differ between the capabilities)."""
+    if torch.ops.emcl.cpu_kernel() != "avx2":
+        pytest.skip("this CPU runs the portable kernels only")
+    cases = _scenario_cases()
+    torch.save([(c.params, c.grads, c.anchors, c.importances, c.meta_lrs, m, o)
+                for c, m, o in cases], tmp_path / "inputs.pt")
     code = textwrap.dedent("""
+        import sys
         import torch
         import emcl_kernels.backends.extension
-        from emcl_testing import MODES, OPS, check_against_reference
+        from emcl_testing import Case
+        import test_cpu_backend as t
         assert torch.ops.emcl.cpu_kernel() == "portable", torch.ops.emcl.cpu_kernel()
-        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-            for op in OPS:
-                for mode in (MODES[0], MODES[4], MODES[8]):
-                    check_against_reference("cpu", op, [0, 1, 7, 4097, 70001], dtype, mode,
-                                            steps=3, seed=9)
+        torch.set_num_threads(1)
+        raw = torch.load(sys.argv[1], weights_only=False)
+        cases = [(Case(*lists), m, o) for (*lists, m, o) in raw]
+        torch.save(t._run_scenarios(cases), sys.argv[2])
         print("ok")
     """)
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default",
-           "PYTHONPATH": os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=600)
+           "PYTHONPATH": os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "inputs.pt"),
+                          str(tmp_path / "portable.pt")], env=env, capture_output=True,
+                         text=True, timeout=600)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-4000:]
+    portable = torch.load(tmp_path / "portable.pt", weights_only=False)
+    avx2 = _run_scenarios(cases)
+    _assert_same_bits(avx2, portable, "avx2 vs portable")
 
 
-def test_cpu_kernel_copy_is_reported():
-    assert torch.ops.emcl.cpu_kernel() in ("avx2", "portable")
+# ---------------------------------------------------------------------------------------------
+# torch.compile
+# ---------------------------------------------------------------------------------------------
+
+def test_step_traces_under_torch_compile():
+    """The fake implementations let torch.compile trace the backend's step as one graph (no
+    breaks: it calls torch.ops.emcl.step_ while compiling), and the compiled step writes what
+    the eager one writes: tensors, counters, steps."""
+    from emcl_kernels.backends import extension
+    eager = step_op_call("cpu", sizes=(33, 7), seed=4)
+    compiled = step_op_call("cpu", sizes=(33, 7), seed=4)
+
+    def step(call):
+        extension.step(**call)
+
+    torch._dynamo.reset()
+    run = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for _ in range(3):
+        run(compiled)
+        step(eager)
+    for i, (a, e) in enumerate(zip(call_tensors(compiled), call_tensors(eager))):
+        assert torch.equal(a, e), f"compiled step differs from eager on tensor {i}"
+    assert counters_dict(compiled["counters"])["calls"] == 3
+
+
+def test_direct_entry_points_refuse_malformed_arguments():
+    """emcl_kernels._C.step/check_finite take the schema's arguments by position; anything
+    else is a TypeError naming the argument, before the operator runs."""
+    from emcl_kernels import _C
+    call = step_op_call("cpu")
+    args = [call[k] for k in ("params", "grads", "anchors", "importances", "meta_lrs", "steps",
+                              "hyper", "counters", "op", "prox", "importance", "lr_mode",
+                              "meta_every", "check", "finalize", "grad_scale", "found_inf")]
+    tensors = call_tensors(call)
+    before = bitwise_snapshot(tensors)
+    with pytest.raises(TypeError, match="17 arguments"):
+        _C.step(*args[:-1])
+    for i, bad, match in ((0, call["params"][0], "params must be a list"),
+                          (1, [call["grads"][0], 3.0], r"grads\[1\] must be a tensor"),
+                          (6, [call["hyper"]], "hyper must be a tensor"),
+                          (8, 3.0, "op must be an int"), (8, True, "op must be an int"),
+                          (9, 1, "prox must be a bool"), (15, 8.0, "grad_scale must be a tensor")):
+        with pytest.raises(TypeError, match=match):
+            _C.step(*args[:i], bad, *args[i + 1:])
+    with pytest.raises(TypeError, match="grads, counters"):
+        _C.check_finite(call["grads"])
+    assert_bitwise_unchanged(tensors, before, "malformed direct calls")
+    _C.step(*args)
+    assert counters_dict(call["counters"])["calls"] == 1
+
+
+def test_check_skip_in_one_call_writes_nothing_but_the_counters():
+    mode = MODES[0]
+    case = make_case(BIG, torch.float32, seed=21)
+    case.grads[1].view(-1)[-1] = float("-inf")
+    before = snapshot(case)
+    counters, steps = new_counters(calls=1), torch.zeros(3)
+    call_step(_cpu(), "cadence", case, mode, step_hyper(mode), counters, steps=steps,
+              meta_every=2, check=True)
+    assert_unchanged(case, before, "skipped call")
+    assert counters_dict(counters) == dict(found=0, calls=2, skipped=1, done=0)
+    assert not steps.any()

@@ -1,15 +1,21 @@
 """The ``"cpu"`` and ``"cuda"`` backends: the compiled kernels of ``emcl_kernels._C`` (``csrc/``).
 
-The extension registers three torch operators, ``torch.ops.emcl.inner_step_``,
-``meta_step_`` and ``inner_meta_step_``, with a CPU implementation (one vectorized, parallel
-pass per element, ``csrc/emcl_cpu.cpp``) and, when it was built with nvcc, a CUDA
-implementation (one multi-tensor launch per call, ``csrc/emcl_cuda.cu``). Both take every mode
-as a compile-time parameter and read ``grad_scale``/``found_inf`` themselves (on the GPU inside
-the kernel, without a host sync).
+The extension registers [note: the step call] of :mod:`emcl_kernels.interface` as two torch
+operators, ``torch.ops.emcl.step_`` and ``torch.ops.emcl.check_finite_``, with a CPU
+implementation (vectorized, parallel passes over the elements, ``csrc/emcl_cpu.cpp``) and, when
+it was built with nvcc, a CUDA implementation (``csrc/emcl_cuda.cu``: one update launch per call,
+plus one finite-check launch when ``check`` is set, more only past the kernel-argument limit; the
+counters, flags and hyper-parameters are read on the device, so a call never waits for the GPU
+and can be captured in a CUDA graph). Both check their arguments in C++ on every call, so
+:func:`step` and :func:`check_finite` are direct calls of the operators: through
+``emcl_kernels._C.step``/``check_finite`` (the same operators through the dispatcher, without
+torch.ops' argument parsing, about 10 us less per call; [note: direct entry points] in
+``csrc/emcl_ops.cpp``), and through ``torch.ops.emcl.*`` while torch.compile traces.
 
-This module imports whether or not the extension is built; :func:`unavailable_reason` then
-says why a backend is missing. The fake (meta) implementations registered here let
-``torch.compile`` trace a step as one graph: the operators only mutate their inputs.
+This module imports whether or not the extension is built; :func:`unavailable_reason` then says
+why a backend is missing (not built, built without CUDA, or built from another version of the
+op interface). The fake implementations registered here let ``torch.compile`` trace a step: the
+operators only mutate their inputs.
 """
 from __future__ import annotations
 
@@ -17,8 +23,15 @@ from typing import Optional
 
 import torch
 
-__all__ = ["inner_step", "meta_step", "inner_meta_step", "unavailable_reason", "LOAD_ERROR",
-           "launch_count"]
+from emcl_kernels import interface as _interface
+
+__all__ = ["step", "check_finite", "unavailable_reason", "launch_count", "LOAD_ERROR",
+           "CHECKS_GRADS"]
+
+#: The operators check every gradient's dtype, device and layout themselves on every call.
+CHECKS_GRADS = True
+
+_REBUILD = "rebuild with pip install --no-build-isolation -e ."
 
 LOAD_ERROR: Optional[str] = None
 try:
@@ -29,7 +42,24 @@ except Exception as exc:  # ImportError, or an undefined symbol from a torch ABI
                   "`pip install --no-build-isolation -e .` (needs a C++ compiler; nvcc for "
                   "'cuda')")
 
-_OPS = ("inner_step_", "meta_step_", "inner_meta_step_")
+
+def _stale_reason() -> Optional[str]:
+    """None when the loaded library was built from this version of the op interface."""
+    try:
+        built = str(torch.ops.emcl.interface())
+    except (AttributeError, RuntimeError):
+        built = "an older interface without emcl::interface()"
+    wanted = _interface.layout_string()
+    if built == wanted:
+        return None
+    return (f"emcl_kernels._C was built from another version of the op interface ({built!r}; "
+            f"this source is {wanted!r}): {_REBUILD}")
+
+
+if LOAD_ERROR is None:
+    LOAD_ERROR = _stale_reason()
+
+_OPS = ("step_", "check_finite_")
 
 
 def _has_kernel(dispatch_key: str) -> bool:
@@ -55,58 +85,56 @@ def unavailable_reason(name: str, device_type: Optional[str]) -> Optional[str]:
 
 
 def launch_count() -> int:
-    """CUDA kernel launches done by the extension since it was loaded."""
+    """CUDA kernel launches (finite checks and updates) done by the extension since it was
+    loaded."""
     return int(torch.ops.emcl.launch_count())
 
 
 if LOAD_ERROR is None:
-    # The steps mutate their inputs in place and return nothing, so tracing them only needs
-    # to know that they exist (the schemas carry which lists are written).
-    @torch.library.register_fake("emcl::inner_step_")
-    def _inner_step_fake(params, grads, anchors, importances, *, inner_lr, reg, gamma, prox,
-                         grad_scale=None, found_inf=None):
+    _step_op = torch.ops.emcl.step_.default
+    _check_finite_op = torch.ops.emcl.check_finite_.default
+    _direct_step = _C.step
+    _direct_check_finite = _C.check_finite
+
+    # The operators mutate their inputs in place and return nothing, so tracing them only
+    # needs to know that they exist (the schemas carry which arguments are written).
+    @torch.library.register_fake("emcl::step_")
+    def _step_fake(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, *,
+                   op, prox, importance, lr_mode, meta_every, check, finalize,
+                   grad_scale=None, found_inf=None):
         return None
 
-    @torch.library.register_fake("emcl::meta_step_")
-    def _meta_step_fake(params, grads, anchors, importances, meta_lrs, *, meta_lr, reg, decay,
-                        lr_scale, lr_mode, lr_min, lr_max, eps, importance, grad_scale=None,
-                        found_inf=None):
+    @torch.library.register_fake("emcl::check_finite_")
+    def _check_finite_fake(grads, counters):
         return None
+else:
+    def _unavailable(*args, **kwargs):
+        raise RuntimeError(f"the 'cpu'/'cuda' backends are not available: {LOAD_ERROR}")
 
-    @torch.library.register_fake("emcl::inner_meta_step_")
-    def _inner_meta_step_fake(params, grads, anchors, importances, meta_lrs, *, inner_lr,
-                              meta_lr, reg, gamma, decay, lr_scale, lr_mode, lr_min, lr_max,
-                              eps, importance, prox, grad_scale=None, found_inf=None):
-        return None
+    _step_op = _check_finite_op = _direct_step = _direct_check_finite = _unavailable
 
-
-# ---------------------------------------------------------------------------------------------
-# The backend interface (emcl_kernels/backends/__init__.py): one operator call per group.
-# ---------------------------------------------------------------------------------------------
-
-def inner_step(params, grads, anchors, importances, *, inner_lr, reg, gamma, prox,
-               grad_scale=None, found_inf=None):
-    torch.ops.emcl.inner_step_(params, grads, anchors, importances, inner_lr=inner_lr, reg=reg,
-                               gamma=gamma, prox=prox, grad_scale=grad_scale,
-                               found_inf=found_inf)
+_compiling = torch.compiler.is_compiling
 
 
-def meta_step(params, grads, anchors, importances, meta_lrs, *, meta_lr, reg, decay, lr_scale,
-              lr_mode, lr_min, lr_max, eps, importance, grad_scale=None, found_inf=None):
-    torch.ops.emcl.meta_step_(params, grads, anchors, importances,
-                              meta_lrs if meta_lrs is not None else [], meta_lr=meta_lr,
-                              reg=reg, decay=decay, lr_scale=lr_scale, lr_mode=lr_mode,
-                              lr_min=lr_min, lr_max=lr_max, eps=eps, importance=importance,
-                              grad_scale=grad_scale, found_inf=found_inf)
+def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, *, op: int,
+         prox: bool, importance: int, lr_mode: int, meta_every: int, check: bool,
+         finalize: bool, grad_scale=None, found_inf=None) -> None:
+    """One step of one group ([note: the step call] in :mod:`emcl_kernels.interface`): one
+    call of the ``emcl::step_`` operator."""
+    if _compiling():
+        _step_op(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, op=op,
+                 prox=prox, importance=importance, lr_mode=lr_mode, meta_every=meta_every,
+                 check=check, finalize=finalize, grad_scale=grad_scale, found_inf=found_inf)
+    else:
+        _direct_step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, op,
+                     prox, importance, lr_mode, meta_every, check, finalize, grad_scale,
+                     found_inf)
 
 
-def inner_meta_step(params, grads, anchors, importances, meta_lrs, *, inner_lr, meta_lr, reg,
-                    gamma, decay, lr_scale, lr_mode, lr_min, lr_max, eps, importance, prox,
-                    grad_scale=None, found_inf=None):
-    torch.ops.emcl.inner_meta_step_(params, grads, anchors, importances,
-                                    meta_lrs if meta_lrs is not None else [],
-                                    inner_lr=inner_lr, meta_lr=meta_lr, reg=reg, gamma=gamma,
-                                    decay=decay, lr_scale=lr_scale, lr_mode=lr_mode,
-                                    lr_min=lr_min, lr_max=lr_max, eps=eps,
-                                    importance=importance, prox=prox, grad_scale=grad_scale,
-                                    found_inf=found_inf)
+def check_finite(grads, counters) -> None:
+    """``counters[FOUND] = 1`` when a gradient holds an inf or a NaN (a read-only pass; one
+    launch on a GPU): one call of the ``emcl::check_finite_`` operator."""
+    if _compiling():
+        _check_finite_op(grads, counters)
+    else:
+        _direct_check_finite(grads, counters)
