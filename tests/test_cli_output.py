@@ -179,10 +179,22 @@ def test_a_run_cut_off_mid_line_is_run_again(tmp_path, capsys):
     lines = open(path).read().splitlines()
     with open(path, "w") as fh:  # as if killed while the second line was written
         fh.write(lines[0] + "\n" + lines[1][: len(lines[1]) // 2])
-    with pytest.warns(UserWarning, match="last line is cut off"):
-        code, stdout, _ = _exit(capsys, ["--method", "sgd", "--seeds", "0", "1", "--out", out, "--resume"] + TINY)
-    assert code == 0
+    code, stdout, err = _exit(capsys, ["--method", "sgd", "--seeds", "0", "1", "--out", out, "--resume"] + TINY)
+    assert code == 0 and "note: " in err and "the last line is cut off" in err and "it runs again" in err
     assert _accuracies(out)[("sgd", 1)] == json.loads(lines[1])["acc_matrix"]
+    assert [(r["method"], r["seed"]) for r in load_runs(out)] == [("sgd", 0), ("sgd", 1)]  # no damaged line left
+
+
+def test_resume_of_a_folder_without_runs_jsonl_keeps_its_runs(tmp_path, capsys):
+    """A folder written before runs.jsonl existed (its results.json holds the runs) resumes
+    without losing them."""
+    out = str(tmp_path / "o")
+    assert _exit(capsys, ["--method", "sgd", "--seeds", "0", "--out", out] + TINY)[0] == 0
+    first = load_runs(out)
+    os.remove(os.path.join(out, "runs.jsonl"))
+    assert _exit(capsys, ["--method", "sgd", "--seeds", "0", "1", "--out", out, "--resume"] + TINY)[0] == 0
+    runs = load_runs(out)
+    assert [(r["method"], r["seed"]) for r in runs] == [("sgd", 0), ("sgd", 1)] and runs[0] == first[0]
 
 
 # --------------------------------------------------------------------------- stale plots

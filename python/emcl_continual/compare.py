@@ -219,10 +219,9 @@ def main(argv: list | None = None) -> int:
 
 def _main(argv: list) -> int:
     from .cli import make_parser
-
-    p = make_parser(prog="python -m emcl_continual.compare", description=__doc__.split("\n\n")[0])
     from .streams import STREAMS
 
+    p = make_parser(prog="python -m emcl_continual.compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--stream", default="permuted-mnist", choices=list(STREAMS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     p.add_argument("--methods", nargs="+", default=None, choices=ALL_METHODS, metavar="METHOD",
@@ -265,8 +264,17 @@ def _main(argv: list) -> int:
     started = time.perf_counter()
     import shlex
 
+    from .cli import _Interrupted
+    from .rundir import Interrupted, interrupts
+
     command = shlex.join(["python", "-m", "emcl_continual.compare"] + [a for a in argv if a != "--force"])
-    runs = run_all(args.stream, args.seeds, args.out, args.methods, force=args.force, command=command)
+    try:
+        with interrupts():
+            runs = run_all(args.stream, args.seeds, args.out, args.methods, force=args.force, command=command)
+    except Interrupted as exc:
+        n = len(load_runs(args.out)) if os.path.isdir(args.out) else 0
+        raise _Interrupted(f"{exc.name}: {n} run(s) are saved in {args.out} (results.json status 'partial'); "
+                           f"run the same command again to resume: {command}") from None
     print(comparison_table(runs, args.stream))
     print(f"wall time {time.perf_counter() - started:.0f}s on {platform.machine()}")
     with open(os.path.join(args.out, "results.json"), encoding="utf-8") as fh:

@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -98,9 +99,10 @@ def deferred_interrupts():
 
 
 # --------------------------------------------------------------------------- the run log
-def load_runs(out_dir: str) -> list:
+def load_runs(out_dir: str, on_cut=None) -> list:
     """The runs recorded in ``OUT/runs.jsonl`` (one JSON object per line). A last line cut off
-    by a crash is skipped with a warning; a damaged line elsewhere raises :class:`OutputError`."""
+    by a crash is left out, and ``on_cut(message)`` called (default: a warning); a damaged line
+    elsewhere raises :class:`OutputError`."""
     path = os.path.join(out_dir, "runs.jsonl")
     if not os.path.exists(path):
         return []
@@ -112,7 +114,11 @@ def load_runs(out_dir: str) -> list:
             runs.append(json.loads(line))
         except json.JSONDecodeError as exc:
             if i == len(lines) - 1:
-                warnings.warn(f"{path}: the last line is cut off ({exc}); that run is not counted", stacklevel=2)
+                message = f"{path}: the last line is cut off ({exc}); that run is not counted"
+                if on_cut is None:
+                    warnings.warn(message, stacklevel=2)
+                else:
+                    on_cut(message)
                 break
             raise OutputError(f"{path} line {i + 1} is not a JSON run record ({exc}); fix or remove that line")
     return runs
@@ -209,6 +215,7 @@ class RunDir:
         self.started = time.perf_counter()
         self.stale: dict = {}
         self._checked = False
+        self._rewrite_log = False
 
     # -- before any run
     def open(self) -> list:
@@ -247,6 +254,9 @@ class RunDir:
         with deferred_interrupts():
             if self.force:
                 self._remove_earlier()
+            if self._rewrite_log:
+                text = "".join(json.dumps(r) + "\n" for r in self.runs)
+                report.write_atomic(os.path.join(self.path, "runs.jsonl"), lambda fh: fh.write(text))
             self.write()
         return list(self.runs)
 
@@ -263,12 +273,21 @@ class RunDir:
                     raise OutputError(f"--force: cannot delete {p} ({exc.strerror or exc})") from None
 
     def _check_resumable(self) -> list:
-        runs = load_runs(self.path)
+        cut = []
+        runs = load_runs(self.path, on_cut=cut.append)
         try:
             with open(os.path.join(self.path, "results.json"), encoding="utf-8") as fh:
-                earlier = json.load(fh).get("identity")
-        except (OSError, ValueError, AttributeError):
-            earlier = None
+                obj = json.load(fh)
+        except (OSError, ValueError):
+            obj = {}
+        obj = obj if isinstance(obj, dict) else {}
+        earlier = obj.get("identity")
+        if not os.path.isfile(os.path.join(self.path, "runs.jsonl")) and isinstance(obj.get("runs"), list):
+            runs = obj["runs"]  # a folder written before runs.jsonl existed: its results.json holds the runs
+            self._rewrite_log = True
+        if cut:
+            print(f"note: {cut[0]}; it runs again", file=sys.stderr, flush=True)
+            self._rewrite_log = True  # the next line must not be appended to the cut one
         diff = _first_difference(earlier, self.identity) if earlier else None
         for r in runs:
             diff = diff or _record_difference(r, self.identity)
