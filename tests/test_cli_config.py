@@ -67,7 +67,7 @@ def test_split_overrides_for_method_all():
     assert per["er"] == {"memory": 100, "lr": 0.2} and per["emcl"] == {"memory": 100}
     assert per["sgd"] == {"lr": 0.2} and per["ewc"] == {"lr": 0.2}
     assert len(notes) == 2
-    with pytest.raises(ConfigError, match="did you mean 'memory'"):
+    with pytest.raises(ConfigError, match="none of sgd, er has a hyper-parameter 'memroy'; did you mean 'memory'"):
         config.split_overrides(["sgd", "er"], "permuted-mnist", {"memroy": 1})
 
 

@@ -296,10 +296,10 @@ def split_overrides(methods: list, stream: str, overrides: dict, origins: dict |
         knowers = [m for m in methods if key in keys[m]]
         if not knowers:
             every = set().union(*keys.values())
-            who = methods[0] if len(methods) == 1 else "any of " + ", ".join(methods)
+            who = f"{methods[0]} has no" if len(methods) == 1 else f"none of {', '.join(methods)} has a"
             listing = (f" ({methods[0]}'s keys: {', '.join(sorted(every))})"
                        if len(methods) == 1 and len(every) <= 12 else "; --show-config lists the keys")
-            raise ConfigError(f"{origin}: {who} has no hyper-parameter {key!r}{_suggest(key, every) or listing}")
+            raise ConfigError(f"{origin}: {who} hyper-parameter {key!r}{_suggest(key, every) or listing}")
         if len(knowers) < len(methods):
             notes.append(f"{origin} applies to {', '.join(knowers)} only (the others have no {key!r})")
         for m in knowers:
