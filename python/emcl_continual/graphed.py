@@ -242,6 +242,8 @@ class GlanceRoutine:
             with torch.cuda.graph(graph, stream=self._side):
                 loss = self._routine(s)
         except Exception as exc:  # noqa: BLE001 - any failure: eager from now on, said once
+            # torch.cuda.graph's exit skips restoring the ambient stream when capture_end raises
+            torch.cuda.set_stream(current)
             self._give_up(exc)
             torch.cuda.synchronize(self.device)
             self.method.model.zero_grad(set_to_none=True)
