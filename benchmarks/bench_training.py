@@ -5,7 +5,7 @@ the shape of the paper's training-time figure (Figure 2), on the CPU and on a GP
     python benchmarks/bench_training.py --quick              # 2 tasks x 50 samples
     python benchmarks/bench_training.py --device auto        # CPU, and the GPU when there is one
     python benchmarks/bench_training.py --device auto --streams permuted-mnist split-cifar100 split-miniimagenet
-    python benchmarks/bench_training.py --n-tasks 20 --samples-per-task 1000 --methods emcl   # the main job
+    python benchmarks/bench_training.py --device auto --methods emcl --backends auto --n-tasks 20 --samples-per-task 1000
     python benchmarks/bench_training.py --table benchmarks/results/training_*.json   # README tables
 
 **Devices.** ``--device cpu`` (default), ``cuda`` (a one-line error without a GPU) or ``auto``
@@ -235,6 +235,11 @@ def _fmt(v, spec=".2f", none="-"):
     return none if v is None else format(v, spec)
 
 
+def _num(v: float) -> str:
+    """Three significant digits without exponents: 0.736, 19.8, 456, 3,280."""
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
 def format_table(result: dict) -> str:
     """The run's summary as a plain-text table per stream and device."""
     s = result["settings"]
@@ -335,7 +340,7 @@ def readme_tables(results: list) -> str:
                 v = (r.get("ms_per_batch_steady") or r["ms_per_batch"]) if image else r["train_time_s"]
                 vals[d] = v
                 tag = "" if m != "emcl" else f" ({r['backend']}{', graph' if r.get('graph') else ''})"
-                cells.append(f"{v:.3g}{tag}")
+                cells.append(f"{_num(v)}{tag}")
                 accs.append(_fmt(r.get("acc")))
             if "cpu" in devices and "cuda" in devices:
                 cells.append(f"{vals['cpu'] / vals['cuda']:.1f}x" if "cpu" in vals and "cuda" in vals else "-")
@@ -420,7 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", nargs="+", default=None,
                    help="default: emcl and every baseline whose module is present")
     p.add_argument("--backends", nargs="+", default=None,
-                   help="EMCL backends (default: every one available on the device)")
+                   help="EMCL backends (default: every one available on the device; 'auto': the one "
+                        "FusedEMCLOptimizer picks there, as python -m emcl_continual runs)")
     p.add_argument("--emcl-graph", choices=("on", "off", "both"), default="both",
                    help="on a GPU: EMCL's glances from CUDA graphs (on), eagerly (off) or both")
     p.add_argument("--cpu-triton", action="store_true", help="also time interpreted Triton on CPU")
@@ -503,8 +509,9 @@ def _main(args, argv, train, METHODS, get_method, make_stream, devices, device_n
 
     plans, skipped_backends = {}, {}
     for device in devices:
-        backends, skipped = common.backends_for(device, include_cpu_triton=args.cpu_triton,
-                                                only=args.backends)
+        only = None if not args.backends else \
+            list(dict.fromkeys(auto_backend(device) if b == "auto" else b for b in args.backends))
+        backends, skipped = common.backends_for(device, include_cpu_triton=args.cpu_triton, only=only)
         if "emcl" in methods and not backends:
             raise SystemExit(f"no EMCL backend available on {device}: {skipped}")
         for name, why in skipped.items():

@@ -58,7 +58,7 @@ def test_readme_tables_from_the_results_file(cpu_run, capsys):
     auto = result["auto_backend"]["cpu"]
     emcl = next(r for r in result["summary"] if r["label"] == f"emcl ({auto})")
     first = next(line for line in text.splitlines() if line.startswith("| emcl |"))
-    assert first == f"| emcl | {emcl['train_time_s']:.3g} ({auto}) | {emcl['acc']:.2f} |"
+    assert first == f"| emcl | {bench_training._num(emcl['train_time_s'])} ({auto}) | {emcl['acc']:.2f} |"
     for m in METHODS:
         assert any(line.startswith(f"| {m} |") for line in text.splitlines()), m
     assert str(out / "run.json") in text and "load average at start" in text
@@ -89,11 +89,19 @@ def test_readme_tables_merge_a_cpu_and_a_gpu_file_with_the_speed_up(cpu_run, tmp
 
 
 def test_auto_times_the_gpu_only_where_there_is_one(tmp_path):
+    """--device auto: the CPU, and the GPU where there is one; --backends auto: EMCL on the
+    backend FusedEMCLOptimizer picks on each device (graphed and eager on a GPU)."""
     result = bench_training.main(["--device", "auto", "--quick", "--n-tasks", "1", "--samples-per-task", "10",
-                                  "--methods", "sgd", "--out-dir", str(tmp_path), "--no-plot"])
+                                  "--methods", "emcl", "sgd", "--backends", "auto", "--out-dir", str(tmp_path),
+                                  "--no-plot"])
     devices = ["cpu", "cuda"] if CUDA else ["cpu"]
     assert result["settings"]["devices"] == devices
-    assert [r["device"] for r in result["records"]] == devices
+    auto = result["auto_backend"]
+    expected = []
+    for d in devices:
+        expected += [(d, "emcl", auto[d], g) for g in ([True, False] if d == "cuda" else [None])]
+        expected.append((d, "sgd", None, None))
+    assert [(r["device"], r["method"], r["backend"], r["graph"]) for r in result["records"]] == expected
     if not CUDA:
         assert result["notes"] == ["--device auto: no GPU here, timing the CPU only"]
 
@@ -114,6 +122,11 @@ def test_bad_device_and_stream_are_clear():
         bench_training.main(["--streams", "nope", "--no-plot"])
     with pytest.raises(SystemExit, match="unknown --image-methods"):
         bench_training.main(["--streams", "split-cifar100", "--image-methods", "nope", "--no-plot"])
+
+
+def test_table_numbers_have_three_digits_and_no_exponent():
+    assert [bench_training._num(v) for v in (0.7364, 19.77, 455.6, 3279.6, 14755.3)] == \
+        ["0.736", "19.8", "456", "3,280", "14,755"]
 
 
 def test_graph_modes_and_labels():
