@@ -303,9 +303,11 @@ def readme_tables(results: list) -> str:
         auto.update(res.get("auto_backend", {}))
         names = res.get("device_names", {res["settings"]["device"]: res.get("device_name", "?")})
         load = res["machine"].get("load_average_at_start")
+        end = res["machine"].get("load_average_at_end")
         sources.append(f"`{res.get('_path', '?')}`: {', '.join(f'{d}: {n}' for d, n in names.items())}; "
                        f"torch {res['machine']['torch']}, {res['machine']['torch_threads']} CPU thread(s), "
-                       f"load average at start {load}, commit {res['machine'].get('git_commit')}, "
+                       f"load average at start {load}" + (f", at end {end}" if end else "") +
+                       f", commit {res['machine'].get('git_commit')}, "
                        f"created {res.get('created_utc')}")
         notes += res.get("notes", [])
     out = []
@@ -387,7 +389,7 @@ def plot(result: dict, path: str) -> None:
         ax.barh(ys, vals, color=[colors.get(r.get("device", "cpu"), "C0") for r in rows],
                 edgecolor=["C0" if r["method"] == "emcl" else "none" for r in rows], linewidth=1.5)
         for y, v in zip(ys, vals):
-            ax.text(v, y, f"  {v:.3g}", va="center", fontsize=8)
+            ax.text(v, y, f"  {_num(v)}", va="center", fontsize=8)
         ax.set_yticks(ys)
         ax.set_yticklabels([f"{r['label']} [{r.get('device', 'cpu')}]" for r in rows], fontsize=8)
         ax.invert_yaxis()
@@ -519,6 +521,7 @@ def _main(args, argv, train, METHODS, get_method, make_stream, devices, device_n
         plans[device.type] = backends
 
     tmp = None
+    machine = common.machine_info()  # before the runs: its load average is the one at the start
     started = time.perf_counter()
     records, per_stream = [], {}
     try:
@@ -569,7 +572,8 @@ def _main(args, argv, train, METHODS, get_method, make_stream, devices, device_n
         "schema": "emcl-kernels/bench_training/2",
         "created_utc": common.utc_now(),
         "command": "python benchmarks/bench_training.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": common.machine_info(),
+        "machine": dict(machine, load_average_at_end=[round(x, 2) for x in os.getloadavg()]
+                        if hasattr(os, "getloadavg") else None),
         "device_name": device_names[devices[0].type],
         "device_names": device_names,
         "auto_backend": {d.type: auto_backend(d) for d in devices},

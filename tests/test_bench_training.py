@@ -47,6 +47,7 @@ def test_every_method_is_timed_on_the_cpu(cpu_run):
     assert saved["settings"]["devices"] == ["cpu"] and saved["settings"]["device"] == "cpu"
     assert saved["auto_backend"]["cpu"] in ("cpu", "foreach")
     assert saved["machine"]["load_average_at_start"] is not None
+    assert saved["machine"]["load_average_at_end"] is not None
     assert (out / "run.png").read_bytes()[:8] == PNG_MAGIC
 
 
