@@ -76,9 +76,7 @@ def run(method: str, stream: str | Stream, seed: int = 0, *, overrides: dict | N
     try:
         for t in range(T):
             task_loss, n = 0.0, 0
-            for x, y in stream.batches(t, batch_size):
-                x = x.to(device, non_blocking=True)
-                y = y.to(device, non_blocking=True)
+            for x, y in stream.batches(t, batch_size, device=device):  # one copy per task
                 _sync(device)
                 start = time.perf_counter()
                 loss = learner.observe(x, y, t)
