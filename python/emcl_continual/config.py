@@ -40,6 +40,7 @@ class Rule:
 
     ``type`` is int, float, bool or str; numbers must be finite (unless ``finite=False``) and
     within ``[low, high]`` (``low_open``: ``low`` itself excluded); strings one of ``choices``
+    (a bool rule with ``choices`` also takes those strings, e.g. cuda_graph "auto")
     (when given); ``none``: None is accepted too. ``note`` says what the value means.
     """
 
@@ -55,7 +56,7 @@ class Rule:
     def describe(self) -> str:
         """``"an integer >= 1"``, ``"a number in [0, 1]"``, ``"True or False"``, ..."""
         if self.type is bool:
-            text = "True or False"
+            text = "True or False" + "".join(f" or {c!r}" for c in self.choices)
         elif self.type is str:
             text = "one of " + ", ".join(map(repr, self.choices)) if self.choices else "a string"
         else:
@@ -101,6 +102,7 @@ RULES: dict[str, Rule] = {
     "prox": _BOOL, "inner_replay": _BOOL, "meta_replay": _BOOL, "shuffle_inner": _BOOL,
     "inner_lr_modulation": _BOOL, "second_order": _BOOL, "learn_lr": _BOOL,
     "batched_memory_grads": _BOOL, "fast_mlp": _BOOL,
+    "cuda_graph": Rule(bool, choices=("auto",), note="'auto': capture on a GPU, eager on a CPU"),
 }
 
 # The same key name with another domain for one method (what the method itself requires).
@@ -197,7 +199,7 @@ def check_value(key: str, value, rule: Rule | None):
     bad = ConfigError(f"{key} must be {rule.describe()}, got {value!r}"
                       + (f" ({rule.note})" if rule.note else ""))
     if rule.type is bool:
-        if isinstance(value, bool):
+        if isinstance(value, bool) or (isinstance(value, str) and value in rule.choices):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
