@@ -40,8 +40,8 @@ class Rule:
 
     ``type`` is int, float, bool or str; numbers must be finite (unless ``finite=False``) and
     within ``[low, high]`` (``low_open``: ``low`` itself excluded); strings one of ``choices``
-    (a bool rule with ``choices`` also takes those strings, e.g. cuda_graph "auto")
-    (when given); ``none``: None is accepted too. ``note`` says what the value means.
+    (when given; a bool rule with ``choices`` takes those strings too, e.g. cuda_graph's
+    "auto"); ``none``: None is accepted too. ``note`` says what the value means.
     """
 
     type: type
