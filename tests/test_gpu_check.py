@@ -185,3 +185,17 @@ def test_refuses_without_a_gpu_and_still_writes_the_summary(tmp_path):
     s = json.load(open(summaries[0]))
     assert s["failed"] == ["env"] and s["machine"]["cuda_available"] is False
     assert not list(tmp_path.glob("*build*.log"))  # nothing was built
+
+
+def test_run_logs_output_exit_status_and_timeout(tmp_path):
+    check = gpu_check.GpuCheck(gpu_check.parse_args(["--results-dir", str(tmp_path)]))
+    st = gpu_check.StageResult("demo")
+    rc, tail = check.run(st, [sys.executable, "-c", "print('hello from the stage'); "
+                              "import sys; sys.exit(3)"], "demo", timeout=120)
+    assert rc == 3 and "hello from the stage" in tail
+    log = open(st.logs[0]).read()
+    assert "hello from the stage" in log and "# exit status 3" in log
+    assert st.commands[0].endswith("sys.exit(3)'")
+    rc, tail = check.run(st, [sys.executable, "-c", "import time; print('sleeping', flush=True); "
+                              "time.sleep(60)"], "slow", timeout=2)
+    assert rc == 124 and "sleeping" in tail and "timed out after 2 s" in tail

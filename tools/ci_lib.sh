@@ -12,7 +12,7 @@ copy_checkout() {
     local dest="$1"
     mkdir -p "$dest"
     (cd "$EMCL_ROOT" && { git ls-files -z; git ls-files -z --others --exclude-standard; } \
-        | tar --null -cf - -T - --exclude='emcl_kernels/_C*' ) | tar -xf - -C "$dest"
+        | { grep -zv '^emcl_kernels/_C' || true; } | tar --null -cf - -T -) | tar -xf - -C "$dest"
 }
 
 # cuda_home: the CUDA toolkit root to build with (CUDA_HOME if set, else where the nvcc on PATH

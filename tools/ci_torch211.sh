@@ -35,14 +35,19 @@ log "nvcc: $("$CUDA_ROOT/bin/nvcc" --version | tail -n 1) (CUDA_HOME=$CUDA_ROOT)
 
 venv="$WORK/venv"
 src="$WORK/src"
-log "creating $venv with $TORCH_SPEC from the registry (log: $LOGS/torch211-env.log)"
-"$PYTHON" -m venv "$venv"
-# torch's own requirements come with it (CUDA 13 runtime libraries, triton 3.6, setuptools<82);
-# the rest is what the tests and the package's build need.
-if ! PIP_NO_CACHE_DIR=1 "$venv/bin/python" -m pip install "$TORCH_SPEC" numpy pytest hypothesis \
-        ninja wheel tqdm matplotlib >"$LOGS/torch211-env.log" 2>&1; then
-    tail -n 40 "$LOGS/torch211-env.log"
-    die "could not install $TORCH_SPEC"
+if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import torch, pytest" 2>/dev/null; then
+    log "reusing $venv (EMCL_CI_WORK)"
+else
+    log "creating $venv with $TORCH_SPEC from the registry (log: $LOGS/torch211-env.log)"
+    "$PYTHON" -m venv "$venv"
+    # torch's own requirements come with it (CUDA 13 runtime libraries, triton 3.6,
+    # setuptools<82: the venv's own 65.5 satisfies it); the rest is what the tests and the
+    # package's build need.
+    if ! PIP_NO_CACHE_DIR=1 "$venv/bin/python" -m pip install "$TORCH_SPEC" numpy pytest \
+            hypothesis ninja wheel tqdm matplotlib >"$LOGS/torch211-env.log" 2>&1; then
+        tail -n 40 "$LOGS/torch211-env.log"
+        die "could not install $TORCH_SPEC"
+    fi
 fi
 read -r torch_version torch_cuda <<<"$("$venv/bin/python" -c \
     'import torch; print(torch.__version__, torch.version.cuda)')"
@@ -52,6 +57,7 @@ case "$torch_version" in
     *) die "asked for $TORCH_SPEC, got torch $torch_version" ;;
 esac
 
+rm -rf "$src"
 copy_checkout "$src"
 log "pip install --no-build-isolation -e .  (CUDA part for sm_${ARCH/./}; log: $LOGS/torch211-build.log)"
 t1=$(date +%s)

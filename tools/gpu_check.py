@@ -63,6 +63,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
@@ -421,36 +422,34 @@ class GpuCheck:
             proc = subprocess.Popen(list(cmd), cwd=cwd, env=run_env, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, errors="replace",
                                     start_new_session=True)
-            deadline = time.time() + timeout
-            timed_out = False
             assert proc.stdout is not None
-            os.set_blocking(proc.stdout.fileno(), False)
-            while True:
-                chunk = proc.stdout.read()
-                if chunk:
-                    fh.write(chunk)
+
+            def pump() -> None:  # the output into the log (and the console with --verbose)
+                for line in proc.stdout:
+                    fh.write(line)
                     fh.flush()
                     if self.args.verbose:
-                        sys.stdout.write(chunk)
+                        sys.stdout.write(line)
                         sys.stdout.flush()
-                if proc.poll() is not None:
-                    rest = proc.stdout.read()
-                    if rest:
-                        fh.write(rest)
-                        if self.args.verbose:
-                            sys.stdout.write(rest)
-                    break
-                if time.time() > deadline:
-                    timed_out = True
+
+            reader = threading.Thread(target=pump, daemon=True)
+            reader.start()
+            timed_out = False
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                for sig in (signal.SIGTERM, signal.SIGKILL):
                     try:
-                        os.killpg(proc.pid, signal.SIGTERM)
-                        time.sleep(5)
-                        os.killpg(proc.pid, signal.SIGKILL)
+                        os.killpg(proc.pid, sig)  # the whole process group (pytest's children)
                     except ProcessLookupError:
-                        pass
-                    proc.wait()
-                    break
-                time.sleep(0.2)
+                        break
+                    try:
+                        proc.wait(timeout=10)
+                        break
+                    except subprocess.TimeoutExpired:
+                        continue
+            reader.join(timeout=30)
             rc = 124 if timed_out else proc.returncode
             fh.write(f"\n# exit status {rc}" + (f" (timed out after {timeout:.0f} s)"
                                                 if timed_out else "") + "\n")
