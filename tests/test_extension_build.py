@@ -284,15 +284,18 @@ def test_build_runs_the_self_check_and_fails_when_the_library_crashes(tmp_path):
     """setup.py compiles a small library with one op; its check raises (the build passes and
     the library is in place), then the same library made to terminate on the bad call fails the
     build with the compilers named."""
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler on PATH")
+    # The compilers the environment chose (gpu-check sets CC/CXX when the default toolchain
+    # fails the self-check), else those on PATH.
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cxx is None or cc is None:
+        pytest.skip("no C/C++ compiler on PATH")
     _copy_project(tmp_path)
     csrc = tmp_path / "csrc"
     (csrc / "emcl_ops.cpp").write_text(_TINY_OPS)
     (csrc / "emcl_cpu.cpp").write_text("// empty for the test\n")
     (csrc / "emcl_cpu_avx2.cpp").write_text("// empty for the test\n")
-    env = {"CXX": cxx}
+    env = {"CXX": cxx, "CC": cc}
 
     out = _build(tmp_path, env=env)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]

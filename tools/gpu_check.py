@@ -401,7 +401,7 @@ class GpuCheck:
     def run(self, stage: StageResult, cmd: Sequence[str], log_name: str, timeout: float,
             env: Optional[Dict[str, str]] = None, cwd: str = ROOT) -> "tuple[int, str]":
         """Run ``cmd`` with its output in ``gpu_check_<stamp>_<log_name>.log``; returns the exit
-        status (124 on timeout, -N for signal N) and the output's last 8,000 characters."""
+        status (124 on timeout, -N for signal N) and the output."""
         log = os.path.join(self.results, f"gpu_check_{self.stamp}_{log_name}.log")
         stage.logs.append(log)
         self.files.append(log)
@@ -455,7 +455,7 @@ class GpuCheck:
                                                 if timed_out else "") + "\n")
         with open(log, errors="replace") as fh:
             text = fh.read()
-        return rc, text[-8000:]
+        return rc, text
 
     def timeout(self, name: str) -> float:
         full, quick = _TIMEOUTS[name]
@@ -575,6 +575,8 @@ class GpuCheck:
             rc, tail = self.run(st, cmd, "build_system_gcc", self.timeout("build"), env=env)
             st.data["compilers"] = "CC=/usr/bin/gcc CXX=/usr/bin/g++ (the default failed the self-check)"
             self.machine["compilers_used"] = st.data["compilers"]
+            if rc == 0:  # later stages (the build tests among the tests) use them too
+                self.env.update({"CC": "/usr/bin/gcc", "CXX": "/usr/bin/g++"})
         st.data["rebuilt_with_system_gcc"] = retried
         if rc != 0 and "emcl-kernels setup: ERROR" not in tail and not self.args.dry_run:
             # pip itself failed (not the compiler nor the self-check): build in place directly.
