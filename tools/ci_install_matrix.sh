@@ -40,7 +40,7 @@ WHEELS="$WORK/wheels"
 log "fetching the pip/setuptools/wheel versions of the matrix into $WHEELS"
 for entry in "${MATRIX[@]}"; do
     IFS='|' read -r _ pip_spec st_spec _ <<<"$entry"
-    "$BASE_PY" -m pip download -q --no-deps -d "$WHEELS" "$pip_spec" "$st_spec" "wheel>=0.40" \
+    "$BASE_PY" -m pip download -q --no-deps -d "$WHEELS" "$pip_spec" "$st_spec" \
         2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
     ls "$WHEELS"/"${pip_spec%%==*}"-"${pip_spec##*==}"-*.whl >/dev/null \
         || die "could not download $pip_spec"
@@ -54,8 +54,8 @@ for entry in "${MATRIX[@]}"; do
     src="$WORK/src-$name"
     log "== $name: $pip_spec $st_spec, $index"
     "$(dirname "$BASE_PY")/python" -m venv "$venv"
-    "$venv/bin/python" -m pip install -q --no-index --find-links "$WHEELS" \
-        "$pip_spec" "$st_spec" wheel
+    # (no separate `wheel`: setuptools >= 70.1 builds wheels itself)
+    "$venv/bin/python" -m pip install -q --no-index --find-links "$WHEELS" "$pip_spec" "$st_spec"
     echo "$SHARED_SITE" >"$(venv_site "$venv/bin/python")/_emcl_ci_shared_env.pth"
     copy_checkout "$src"
     log "$("$venv/bin/python" -m pip --version); setuptools $("$venv/bin/python" -c \
