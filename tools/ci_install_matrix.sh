@@ -37,7 +37,7 @@ MATRIX=(
 
 # The pip and setuptools wheels, fetched while the registry is reachable.
 WHEELS="$WORK/wheels"
-log "fetching the pip/setuptools/wheel versions of the matrix into $WHEELS"
+log "fetching the pip and setuptools versions of the matrix into $WHEELS"
 for entry in "${MATRIX[@]}"; do
     IFS='|' read -r _ pip_spec st_spec _ <<<"$entry"
     "$BASE_PY" -m pip download -q --no-deps -d "$WHEELS" "$pip_spec" "$st_spec" \
