@@ -193,6 +193,7 @@ class Contender:
     host: list = field(default_factory=list)     # seconds per step() call (GPU; CPU: = wall)
     blocks: int = 0                              # blocks timed (one per round)
     steps: int = 0
+    estimate_s: float = 0.0                      # the last warm-up step's wall time
     block: int = 1
     error: Optional[str] = None
 
@@ -271,7 +272,7 @@ class Settings:
 
     @classmethod
     def full(cls) -> "Settings":
-        return cls("full", warmup=3, min_rounds=5, max_rounds=60, budget_s=20.0, block_s=0.002,
+        return cls("full", warmup=2, min_rounds=5, max_rounds=60, budget_s=20.0, block_s=0.002,
                    max_block=50, gpu_min_block=20, profile_steps=10, reference_cap=2 ** 20,
                    roof_reps=10)
 
@@ -311,17 +312,17 @@ def run_block(c: Contender, device: torch.device, steps: int) -> None:
 
 
 def warm_up(contenders: list, device: torch.device, steps: int, log) -> list:
-    """``steps`` untimed steps of every contender; returns the ones that worked (a contender
-    whose step raises keeps the error and is dropped)."""
+    """``steps`` (at least one) untimed steps of every contender, the last one's wall time kept
+    as the estimate that sizes its blocks; returns the contenders that worked (one whose step
+    raises keeps the error and is dropped)."""
     alive = []
     for c in contenders:
         if c.error:
             continue
         try:
-            for _ in range(steps):
-                c.fn()
-            c.steps += steps
-            common.synchronize(device)
+            for _ in range(max(1, steps)):
+                c.estimate_s = common.time_once(c.fn, device)
+                c.steps += 1
             alive.append(c)
         except Exception as exc:  # noqa: BLE001 - recorded in the results
             c.error = f"{type(exc).__name__}: {exc}".strip()[:500]
@@ -333,15 +334,11 @@ def time_group(contenders: list, device: torch.device, settings: Settings, log) 
     """Interleaved rounds: each round runs one block of every contender, starting one
     contender later than the round before, so that load on a shared machine (and any drift)
     falls on every contender alike. Returns the number of rounds."""
-    estimates = {}
-    for c in contenders:
-        estimates[c.name] = common.time_once(c.fn, device)
-        c.steps += 1
     lo = settings.gpu_min_block if device.type == "cuda" else 1
     for c in contenders:
         c.block = int(max(lo, min(settings.max_block,
-                                  -(-settings.block_s // max(estimates[c.name], 1e-7)))))
-    round_s = sum(c.block * estimates[c.name] for c in contenders)
+                                  -(-settings.block_s // max(c.estimate_s, 1e-7)))))
+    round_s = sum(c.block * c.estimate_s for c in contenders)
     rounds = common.repeats_for(round_s, settings.budget_s, settings.min_rounds,
                                 settings.max_rounds)
     n = len(contenders)
@@ -628,10 +625,13 @@ def _main(args, argv, settings: Settings, device: torch.device) -> dict:
         f"{settings.mode} run; load average {common.load_average()}")
     for name, why in skipped.items():
         log(f"   not timed: emcl[{name}]: {why}")
-    busy = common.busy_warning(device)
-    if busy:
-        result["notes"].append(busy)
-        log(f"   warning: {busy}")
+    load = common.load_average()
+    if load and load[0] > (os.cpu_count() or 1) - 0.5:
+        result["notes"].append(
+            f"the machine was busy: load average {load[0]:.1f} on {os.cpu_count()} cores at the "
+            "start (every group records its own); absolute times are slower and noisier than on "
+            "a quiet machine, the ratios of one interleaved run less so")
+        log(f"   warning: {result['notes'][-1]}")
     roofs = {}
     if not args.no_roof:
         for threads in thread_counts:
