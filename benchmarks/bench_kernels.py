@@ -192,7 +192,7 @@ def make_input_set(layout: Layout, dtype: torch.dtype, device: torch.device, gen
         if with_meta_lrs:
             s.meta_lrs.append(torch.rand(shape, generator=gen, device=device, dtype=f32)
                               .mul_(0.1).add_(0.05))
-    tensors = s.params + s.grads + s.state()[len(s.params):]
+    tensors = s.params + s.grads + s.anchors + s.importances + (s.meta_lrs or [])
     shared = common.overlapping(tensors)
     if shared:
         raise RuntimeError(f"make_input_set: {len(shared)} pair(s) of input tensors share "
@@ -281,25 +281,15 @@ class DeviceRun:
         return common.pool_roofs(self.roof_runs)
 
 
-# The compiled backends whose fp32 kernels are timed beside the roof's streaming kernels.
-ROOF_EMCL_BACKENDS = ("cpu", "cuda", "triton")
-
-
 def measure_roof(run: DeviceRun) -> dict:
-    """The streaming kernels of ``common.measure_roof`` from 1/128 of the last-level cache up
-    to tensors well above it, with the compiled backends' inner and combined steps on tensors
-    of the largest size beside them (called at the start and at the end of the device's run;
-    pooled). The inputs rotate over sets as the EMCL inputs do (``--rotate-mb``)."""
-    numel = run.settings.roof_numel or max(2 ** 26, run.llc_bytes)
+    """``common.device_roof`` with this run's backends, rotated like the EMCL inputs
+    (``--rotate-mb``); called at the start and at the end of the device's run, pooled."""
+    numel = run.settings.roof_numel or None
     if run.device.type == "cuda" and run.settings.mode == "full":
-        numel = max(numel, 2 ** 28)
-    extra = common.emcl_kernel_calls(run.device, numel,
-                                     [b for b in run.backends if b in ROOF_EMCL_BACKENDS])
-    res = common.measure_roof(
-        run.device, common.roof_sizes(run.device, run.llc_bytes, numel), run.settings.roof_reps,
-        rotate_bytes=run.settings.rotate_bytes or int(run.settings.rotate_factor * run.llc_bytes),
-        extra=extra, extra_numel=numel)
-    del extra
+        numel = max(numel or 0, 2 ** 28)
+    res = common.device_roof(
+        run.device, run.settings.roof_reps, largest=numel, backends=run.backends,
+        rotate_bytes=run.settings.rotate_bytes or int(run.settings.rotate_factor * run.llc_bytes))
     run.roof_runs.append(res)
     return res
 
@@ -714,7 +704,10 @@ def _main(args, argv, settings: Settings) -> dict:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     result["paths"] = {"json": path}
-    if not args.no_plot:
+    no_plot = None if args.no_plot else common.plotting_unavailable()
+    if no_plot:
+        print(f"no plot: {no_plot}")
+    if not args.no_plot and not no_plot:
         for dev in result["devices"]:
             png = os.path.join(args.out_dir, f"{base}_{dev}.png")
             plot(result, dev, png)

@@ -1,6 +1,6 @@
 """Optimizer-step benchmark: ``FusedEMCLOptimizer.step()`` against torch's own optimizers.
 
-    python benchmarks/bench_step.py                      # the GPU if there is one, else the CPU at 1 and 2 threads
+    python benchmarks/bench_step.py             # the GPU if there is one, else the CPU (1, 2 threads)
     python benchmarks/bench_step.py --quick              # fewer rounds (a few minutes on 2 cores)
     python benchmarks/bench_step.py --device cuda --out benchmarks/results
     python benchmarks/bench_step.py --layouts mlp resnet18 --dtypes fp32 --threads 1
@@ -437,19 +437,13 @@ def add_ratios(records: list) -> None:
 # The run
 # ---------------------------------------------------------------------------------------------
 
-def measure_roof(device: torch.device, args, settings: Settings, log) -> dict:
-    """``common.measure_roof`` at the current thread count, sizes from 1/128 of the
-    last-level cache to ``--roof-mb`` per tensor."""
-    llc = common.last_level_cache_bytes(device)
-    largest = max(1, int(args.roof_mb * 2 ** 20) // 4) if args.roof_mb else \
-        (2 ** 28 if device.type == "cuda" else max(2 ** 26, llc))
-    emcl = [b for b in ("cpu", "cuda", "triton") if b in common.backends_for(device)[0]]
-    extra = common.emcl_kernel_calls(device, largest, emcl)
-    roof = common.measure_roof(device, common.roof_sizes(device, llc, largest),
-                               settings.roof_reps, rotate_bytes=int(args.rotate_mb * 2 ** 20)
-                               if args.rotate_mb else 4 * llc,
-                               extra=extra, extra_numel=largest)
-    del extra
+def measure_roof(device: torch.device, args, emcl_backends: list, settings: Settings,
+                 log) -> dict:
+    """``common.device_roof`` at the current thread count (``--roof-mb``, ``--rotate-mb``)."""
+    roof = common.device_roof(
+        device, settings.roof_reps, backends=emcl_backends,
+        largest=max(1, int(args.roof_mb * 2 ** 20) // 4) if args.roof_mb else None,
+        rotate_bytes=int(args.rotate_mb * 2 ** 20) if args.rotate_mb else None)
     log(f"   roof at {roof['threads']} thread(s): {roof['roof_gbps']:.1f} GB/s "
         f"({roof['roof_kernel']} at {roof['roof_numel']:,} elements, fastest repeat; "
         f"write-allocate {'counted' if roof['write_allocate'] else 'not counted'}); "
@@ -637,7 +631,7 @@ def _main(args, argv, settings: Settings, device: torch.device) -> dict:
         for threads in thread_counts:
             if threads is not None:
                 torch.set_num_threads(threads)
-            roof = measure_roof(device, args, settings, log)
+            roof = measure_roof(device, args, emcl_backends, settings, log)
             roofs[roof["threads"]] = roof
             result["roofs"].append(roof)
     for choice in args.layouts:
@@ -663,7 +657,10 @@ def _main(args, argv, settings: Settings, device: torch.device) -> dict:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     result["paths"] = {"json": path}
-    if not args.no_plot:
+    no_plot = None if args.no_plot else common.plotting_unavailable()
+    if no_plot:
+        print(f"no plot: {no_plot}")
+    if not args.no_plot and not no_plot:
         png = os.path.join(args.out, stem + ".png")
         plot(result, png)
         result["paths"]["png"] = png

@@ -215,9 +215,9 @@ def write_allocate_default(device: torch.device) -> bool:
     """Whether a store to a cache line that the kernel has not read costs a read of that line
     too (write-allocate, "read for ownership"). True on CPU: x86 caches are write-allocate and
     torch's CPU kernels use ordinary stores, so ``dst.copy_(src)`` moves 3 x 4 B per fp32
-    element, not 2 x 4 B (measured: copy, triad and fill reach the same GB/s on this count and
-    not on the other; benchmarks/README.md). False on a GPU, whose L2 takes full-sector writes
-    without reading DRAM."""
+    element, not 2 x 4 B (every roof measurement shows it: copy, triad and fill reach about the
+    same GB/s on this count and not on the other; benchmarks/README.md). False on a GPU, whose
+    L2 takes full-sector writes without reading DRAM."""
     return torch.device(device).type == "cpu"
 
 
@@ -229,6 +229,7 @@ ROOF_KERNELS = {
     "triad": (8, 4, False),         # torch.add(b, c, alpha=s, out=a): STREAM triad, one pass
     "axpy_inplace": (8, 4, True),   # a.add_(b, alpha=s): read a and b, write a
     "scale_inplace": (4, 4, True),  # a.mul_(1.0): read a, write a
+    "fill": (0, 4, False),          # a.fill_(0.5): write only
 }
 FOREACH_CHUNKS = 64
 
@@ -244,8 +245,8 @@ def roof_bytes_per_element(kernel: str, write_allocate: bool) -> int:
 
 def roof_kernels(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> dict:
     """The streaming kernels of the roof, name -> callable, on three distinct 1-d fp32 tensors
-    of one size: ``a`` is written (its values kept by ``scale_inplace``, moved by at most
-    1e-6·b per ``axpy_inplace``), ``b`` and ``c`` are only read."""
+    of one size: ``a`` is written (its values kept by ``scale_inplace``, moved by 1e-6·b per
+    ``axpy_inplace``, set by the others), ``b`` and ``c`` are only read."""
     a_chunks, b_chunks = a.chunk(FOREACH_CHUNKS), b.chunk(FOREACH_CHUNKS)
     return {
         "copy": lambda: a.copy_(b),
@@ -253,14 +254,16 @@ def roof_kernels(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> dict:
         "triad": lambda: torch.add(b, c, alpha=0.5, out=a),
         "axpy_inplace": lambda: a.add_(b, alpha=1e-6),
         "scale_inplace": lambda: a.mul_(1.0),
+        "fill": lambda: a.fill_(0.5),
     }
 
 
 def roof_sizes(device: torch.device, llc_bytes: int, largest: int) -> list:
     """The tensor sizes the roof is measured at: from 1/128 of the last-level cache in fp32
-    elements (2**18 for a 32 MiB cache; 1 MiB per tensor) to ``largest``, every factor 4. A streaming kernel on small
-    tensors can be faster per byte than on large ones (fewer TLB misses, shorter streams
-    that other jobs interrupt less), so a roof from one large size alone may not bound it."""
+    elements (2**18 for a 32 MiB cache; 1 MiB per tensor) to ``largest``, every factor 4. A
+    streaming kernel on small tensors can be faster per byte than on large ones (fewer TLB
+    misses, shorter streams that other jobs interrupt less), so a roof from one large size
+    alone may not bound it."""
     sizes, n = [], 1 << max(10, (llc_bytes // 128).bit_length() - 1)
     while n < largest:
         sizes.append(n)
@@ -334,6 +337,26 @@ def _roof_summary(head: dict, samples: dict) -> dict:
     return {**head, "records": records, "roof_gbps": top["gbps_best"],
             "roof_kernel": top["kernel"], "roof_numel": top["numel"],
             "copy_gbps": max(r["gbps_best"] for r in streaming if r["kernel"] == "copy")}
+
+
+# The backends whose kernels are compiled: their fp32 steps are timed beside the roof.
+COMPILED_BACKENDS = ("cpu", "cuda", "triton")
+
+
+def device_roof(device: torch.device, repeats: int, *, largest: Optional[int] = None,
+                rotate_bytes: Optional[int] = None, backends: Sequence[str] = ()) -> dict:
+    """:func:`measure_roof` on ``device`` at the current thread count, at the sizes of
+    :func:`roof_sizes` up to ``largest`` fp32 elements per tensor (default on CPU: 2**26 or,
+    if more, 8 x the last-level cache's bytes over 4; on a GPU 2**28), rotated over
+    ``rotate_bytes`` (default 4 x the last-level cache), with the inner and combined steps of
+    those of ``backends`` that are compiled timed beside the roof on the largest size."""
+    device = torch.device(device)
+    llc = last_level_cache_bytes(device)
+    if largest is None:
+        largest = 2 ** 28 if device.type == "cuda" else max(2 ** 26, 2 * llc)
+    extra = emcl_kernel_calls(device, largest, [b for b in backends if b in COMPILED_BACKENDS])
+    return measure_roof(device, roof_sizes(device, llc, largest), repeats,
+                        rotate_bytes=rotate_bytes or 4 * llc, extra=extra, extra_numel=largest)
 
 
 def pool_roofs(runs: Sequence[dict]) -> dict:
@@ -515,6 +538,16 @@ def busy_warning(device: torch.device) -> Optional[str]:
     return (f"the machine is busy: load average {load:.1f} on {cores} cores while timing with "
             f"{threads} torch thread(s); timings are slower and noisier than on a quiet "
             f"machine{advice}")
+
+
+def plotting_unavailable() -> Optional[str]:
+    """None when matplotlib imports, else why not (the plots are optional: a machine without
+    it still gets the JSON and the tables)."""
+    try:
+        import matplotlib  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any failure means: no plot here
+        return f"matplotlib is not importable ({type(exc).__name__}: {exc})"
+    return None
 
 
 def utc_stamp() -> str:

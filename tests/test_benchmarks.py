@@ -165,7 +165,7 @@ def test_input_sets_are_random_and_shaped_like_the_layout():
 
 @pytest.mark.parametrize("kernel, with_wa, without_wa", [
     ("copy", 12, 8), ("foreach_copy", 12, 8), ("triad", 16, 12),
-    ("axpy_inplace", 12, 12), ("scale_inplace", 8, 8)])
+    ("axpy_inplace", 12, 12), ("scale_inplace", 8, 8), ("fill", 8, 4)])
 def test_roof_kernels_count_write_allocate_only_for_stores_to_unread_lines(kernel, with_wa,
                                                                            without_wa):
     assert common.roof_bytes_per_element(kernel, True) == with_wa
@@ -190,6 +190,8 @@ def test_roof_kernels_do_what_their_names_say():
     assert torch.equal(a, b0)   # x 1.0: values kept, so repeats stay finite
     fns["axpy_inplace"]()
     assert torch.allclose(a, b0 * (1 + 1e-6))
+    fns["fill"]()
+    assert bool((a == 0.5).all())
     assert torch.equal(b, b0) and torch.equal(c, c0)   # only a is written
 
 
@@ -526,6 +528,16 @@ def test_step_script_runs_from_the_command_line(tmp_path):
     files = list(tmp_path.glob("step_before_*_cpu.json"))
     assert len(files) == 1 and "adam_fused" in proc.stdout
     assert json.loads(files[0].read_text())["roofs"] == []
+
+
+def test_step_benchmark_writes_its_results_without_matplotlib(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # import matplotlib now fails
+    result = bench_step.main(["--device", "cpu", "--layouts", "mlp", "--dtypes", "fp32",
+                              "--threads", "1", "--backends", "foreach", "--rounds", "1", "1",
+                              "--warmup", "1", "--budget", "0.001", "--no-roof",
+                              "--out", str(tmp_path), "--name", "noplot", "--quiet"])
+    assert "png" not in result["paths"] and (tmp_path / "noplot.json").exists()
+    assert "no plot: matplotlib is not importable" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
