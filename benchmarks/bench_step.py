@@ -634,12 +634,18 @@ def _main(args, argv, settings: Settings, device: torch.device) -> dict:
             roof = measure_roof(device, args, emcl_backends, settings, log)
             roofs[roof["threads"]] = roof
             result["roofs"].append(roof)
+    os.makedirs(args.out, exist_ok=True)
+    stem = args.name or "_".join(["step"] + ([args.tag] if args.tag else []) +
+                                 [common.utc_stamp(), device.type])
+    path = os.path.join(args.out, stem + ".json")
+    result["complete"] = False
     for choice in args.layouts:
         for dname in args.dtypes:
             result["records"] += run_layout(device, choice, common.DTYPE_NAMES[dname],
                                             thread_counts, emcl_backends, args, settings,
                                             roofs, log)
-    add_ratios(result["records"])
+            add_ratios(result["records"])
+            save(result, path)   # after every group: a run cut short keeps what it measured
     bad = [r for r in result["records"] if r.get("finite") is False]
     if bad:
         result["notes"].append(f"{len(bad)} record(s) ended with non-finite parameters or "
@@ -649,13 +655,8 @@ def _main(args, argv, settings: Settings, device: torch.device) -> dict:
     if above:
         result["notes"].append(f"BUG: {len(above)} step(s) above the memory roof: find why")
     result["wall_time_s"] = time.perf_counter() - started
-
-    os.makedirs(args.out, exist_ok=True)
-    stem = args.name or "_".join(["step"] + ([args.tag] if args.tag else []) +
-                                 [common.utc_stamp(), device.type])
-    path = os.path.join(args.out, stem + ".json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    result["complete"] = True
+    save(result, path)
     result["paths"] = {"json": path}
     no_plot = None if args.no_plot else common.plotting_unavailable()
     if no_plot:
@@ -674,6 +675,15 @@ def _main(args, argv, settings: Settings, device: torch.device) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Output
 # ---------------------------------------------------------------------------------------------
+
+def save(result: dict, path: str) -> None:
+    """Write ``result`` as JSON to ``path`` (through a temporary file, so the file is always
+    whole); ``complete`` is False until the run has finished."""
+    tmp = path + ".part"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
+
 
 def contender_order(records: list) -> list:
     """The contenders in a stable order: the baselines, then EMCL per backend."""

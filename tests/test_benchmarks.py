@@ -461,7 +461,7 @@ def test_step_run_times_every_contender_on_every_dtype(step_run):
     result, out = step_run
     with open(out / "step.json") as f:
         saved = json.load(f)
-    assert saved["schema"] == bench_step.SCHEMA
+    assert saved["schema"] == bench_step.SCHEMA and saved["complete"] is True
     assert saved["records"] == json.loads(json.dumps(result["records"]))
     assert (out / "step.png").read_bytes()[:8] == PNG_MAGIC
     emcl = [b for b in ("foreach", "cpu") if b in result["emcl_backends"]]
