@@ -412,6 +412,8 @@ def record_of(c: Contender, group: dict, device: torch.device, dtype: torch.dtyp
         else "perf_counter per block of steps between two cuda synchronizations",
         "gbps": common.gbps(rec["bytes_per_element"] * group["numel"], wall.median_ms / 1e3),
     })
+    if group.get("roof_gbps"):
+        rec["ratio_to_roof"] = rec["gbps"] / group["roof_gbps"]
     return rec
 
 
@@ -650,10 +652,14 @@ def _main(args, argv, settings: Settings, device: torch.device) -> dict:
     if bad:
         result["notes"].append(f"{len(bad)} record(s) ended with non-finite parameters or "
                                "state: their timings may be distorted")
-    above = [r for r in result["records"] if r.get("gbps") and r.get("roof_gbps")
-             and r["gbps"] > r["roof_gbps"]]
+    # A step whose bytes fit in the last-level cache may beat the memory roof; one that
+    # streams several caches' worth cannot.
+    llc = common.last_level_cache_bytes(device)
+    above = [r for r in result["records"] if r.get("ratio_to_roof") and r["ratio_to_roof"] > 1.0
+             and r["bytes_per_element"] * r["numel"] >= 4 * llc]
     if above:
-        result["notes"].append(f"BUG: {len(above)} step(s) above the memory roof: find why")
+        result["notes"].append(f"BUG: {len(above)} step(s) that stream more than 4 x the "
+                               "last-level cache ran above the memory roof: find why")
     result["wall_time_s"] = time.perf_counter() - started
     result["complete"] = True
     save(result, path)

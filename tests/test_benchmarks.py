@@ -487,6 +487,7 @@ def test_step_records_are_consistent(step_run):
         assert r["device_ms"] is None and r["gpu_activities_per_step"] is None
         assert r["gbps"] == pytest.approx(r["bytes_per_element"] * r["numel"] / r["wall_ms"] / 1e6)
         assert r["roof_gbps"] == result["roofs"][0]["roof_gbps"]
+        assert r["ratio_to_roof"] == pytest.approx(r["gbps"] / r["roof_gbps"])
         assert len(r["load_average_before"]) == 3
         base = [b for b in result["records"] if b["contender"] == "adam_fused"
                 and b["dtype"] == r["dtype"]][0]
