@@ -352,7 +352,6 @@ def gpu_activities(c: Contender, device: torch.device, steps: int) -> dict:
     """Per step of ``c`` under ``torch.profiler``: GPU activities (kernels, memcpy, memset;
     user annotations left out), their summed durations (the device time), and the extension's
     own launch counter where it has one."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     counter = None
@@ -371,10 +370,23 @@ def gpu_activities(c: Contender, device: torch.device, steps: int) -> dict:
         torch.cuda.synchronize(device)
     after = counter() if counter else None
     c.steps += steps
+    return {**summarize_gpu_events(prof.events(), steps),
+            "extension_launches_per_step":
+                (after - before) / steps if before is not None and c.family == "emcl" else None}
+
+
+def summarize_gpu_events(events, steps: int) -> dict:
+    """Per step, from ``torch.profiler`` events: the CUDA activities (kernels, memcpy, memset)
+    counted and their durations summed (``device_ms``). CPU events are left out, and so are
+    user annotations: record_function ranges (torch's "Optimizer.step#Adam.step") are mirrored
+    on the GPU timeline around the kernels they contain and are not activities of their own."""
+    from torch.autograd import DeviceType
+
     kinds = {"kernel": 0, "memcpy": 0, "memset": 0}
     device_us = 0.0
-    for evt in prof.events():
-        if evt.device_type != DeviceType.CUDA or getattr(evt, "is_user_annotation", False):
+    for evt in events:
+        if evt.device_type != DeviceType.CUDA or getattr(evt, "is_user_annotation", False) \
+                or evt.name.startswith("Optimizer."):
             continue
         name = evt.name.lower()
         kind = "memcpy" if name.startswith("memcpy") else \
@@ -383,9 +395,7 @@ def gpu_activities(c: Contender, device: torch.device, steps: int) -> dict:
         device_us += evt.time_range.elapsed_us()
     return {"device_ms": device_us / 1e3 / steps,
             "gpu_activities_per_step": sum(kinds.values()) / steps,
-            **{f"gpu_{k}s_per_step": v / steps for k, v in kinds.items()},
-            "extension_launches_per_step":
-                (after - before) / steps if before is not None and c.family == "emcl" else None}
+            **{f"gpu_{k}s_per_step": v / steps for k, v in kinds.items()}}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -446,6 +446,33 @@ def test_step_ratios_are_computed_within_each_group():
     assert recs[6]["ratio_to_adam_fused"] is None
 
 
+def test_gpu_activities_are_counted_and_timed_per_step():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Interval
+
+    def evt(name, device, start, end, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, time_range=Interval(start, end),
+                               is_user_annotation=annotation)
+    cuda, cpu = DeviceType.CUDA, DeviceType.CPU
+    events = []
+    for step in range(2):
+        t = 100.0 * step
+        events += [evt("Optimizer.step#Adam.step", cpu, t, t + 90),
+                   evt("Optimizer.step#Adam.step", cuda, t + 10, t + 60, annotation=True),
+                   evt("Memset (Device)", cuda, t + 10, t + 11),
+                   evt("void emcl_kernel<float>(...)", cuda, t + 20, t + 50),
+                   evt("Memcpy DtoH (Device -> Pinned)", cuda, t + 55, t + 57),
+                   evt("cudaLaunchKernel", cpu, t + 5, t + 8)]
+    events.append(evt("Optimizer.step#Adam.step", cuda, 300, 350))   # torch without the flag
+    out = bench_step.summarize_gpu_events(events, steps=2)
+    assert out["gpu_activities_per_step"] == 3
+    assert out["gpu_kernels_per_step"] == out["gpu_memsets_per_step"] == 1
+    assert out["gpu_memcpys_per_step"] == 1
+    assert out["device_ms"] == pytest.approx((1 + 30 + 2) / 1e3)
+
+
 @pytest.fixture(scope="module")
 def step_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("step")
