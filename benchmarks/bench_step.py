@@ -577,6 +577,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="file stem (default step[_<tag>]_<stamp>_<device>)")
     p.add_argument("--note", default=None, help="free text stored with the results")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--replot", default=None, metavar="JSON",
+                   help="only redraw the .png beside an existing results file, and exit")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -584,6 +586,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list] = None) -> dict:
     """Run the benchmark; return the results dict (also written to ``--out``)."""
     args = build_parser().parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            result = json.load(f)
+        png = os.path.splitext(args.replot)[0] + ".png"
+        plot(result, png)
+        print(f"wrote {png}")
+        return result
     settings = Settings.quick() if args.quick else Settings.full()
     if args.rounds:
         settings.min_rounds, settings.max_rounds = args.rounds
@@ -754,9 +763,11 @@ def plot(result: dict, path: str) -> None:
     dtypes = list(dict.fromkeys(r["dtype"] for r in recs))
     layouts = list(dict.fromkeys(r["layout"] for r in recs))
     names = [n for n in contender_order(recs) if n != "adam_fused"]
+    legend_rows = -(-len(names) // 4)
+    legend_in = 0.35 + 0.22 * legend_rows
+    height = 4.0 * len(threads) + legend_in + 0.4
     fig, axes = plt.subplots(len(threads), len(dtypes), squeeze=False,
-                             figsize=(max(7.0, 2.2 * len(layouts)) * len(dtypes),
-                                      3.8 * len(threads)))
+                             figsize=(max(7.0, 2.2 * len(layouts)) * len(dtypes), height))
     width = 0.8 / max(1, len(names))
     # one colour per optimizer and call, the variant without the non-finite check hatched
     keys = list(dict.fromkeys(n.replace(" nocheck", "") for n in names))
@@ -793,8 +804,7 @@ def plot(result: dict, path: str) -> None:
     fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
     fig.suptitle(f"optimizer step on {result['device_name']} ({result['settings']['mode']} run, "
                  f"{result['created_utc']}); lines: 1.0 and 0.8 of Adam-fused", fontsize=10)
-    rows = -(-len(labels) // 4)
-    fig.tight_layout(rect=(0, 0.03 + 0.035 * rows, 1, 0.96))
+    fig.tight_layout(rect=(0, legend_in / height, 1, 1 - 0.4 / height))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

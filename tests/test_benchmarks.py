@@ -501,6 +501,13 @@ def test_step_run_times_every_contender_on_every_dtype(step_run):
     assert len(saved["roofs"]) == 1 and saved["roofs"][0]["threads"] == 1
 
 
+def test_step_plot_is_redrawn_from_the_results_file(step_run):
+    _, out = step_run
+    (out / "step.png").unlink()
+    bench_step.main(["--replot", str(out / "step.json")])
+    assert (out / "step.png").read_bytes()[:8] == PNG_MAGIC
+
+
 def test_step_records_are_consistent(step_run):
     result, _ = step_run
     for r in result["records"]:
