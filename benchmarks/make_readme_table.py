@@ -122,6 +122,10 @@ def make_table(result: dict, *, device: Optional[str] = None, layouts=None, ops=
                f"{settings.get('mode', '?')} run of {result.get('created_utc', '?')}, "
                f"lr_mode `{settings.get('lr_mode', '?')}`"
                + (f", from `{source}`" if source else "") + ".")
+    loads = [l for _, l in info.get("load_averages", []) if l]
+    if loads:
+        caption += (f" 1-minute load average during the run: {min(l[0] for l in loads):.1f} to "
+                    f"{max(l[0] for l in loads):.1f} on {machine.get('cpu_count', '?')} cores.")
     if result.get("note"):
         caption += f" Note: {result['note']}."
     header = ["layout", "elements (tensors)", "dtype", "step"] + backends + ["fastest"]
