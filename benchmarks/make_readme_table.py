@@ -53,6 +53,12 @@ def _default_sizes(records: list, backends: list) -> set:
     return out
 
 
+def _roof_source(roof: dict) -> str:
+    if roof.get("roof_kernel") == "probe":
+        return f"an in-place pass over the inputs, {roof['roof_source'].replace('probe on ', '')}"
+    return f"`{roof['roof_kernel']}`, the best streaming kernel"
+
+
 def _time(ms: float) -> str:
     return f"{ms / 1e3:.3g} s" if ms >= 1000 else f"{ms:.3g} ms"
 
@@ -117,7 +123,7 @@ def make_table(result: dict, *, device: Optional[str] = None, layouts=None, ops=
                 else "bytes read + written")
     caption = (f"**{info['name']}**, torch {machine.get('torch', '?')} with "
                f"{machine.get('torch_threads', '?')} thread(s); roof {roof['roof_gbps']:.1f} GB/s "
-               f"(`{roof['roof_kernel']}`, the best streaming kernel; "
+               f"({_roof_source(roof)}; "
                f"copy {roof['copy_gbps']:.1f} GB/s; {counting}; percentages are of the roof); "
                f"{settings.get('mode', '?')} run of {result.get('created_utc', '?')}, "
                f"lr_mode `{settings.get('lr_mode', '?')}`"

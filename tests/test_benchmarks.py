@@ -279,6 +279,10 @@ def test_kernel_records_are_consistent(kernel_run):
     assert 0 < copy <= roof == info["roof"]["roof_gbps"]
     assert len(info["roof_runs"]) == 2   # measured at the start and at the end, pooled
     assert [l[0] for l in info["load_averages"]][::len(info["load_averages"]) - 1] == ["start", "end"]
+    probes = info["roof"]["probes"]
+    assert {(p["layout"], p["dtype"]) for p in probes} == {
+        (l, d) for l in ("single", "mlp-2x100") for d in ("fp32", "bf16")}
+    assert roof >= max(p["gbps_best"] for p in probes)
     index = {(r["backend"], r["op"], r["dtype"], r["layout"]): r for r in result["records"]}
     for r in result["records"]:
         for key in REQUIRED:
@@ -369,6 +373,18 @@ def test_above_roof_records_are_called_a_bug():
     assert "2 record(s)" in notes[0] and "1.30x" in notes[0]
     assert "emcl_cpu_inner_step" in notes[1]
     assert bench_kernels.above_roof_notes(recs[:1], {"records": roof["records"][:1]}) == []
+
+
+def test_probes_raise_the_roof_only_when_faster():
+    roof = {"roof_gbps": 20.0, "roof_kernel": "copy", "roof_numel": 1 << 26, "records": []}
+    slow = {"layout": "single", "numel": 1 << 20, "dtype": "fp32", "gbps_best": 19.0}
+    fast = {**slow, "numel": 1 << 22, "gbps_best": 21.0}
+    kept = bench_kernels.roof_with_probes(roof, [slow])
+    assert kept["roof_gbps"] == 20.0 and kept["roof_kernel"] == "copy" and kept["probes"] == [slow]
+    raised = bench_kernels.roof_with_probes(roof, [slow, fast])
+    assert raised["roof_gbps"] == 21.0 and raised["roof_kernel"] == "probe"
+    assert raised["roof_numel"] == 1 << 22 and roof["roof_gbps"] == 20.0   # the input is kept
+    assert bench_kernels.roof_with_probes(roof, [])["roof_gbps"] == 20.0
 
 
 def test_rotation_always_takes_the_least_recently_used_set():
