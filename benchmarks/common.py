@@ -1,10 +1,12 @@
 """What the benchmark scripts share: SPEC section 5's byte model, the backends to time on a
-device, the timers (``time.perf_counter`` on CPU, CUDA events on a GPU), the copy bandwidth
-roof, and a description of the machine for the results files.
+device, the timers (``time.perf_counter`` on CPU, CUDA events on a GPU), the memory roof
+(the best of several streaming kernels, counted like the kernels), inputs that share no memory,
+and a description of the machine for the results files.
 
     from benchmarks import common
     common.bytes_per_element("meta_step", torch.bfloat16, "inverse")   # 22
     chosen, skipped = common.backends_for(torch.device("cpu"))
+    roof = common.device_roof(torch.device("cpu"), repeats=10)          # roof["roof_gbps"]
 """
 from __future__ import annotations
 
