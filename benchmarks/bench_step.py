@@ -713,7 +713,8 @@ def save(result: dict, path: str) -> None:
 def contender_order(records: list) -> list:
     """The contenders in a stable order: the baselines, then EMCL per backend."""
     names = list(dict.fromkeys(r["contender"] for r in records))
-    return sorted(names, key=lambda n: (0, BASELINES.index(n)) if n in BASELINES else (1, n))
+    return sorted(names, key=lambda n: (0, BASELINES.index(n)) if n in BASELINES else
+                  (1, n.split("]")[0], "inner_step()" in n, "nocheck" in n, n))
 
 
 def format_table(result: dict) -> str:

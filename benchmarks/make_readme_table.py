@@ -163,6 +163,15 @@ STEP_TITLES = {"adam_fused": "Adam fused", "adam_foreach": "Adam foreach",
                "sgd_foreach": "SGD foreach"}
 
 
+def _step_rank(name: str) -> tuple:
+    """The baselines first, then EMCL per backend: step() before inner_step(), the defaults
+    before check_finite=False."""
+    if name in STEP_BASELINES:
+        return (0, STEP_BASELINES.index(name))
+    backend = name.split("]")[0]
+    return (1, backend, "inner_step()" in name, "nocheck" in name, name)
+
+
 def _step_title(name: str) -> str:
     if name in STEP_TITLES:
         return STEP_TITLES[name]
@@ -206,8 +215,7 @@ def make_step_table(result: dict, *, backends=None, layouts=None, dtypes=None,
     if not recs:
         raise SystemExit("no records match the selection")
     names = list(dict.fromkeys(r["contender"] for r in recs))
-    names = sorted(names, key=lambda n: (0, STEP_BASELINES.index(n)) if n in STEP_BASELINES
-                   else (1, n.replace(" nocheck", "~"), n))
+    names = sorted(names, key=_step_rank)
     machine = result.get("machine", {})
     loads = [l for r in recs for l in (r.get("load_average_before"), r.get("load_average_after"))
              if l]
