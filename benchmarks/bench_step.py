@@ -333,7 +333,8 @@ def warm_up(contenders: list, device: torch.device, steps: int, log) -> list:
 def time_group(contenders: list, device: torch.device, settings: Settings, log) -> int:
     """Interleaved rounds: each round runs one block of every contender, starting one
     contender later than the round before, so that load on a shared machine (and any drift)
-    falls on every contender alike. Returns the number of rounds."""
+    falls on every contender alike. A contender whose step raises keeps the error and sits
+    out the remaining rounds. Returns the number of rounds."""
     lo = settings.gpu_min_block if device.type == "cuda" else 1
     for c in contenders:
         c.block = int(max(lo, min(settings.max_block,
@@ -344,7 +345,14 @@ def time_group(contenders: list, device: torch.device, settings: Settings, log) 
     n = len(contenders)
     for r in range(rounds):
         for i in range(n):
-            run_block(contenders[(r + i) % n], device, contenders[(r + i) % n].block)
+            c = contenders[(r + i) % n]
+            if c.error:
+                continue
+            try:
+                run_block(c, device, c.block)
+            except Exception as exc:  # noqa: BLE001 - recorded in the results
+                c.error = f"{type(exc).__name__}: {exc}".strip()[:500]
+                log(f"      {c.name}: step failed in round {r}: {c.error}")
     return rounds
 
 
@@ -483,7 +491,7 @@ def run_layout(device, choice, dtype, thread_counts, emcl_backends, args, settin
         rounds = time_group(alive, device, settings, log) if alive else 0
         profile = {}
         if device.type == "cuda":
-            for c in alive:
+            for c in (c for c in alive if not c.error):
                 try:
                     profile[c.name] = gpu_activities(c, device, settings.profile_steps)
                 except Exception as exc:  # noqa: BLE001 - the timings stand without it

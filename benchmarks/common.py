@@ -348,8 +348,8 @@ COMPILED_BACKENDS = ("cpu", "cuda", "triton")
 def device_roof(device: torch.device, repeats: int, *, largest: Optional[int] = None,
                 rotate_bytes: Optional[int] = None, backends: Sequence[str] = ()) -> dict:
     """:func:`measure_roof` on ``device`` at the current thread count, at the sizes of
-    :func:`roof_sizes` up to ``largest`` fp32 elements per tensor (default on CPU: 2**26 or,
-    if more, 8 x the last-level cache's bytes over 4; on a GPU 2**28), rotated over
+    :func:`roof_sizes` up to ``largest`` fp32 elements per tensor (default on CPU: 2**26, or
+    tensors of 8 x the last-level cache if that is more; on a GPU 2**28), rotated over
     ``rotate_bytes`` (default 4 x the last-level cache), with the inner and combined steps of
     those of ``backends`` that are compiled timed beside the roof on the largest size."""
     device = torch.device(device)

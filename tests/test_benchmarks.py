@@ -462,6 +462,34 @@ def test_step_ratios_are_computed_within_each_group():
     assert recs[6]["ratio_to_adam_fused"] is None
 
 
+def test_a_contender_that_fails_mid_run_is_recorded_and_the_rest_go_on():
+    class FailsOnThirdStep(torch.optim.SGD):
+        calls = 0
+
+        def step(self, closure=None):
+            FailsOnThirdStep.calls += 1
+            if FailsOnThirdStep.calls == 3:
+                raise RuntimeError("out of memory, say")
+            return super().step(closure)
+
+    params = bench_step.make_params([(4, 4)], torch.float32, torch.device("cpu"),
+                                    torch.Generator().manual_seed(0))
+    ok = bench_step.Contender("sgd_foreach", "sgd_foreach", torch.optim.SGD(params, lr=1e-3),
+                              "step()", "sgd")
+    bad = bench_step.Contender("flaky", "sgd_foreach", FailsOnThirdStep(params, lr=1e-3),
+                               "step()", "sgd")
+    settings = bench_step.Settings.quick()
+    settings.min_rounds = settings.max_rounds = 4
+    settings.block_s = 0.0   # one step per block
+    alive = bench_step.warm_up([ok, bad], torch.device("cpu"), 1, lambda *_: None)
+    assert alive == [ok, bad]
+    assert bench_step.time_group(alive, torch.device("cpu"), settings, lambda *_: None) == 4
+    assert ok.error is None and ok.blocks == 4
+    assert "out of memory" in bad.error and bad.blocks == 1   # warm-up, one block, then the error
+    rec = bench_step.record_of(bad, {"numel": 16}, torch.device("cpu"), torch.float32)
+    assert rec["error"] and "wall_ms" not in rec
+
+
 def test_gpu_activities_are_counted_and_timed_per_step():
     from types import SimpleNamespace
 
