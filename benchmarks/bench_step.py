@@ -288,25 +288,19 @@ def run_block(c: Contender, device: torch.device, steps: int) -> None:
     time of each call without synchronizing, wall time of the whole block between two
     synchronizations (the steps pipelined, as in training), per step."""
     fn = c.fn
+    common.synchronize(device)
+    start = time.perf_counter()
+    secs = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        secs.append(time.perf_counter() - t0)
+    common.synchronize(device)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        host = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            fn()
-            host.append(time.perf_counter() - t0)
-        torch.cuda.synchronize(device)
         c.wall.append((time.perf_counter() - start) / steps)
-        c.host.extend(host)
     else:
-        secs = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            fn()
-            secs.append(time.perf_counter() - t0)
         c.wall.extend(secs)
-        c.host.extend(secs)
+    c.host.extend(secs)
     c.blocks += 1
     c.steps += steps
 
