@@ -1,7 +1,15 @@
-# emcl-kernels: one command to set everything up and run the main job, one to run the tests.
-#   make demo    set up .venv, build the extension, run EMCL on Permuted MNIST (one seed)
-#   make test    set up .venv, build the extension, run the test suite
-#   make bench   set up .venv, run the kernel benchmark (--quick)
+# emcl-kernels: one command for each job.
+#   make setup      .venv with the pinned set-up (requirements.txt), then the README's install,
+#                   pip install --no-build-isolation -e .  (compiles emcl_kernels._C; log in
+#                   .venv/build.log); fails unless the compiled "cpu" backend works
+#   make test       setup, then the test suite
+#   make demo       setup, then the main job (EMCL on Permuted MNIST, one seed)
+#   make bench      setup, then the kernel benchmark (--quick)
+#   make gpu-check  on a machine with a CUDA GPU and torch >= 2.11 (no .venv, no index needed):
+#                   build against that torch, every test, memcheck, the benchmarks, the main job
+#                   on GPU and CPU; results in benchmarks/results/ (tools/gpu_check.py --help).
+#                   GPU_CHECK_ARGS="--quick" (or "--only build,tests", ...) selects.
+#   make clean
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -9,32 +17,38 @@ PY     := $(VENV)/bin/python
 # nvcc where it really lives (its --dryrun prints _HERE_=<root>/bin), unless CUDA_HOME is set.
 CUDA_HOME ?= $(shell nvcc --dryrun x.cu 2>&1 | sed -n 's/^#\$$ _HERE_=\(.*\)\/bin$$/\1/p')
 export CUDA_HOME
-TORCH_CUDA_ARCH_LIST ?= 8.0;9.0
-export TORCH_CUDA_ARCH_LIST
-MAX_JOBS ?= 2
+# GPU architectures of `make setup` (gpu-check builds for the GPU it runs on unless this is set
+# in the environment).
+SETUP_CUDA_ARCH_LIST ?= $(or $(TORCH_CUDA_ARCH_LIST),8.0;9.0)
+MAX_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 export MAX_JOBS
+GPU_CHECK_ARGS ?=
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench gpu-check clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt setup.py $(wildcard csrc/*)
+$(VENV)/.installed: requirements.txt setup.py pyproject.toml tools/ext_selfcheck.py $(wildcard csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -v --no-build-isolation -e . > $(VENV)/build.log 2>&1 \
-		|| (tail -n 60 $(VENV)/build.log; exit 1)
-	$(PY) -c "import emcl_kernels as e; print('emcl_kernels backends:', e.backend_status())"
+	. $(VENV)/bin/activate && TORCH_CUDA_ARCH_LIST="$(SETUP_CUDA_ARCH_LIST)" \
+		pip install -v --no-build-isolation -e . > $(VENV)/build.log 2>&1 \
+		|| (tail -n 80 $(VENV)/build.log; echo "make setup: the install failed; the whole log is $(VENV)/build.log"; exit 1)
+	cd / && $(abspath $(PY)) $(abspath tools/check_install.py) --from $(CURDIR)
 	touch $@
 
 demo: setup
-	$(PY) -m emcl_continual --method emcl --stream permuted-mnist --seeds 0 --out runs/demo
+	$(PY) -m emcl_continual --method emcl --stream permuted-mnist --seeds 0 --out runs/demo --force
 
 test: setup
 	$(PY) -m pytest -q tests
 
 bench: setup
 	$(PY) benchmarks/bench_kernels.py --quick
+
+gpu-check:
+	$(PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info emcl_kernels/*.so runs

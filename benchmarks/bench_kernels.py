@@ -11,14 +11,18 @@ that is available for the device at run time (``emcl_kernels.backends``), and re
 
 * the median time of many repeats (CUDA events on a GPU, ``time.perf_counter`` on CPU), with
   the inputs rotated over several sets whose total exceeds the last-level cache;
-* the achieved GB/s under SPEC section 5's byte model, the copy bandwidth (``dst.copy_(src)``,
-  bytes read + written) measured in the same run and the ratio to it;
+* the achieved GB/s under SPEC section 5's byte model and the ratio to the memory roof measured
+  in the same run: the best of several streaming kernels (copy, ``torch._foreach_copy_``, a
+  STREAM triad, in-place axpy and scale; ``common.measure_roof``), every one counted by the
+  bytes it moves to and from memory, write-allocate reads included on CPU (the EMCL kernels
+  update their tensors in place, so SPEC section 5's bytes are their traffic). A ratio above
+  1.0 is a bug in the benchmark or the byte model, never a result: the run says so;
 * the speedup over the ``reference`` and ``foreach`` backends;
 * kernel launches per step (GPU, by ``torch.profiler``).
 
 Outputs: a table on the terminal, ``benchmarks/results/kernels_<stamp>_<devices>.json`` (one
 record per measurement) and ``kernels_<stamp>_<device>.png`` per device (GB/s against size,
-one line per backend, the copy bandwidth as the roof). ``benchmarks/make_readme_table.py``
+one line per backend, the roof dashed). ``benchmarks/make_readme_table.py``
 turns the JSON into the README's table.
 
 Left out by default, and said so in the output: Triton on CPU tensors (it runs there only
@@ -67,8 +71,8 @@ class Settings:
     reference_budget_s: float
     reference_min_reps: int
     reference_max_reps: int
-    copy_reps: int
-    copy_numel: int            # 0: chosen from the cache size
+    roof_reps: int
+    roof_numel: int            # 0: chosen from the cache size
     max_sets: int = 4096       # at most this many rotated input sets
     rotate_factor: float = 4.0  # rotated sets total at least this many last-level caches
     rotate_bytes: int = 0      # instead of rotate_factor x the cache: this many bytes (0: unset)
@@ -77,14 +81,14 @@ class Settings:
     def full(cls) -> "Settings":
         return cls("full", list(range(10, 27)), list(range(10, 29)), budget_s=0.25, min_reps=3,
                    max_reps=50, reference_cap=2 ** 22, reference_budget_s=0.1,
-                   reference_min_reps=2, reference_max_reps=10, copy_reps=10, copy_numel=0)
+                   reference_min_reps=2, reference_max_reps=10, roof_reps=10, roof_numel=0)
 
     @classmethod
     def quick(cls) -> "Settings":
         return cls("quick", [10, 14, 18], [10, 14, 18, 22], budget_s=0.02, min_reps=2,
                    max_reps=10, reference_cap=2 ** 20, reference_budget_s=0.01,
-                   reference_min_reps=1, reference_max_reps=3, copy_reps=5,
-                   copy_numel=2 ** 24)
+                   reference_min_reps=1, reference_max_reps=3, roof_reps=5,
+                   roof_numel=2 ** 24)
 
     def gpu_adjusted(self) -> "Settings":
         """On a GPU calls are cheap: many more repeats."""
@@ -173,23 +177,27 @@ class InputSet:
 
 def make_input_set(layout: Layout, dtype: torch.dtype, device: torch.device, gen, *,
                    with_meta_lrs: bool) -> InputSet:
-    """Fresh random inputs (never zeros): θ ~ N(0,1), g ~ N(0,1), θ₀ = θ + 0.3·N(0,1),
-    h ~ 0.1 + U(0,1), α ~ 0.05 + 0.1·U(0,1)."""
+    """Fresh random inputs (never zeros), every tensor with memory of its own: θ ~ N(0,1),
+    g ~ N(0,1), θ₀ = θ + 0.3·N(0,1), h ~ 0.1 + U(0,1), α ~ 0.05 + 0.1·U(0,1). Raises if two
+    of them share memory (a step on aliased inputs finds half of them in cache)."""
     s = InputSet([], [], [], [], [] if with_meta_lrs else None)
     f32 = torch.float32
     for shape in layout.shapes:
         theta = torch.randn(shape, generator=gen, device=device, dtype=f32)
-        s.params.append(theta.to(dtype))
+        s.params.append(theta.to(dtype))  # for fp32 this is θ itself: never written below
         s.grads.append(torch.randn(shape, generator=gen, device=device, dtype=f32).to(dtype))
         noise = torch.randn(shape, generator=gen, device=device, dtype=f32)
-        s.anchors.append(theta.add_(noise, alpha=0.3))
+        s.anchors.append(torch.add(theta, noise, alpha=0.3))
         s.importances.append(torch.rand(shape, generator=gen, device=device, dtype=f32).add_(0.1))
         if with_meta_lrs:
             s.meta_lrs.append(torch.rand(shape, generator=gen, device=device, dtype=f32)
                               .mul_(0.1).add_(0.05))
-    s.nbytes = sum(t.numel() * t.element_size()
-                   for lst in (s.params, s.grads, s.anchors, s.importances, s.meta_lrs or [])
-                   for t in lst)
+    tensors = s.params + s.grads + s.anchors + s.importances + (s.meta_lrs or [])
+    shared = common.overlapping(tensors)
+    if shared:
+        raise RuntimeError(f"make_input_set: {len(shared)} pair(s) of input tensors share "
+                           "memory; every θ, g, θ₀, h and α must be a tensor of its own")
+    s.nbytes = sum(t.numel() * t.element_size() for t in tensors)
     return s
 
 
@@ -198,6 +206,28 @@ def n_sets_for(set_bytes: int, llc_bytes: int, settings: Settings) -> int:
     target = settings.rotate_bytes or int(settings.rotate_factor * llc_bytes)
     need = -(-target // max(1, set_bytes))
     return int(max(1, min(settings.max_sets, need)))
+
+
+class Rotation:
+    """Which input set each call uses: always the least recently used one, counted over every
+    call on the same sets (warm-up, estimate, repeats, every backend and op), so that between
+    two uses of a set all the others were touched and no call finds its inputs in cache."""
+
+    def __init__(self, n_sets: int):
+        self.n_sets, self.position = n_sets, 0
+
+    def upcoming(self, k: int) -> list:
+        """The indices of the next ``k`` sets (call :meth:`advance` with how many were used)."""
+        return [(self.position + i) % self.n_sets for i in range(k)]
+
+    def advance(self, k: int) -> None:
+        self.position = (self.position + k) % self.n_sets
+
+    def take(self) -> int:
+        """The next set's index, marked used."""
+        i = self.position
+        self.advance(1)
+        return i
 
 
 def step_fn(op: str, backend: str, s: InputSet, hyper: dict, check_finite: bool = False):
@@ -240,25 +270,57 @@ class DeviceRun:
     backends: list
     skipped_backends: dict
     llc_bytes: int
-    copy_samples: list = field(default_factory=list)
-    copy_bytes: int = 0
+    roof_runs: list = field(default_factory=list)
+    loads: list = field(default_factory=list)   # (what, 1/5/15-minute load average)
+    probes: list = field(default_factory=list)  # in-place streaming on the inputs, per layout
     records: list = field(default_factory=list)
     notes: list = field(default_factory=list)
 
     @property
-    def copy_gbps(self) -> float:
-        secs = sorted(self.copy_samples)
-        return common.gbps(self.copy_bytes, secs[len(secs) // 2])
+    def roof(self) -> dict:
+        """The roof measurements of this run pooled (``common.pool_roofs``), raised to the
+        fastest probe where one was faster (``roof_with_probes``)."""
+        return roof_with_probes(common.pool_roofs(self.roof_runs), self.probes)
 
 
-def measure_copy(run: DeviceRun) -> None:
-    """Add copy-bandwidth samples (called at the start and at the end of the device's run)."""
-    numel = run.settings.copy_numel or max(2 ** 26, 4 * run.llc_bytes // 4)
+PROBE_BYTES = 12  # θ₀ += 1e-6·h: read θ₀ and h, write θ₀ (fp32, in place)
+
+
+def time_probe(sets: list, rotation: "Rotation", device: torch.device, calls: int) -> list:
+    """Seconds of ``calls`` in-place streaming passes over the anchors and importances of the
+    rotated input sets (``torch._foreach_add_(θ₀, h, alpha=1e-6)``, 12 B per element), in the
+    same rotation as the kernels: the memory's speed on the kernels' own tensors, at the
+    kernels' own time. The anchors move by 1e-6·h per pass."""
+    fns = [lambda s=s: torch._foreach_add_(s.anchors, s.importances, alpha=1e-6) for s in sets]
+    secs = common.time_calls([fns[i] for i in rotation.upcoming(calls)], device)
+    rotation.advance(len(secs))
+    return secs
+
+
+def roof_with_probes(roof: dict, probes: list) -> dict:
+    """``roof`` with the probes attached (``probes``) and, where a probe's fastest pass beat
+    it, raised to that (``roof_kernel`` "probe", ``roof_numel`` the probe's layout size): the
+    roof is measured at the start and the end of the run, and on a shared machine a quieter
+    moment in between can let memory run faster than it did then."""
+    out = dict(roof, probes=probes, roof_source="streaming kernels")
+    best = max(probes, key=lambda p: p["gbps_best"], default=None)
+    if best is not None and best["gbps_best"] > roof["roof_gbps"]:
+        out.update(roof_gbps=best["gbps_best"], roof_kernel="probe", roof_numel=best["numel"],
+                   roof_source=f"probe on {best['layout']} {best['numel']} {best['dtype']}")
+    return out
+
+
+def measure_roof(run: DeviceRun) -> dict:
+    """``common.device_roof`` with this run's backends, rotated like the EMCL inputs
+    (``--rotate-mb``); called at the start and at the end of the device's run, pooled."""
+    numel = run.settings.roof_numel or None
     if run.device.type == "cuda" and run.settings.mode == "full":
-        numel = max(numel, 2 ** 28)
-    res = common.copy_bandwidth(run.device, numel, run.settings.copy_reps)
-    run.copy_bytes = res["bytes"]
-    run.copy_samples.extend(res["seconds"])
+        numel = max(numel or 0, 2 ** 28)
+    res = common.device_roof(
+        run.device, run.settings.roof_reps, largest=numel, backends=run.backends,
+        rotate_bytes=run.settings.rotate_bytes or int(run.settings.rotate_factor * run.llc_bytes))
+    run.roof_runs.append(res)
+    return res
 
 
 def run_device(device: torch.device, args, settings: Settings, log) -> DeviceRun:
@@ -278,9 +340,8 @@ def run_device(device: torch.device, args, settings: Settings, log) -> DeviceRun
     for name, why in skipped.items():
         log(f"   not timed: {name}: {why}")
 
-    measure_copy(run)
-    log(f"   copy bandwidth (dst.copy_(src), {run.copy_bytes / 2 ** 20:.0f} MiB moved): "
-        f"{run.copy_gbps:.1f} GB/s")
+    run.loads.append(("start", common.load_average()))
+    _log_roof(measure_roof(run), log)
 
     sizes = args.sizes or (settings.gpu_sizes if device.type == "cuda" else settings.cpu_sizes)
     layouts, skipped_layouts = build_layouts(args.layouts, sizes)
@@ -305,6 +366,11 @@ def run_device(device: torch.device, args, settings: Settings, log) -> DeviceRun
             n_sets = n_sets_for(first.nbytes, run.llc_bytes, settings)
             sets = [first] + [make_input_set(layout, dtype, device, gen, with_meta_lrs=with_meta_lrs)
                               for _ in range(n_sets - 1)]
+            rotation = Rotation(n_sets)
+            # probes only where the rotation reached its size (the smallest layouts are capped
+            # at max_sets sets, and a probe there could run from cache)
+            probe = [] if n_sets >= settings.max_sets else \
+                time_probe(sets, rotation, device, max(3, settings.min_reps))
             for op in args.ops:
                 hyper = common.hyperparameters(op, args.lr_mode)
                 bpe = common.bytes_per_element(op, dtype, args.lr_mode)
@@ -316,21 +382,22 @@ def run_device(device: torch.device, args, settings: Settings, log) -> DeviceRun
                     calls = [step_fn(op, backend, s, hyper, args.check_finite) for s in sets]
                     key = (backend, op, dtype)
                     if key not in warmed:   # first use: compilation, lazy imports, autotuning
-                        common.time_once(calls[0], device)
+                        common.time_once(calls[rotation.take()], device)
                         warmed.add(key)
-                    estimate = common.time_once(calls[0], device)
+                    estimate = common.time_once(calls[rotation.take()], device)
                     budget = settings.reference_budget_s if is_ref else settings.budget_s
                     min_reps = settings.reference_min_reps if is_ref else settings.min_reps
                     reps = common.repeats_for(
                         estimate, budget, min_reps,
                         settings.reference_max_reps if is_ref else settings.max_reps)
-                    order = [calls[(i + 1) % n_sets] for i in range(reps)]
-                    stats = common.Stats.of(common.time_calls(
-                        order, device, max_total_s=4 * budget, min_calls=min_reps))
+                    secs = common.time_calls([calls[i] for i in rotation.upcoming(reps)], device,
+                                             max_total_s=4 * budget, min_calls=min_reps)
+                    rotation.advance(len(secs))
+                    stats = common.Stats.of(secs)
                     launches = None
                     if device.type == "cuda":
                         try:
-                            launches = count_launches(calls[0], device)
+                            launches = count_launches(calls[rotation.take()], device)
                         except Exception as exc:  # noqa: BLE001 - the timing stands without it
                             log(f"   (could not count launches: {type(exc).__name__}: {exc})")
                     rec = {
@@ -344,6 +411,9 @@ def run_device(device: torch.device, args, settings: Settings, log) -> DeviceRun
                         "repeats": stats.repeats, "timer": common.timer_name(device),
                         "gbps": common.gbps(nbytes, stats.median_ms / 1e3),
                         "copy_gbps": None, "ratio_to_copy": None,
+                        "gbps_best": common.gbps(nbytes, stats.min_ms / 1e3),
+                        "roof_gbps": None, "roof_kernel": None, "ratio_to_roof": None,
+                        "ratio_to_roof_best": None,
                         "speedup_vs_reference": None, "speedup_vs_foreach": None,
                         "launches": launches, "rotation_sets": n_sets,
                         "rotation_bytes": n_sets * first.nbytes,
@@ -351,6 +421,14 @@ def run_device(device: torch.device, args, settings: Settings, log) -> DeviceRun
                     run.records.append(rec)
                     log(f"   {layout.name:>16} {layout.numel:>10} {dname} {op:<15} {backend:<9} "
                         f"{stats.median_ms:10.4f} ms {rec['gbps']:8.2f} GB/s  ({stats.repeats} reps)")
+            if probe:
+                probe += time_probe(sets, rotation, device, max(3, settings.min_reps))
+                st = common.Stats.of(probe)
+                run.probes.append({
+                    "layout": layout.name, "numel": layout.numel, "dtype": dname,
+                    "bytes_per_element": PROBE_BYTES, "seconds": probe,
+                    "gbps": common.gbps(PROBE_BYTES * layout.numel, st.median_ms / 1e3),
+                    "gbps_best": common.gbps(PROBE_BYTES * layout.numel, st.min_ms / 1e3)})
             finite = all(bool(torch.isfinite(t.float()).all()) for s in sets for t in s.state())
             for rec in run.records:
                 if rec["layout"] == layout.name and rec["numel"] == layout.numel \
@@ -359,30 +437,72 @@ def run_device(device: torch.device, args, settings: Settings, log) -> DeviceRun
             if not finite:
                 run.notes.append(f"non-finite values after timing {layout.name} {layout.numel} "
                                  f"{dname}: its timings may be distorted")
+            run.loads.append((f"after {layout.name} {layout.numel} {dname}", common.load_average()))
             del sets, first
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    measure_copy(run)
-    copy = run.copy_gbps
-    log(f"   copy bandwidth, start and end pooled: {copy:.1f} GB/s")
-    _finish_records(run.records, copy)
+    measure_roof(run)
+    run.loads.append(("end", common.load_average()))
+    roof = run.roof
+    log("   start and end pooled:")
+    _log_roof(roof, log)
+    if roof["roof_kernel"] == "probe":
+        log(f"   a probe on the inputs was faster: the roof is {roof['roof_gbps']:.1f} GB/s "
+            f"({roof['roof_source']})")
+    _finish_records(run.records, roof)
+    run.notes.extend(above_roof_notes(run.records, roof))
     return run
+
+
+def above_roof_notes(records: list, roof: dict) -> list:
+    """A note for every measurement whose fastest repeat beat the roof's fastest repeat: a
+    kernel cannot move bytes faster than memory, so that is a bug in the benchmark (aliased or
+    cached inputs) or in the byte model, to be found before the numbers are used."""
+    notes = []
+    above = [r for r in records if r["ratio_to_roof_best"] > 1.0]
+    if above:
+        worst = max(above, key=lambda r: r["ratio_to_roof_best"])
+        notes.append(
+            f"BUG: {len(above)} record(s) above the roof (worst: {worst['backend']} "
+            f"{worst['op']} {worst['dtype']} {worst['layout']} {worst['numel']}, fastest repeat "
+            f"at {worst['ratio_to_roof_best']:.2f}x); a kernel cannot beat memory: find the cause "
+            "(aliased or cached inputs, a wrong byte count) before using these numbers")
+    for k in roof["records"]:
+        if k["kernel"] not in common.ROOF_KERNELS and k["ratio_to_roof_best"] > 1.0:
+            notes.append(f"BUG: {k['kernel']} beside the roof, fastest repeat at "
+                         f"{k['ratio_to_roof_best']:.2f}x the roof")
+    return notes
+
+
+def _log_roof(roof: dict, log) -> None:
+    log(f"   roof ({roof['threads']} thread(s), write-allocate "
+        f"{'counted' if roof['write_allocate'] else 'not counted'}): {roof['roof_gbps']:.1f} GB/s "
+        f"by {roof['roof_kernel']} at {roof['roof_numel']:,} elements (fastest repeat)")
+    for k in roof["records"]:
+        log(f"      {k['kernel']:<28} {k['numel']:>11,} {k['bytes_per_element']:>3} B/element "
+            f"median {k['gbps']:7.2f} GB/s, fastest {k['gbps_best']:7.2f} "
+            f"({100 * k['ratio_to_roof_best']:5.1f}% of the roof)")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in common.DTYPE_NAMES.items()}[dtype]
 
 
-def _finish_records(records: list, copy_gbps: float) -> None:
-    """Fill in the copy roof, the ratio to it and the speedups over reference and foreach."""
+def _finish_records(records: list, roof: dict) -> None:
+    """Fill in the copy bandwidth and the roof (``common.pool_roofs``), the ratios to them and
+    the speedups over reference and foreach."""
     by_key = {}
     for r in records:
         by_key[(r["layout"], r["numel"], r["dtype"], r["op"], r["backend"])] = r
     for r in records:
-        r["copy_gbps"] = copy_gbps
-        r["ratio_to_copy"] = r["gbps"] / copy_gbps
+        r["copy_gbps"] = roof["copy_gbps"]
+        r["ratio_to_copy"] = r["gbps"] / roof["copy_gbps"]
+        r["roof_gbps"] = roof["roof_gbps"]
+        r["roof_kernel"] = roof["roof_kernel"]
+        r["ratio_to_roof"] = r["gbps"] / roof["roof_gbps"]
+        r["ratio_to_roof_best"] = r["gbps_best"] / roof["roof_gbps"]
         for base in ("reference", "foreach"):
             other = by_key.get((r["layout"], r["numel"], r["dtype"], r["op"], base))
             r[f"speedup_vs_{base}"] = other["time_ms"] / r["time_ms"] if other else None
@@ -396,14 +516,22 @@ def _fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
+def _counting(roof: dict) -> str:
+    return ("bytes read + written + write-allocate reads" if roof["write_allocate"]
+            else "bytes read + written")
+
+
 def format_table(result: dict) -> str:
     """The terminal table: one row per measurement, grouped by device, layout and dtype."""
     lines = []
     for dev, info in result["devices"].items():
-        lines.append(f"\n{info['name']}  |  copy bandwidth {info['copy_gbps']:.1f} GB/s  |  "
+        roof = info["roof"]
+        lines.append(f"\n{info['name']}  |  roof {roof['roof_gbps']:.1f} GB/s "
+                     f"({roof['roof_kernel']}), copy {roof['copy_gbps']:.1f} GB/s, "
+                     f"{_counting(roof)}  |  "
                      f"lr_mode {result['settings']['lr_mode']}  |  {result['settings']['mode']} run")
         head = (f"{'layout':>16} {'numel':>10} {'tensors':>7} {'dtype':>5} {'op':<15} {'backend':<9} "
-                f"{'time ms':>10} {'GB/s':>8} {'%copy':>6} {'x ref':>7} {'x foreach':>9} {'launches':>8}")
+                f"{'time ms':>10} {'GB/s':>8} {'%roof':>6} {'x ref':>7} {'x foreach':>9} {'launches':>8}")
         lines += [head, "-" * len(head)]
         last = None
         for r in (r for r in result["records"] if r["device"] == dev):
@@ -414,7 +542,7 @@ def format_table(result: dict) -> str:
             lines.append(
                 f"{r['layout']:>16} {r['numel']:>10} {r['n_tensors']:>7} {r['dtype']:>5} "
                 f"{r['op']:<15} {r['backend']:<9} {r['time_ms']:>10.4f} {r['gbps']:>8.2f} "
-                f"{100 * r['ratio_to_copy']:>5.1f}% {_fmt(r['speedup_vs_reference'], '>7.2f')} "
+                f"{100 * r['ratio_to_roof']:>5.1f}% {_fmt(r['speedup_vs_reference'], '>7.2f')} "
                 f"{_fmt(r['speedup_vs_foreach'], '>9.2f')} {_fmt(r['launches'], '>8d')}")
         for name, why in info["skipped_backends"].items():
             lines.append(f"not timed: {name}: {why}")
@@ -425,7 +553,7 @@ def format_table(result: dict) -> str:
 
 def plot(result: dict, device: str, path: str) -> None:
     """GB/s against size for every (op, dtype): one line per backend over the single-tensor
-    sizes, the multi-tensor layouts as markers, the copy bandwidth as the dashed roof."""
+    sizes, the multi-tensor layouts as markers, the roof dashed and the copy dotted."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -453,8 +581,11 @@ def plot(result: dict, device: str, path: str) -> None:
                            if r["backend"] == b and r["layout"] == lay]
                     if pts:
                         ax.plot(*zip(*pts), mk, color=colors[b], ms=7, mfc="none", mew=1.5)
-            ax.axhline(info["copy_gbps"], color="k", ls="--", lw=1,
-                       label=f"copy roof {info['copy_gbps']:.1f} GB/s")
+            roof = info["roof"]
+            ax.axhline(roof["roof_gbps"], color="k", ls="--", lw=1,
+                       label=f"roof ({roof['roof_kernel']}) {roof['roof_gbps']:.1f} GB/s")
+            ax.axhline(roof["copy_gbps"], color="gray", ls=":", lw=1,
+                       label=f"copy {roof['copy_gbps']:.1f} GB/s")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title(f"{common.OP_TITLES[op]}, {dt}", fontsize=10)
@@ -462,7 +593,7 @@ def plot(result: dict, device: str, path: str) -> None:
             if i == len(ops) - 1:
                 ax.set_xlabel("elements per step")
             if j == 0:
-                ax.set_ylabel("GB/s (SPEC section 5 bytes)")
+                ax.set_ylabel("GB/s (bytes moved to/from memory)")
     handles, labels = axes[0][0].get_legend_handles_labels()
     from matplotlib.lines import Line2D
     present = {r["layout"] for r in recs}
@@ -507,9 +638,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-reps", type=int, default=None)
     p.add_argument("--rotate-mb", type=float, default=None,
                    help="total MiB of the rotated input sets (default: 4 x the last-level cache)")
-    p.add_argument("--copy-mb", type=float, default=None,
-                   help="MiB of the copy-bandwidth tensor (default: the larger of 256 MiB and the "
-                        "cache, 1 GiB on a GPU; quick: 64 MiB)")
+    p.add_argument("--roof-mb", type=float, default=None,
+                   help="MiB of each tensor of the roof's streaming kernels (default: the larger "
+                        "of 256 MiB and the last-level cache, 1 GiB on a GPU; quick: 64 MiB)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--cpu-triton", action="store_true",
                    help="also time Triton on CPU tensors through its interpreter (very slow; "
@@ -567,8 +698,8 @@ def main(argv: Optional[list] = None) -> dict:
         raise SystemExit("need 1 <= --min-reps <= --max-reps")
     if args.rotate_mb is not None:
         settings.rotate_bytes = max(1, int(args.rotate_mb * 2 ** 20))
-    if args.copy_mb is not None:
-        settings.copy_numel = max(1, int(args.copy_mb * 2 ** 20) // 4)
+    if args.roof_mb is not None:
+        settings.roof_numel = max(1, int(args.roof_mb * 2 ** 20) // 4)
     threads_before = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -598,9 +729,11 @@ def _main(args, argv, settings: Settings) -> dict:
     }
     for device in _devices(args.device):
         run = run_device(device, args, settings, log)
+        roof = run.roof
         result["devices"][device.type] = {
-            "name": common.device_name(device), "copy_gbps": run.copy_gbps,
-            "copy_bytes": run.copy_bytes, "copy_samples_s": run.copy_samples,
+            "name": common.device_name(device), "copy_gbps": roof["copy_gbps"],
+            "roof_gbps": roof["roof_gbps"], "roof": roof, "roof_runs": run.roof_runs,
+            "load_averages": run.loads,
             "last_level_cache_bytes": run.llc_bytes, "backends": run.backends,
             "skipped_backends": run.skipped_backends, "notes": run.notes,
             "settings": {"min_reps": run.settings.min_reps, "max_reps": run.settings.max_reps},
@@ -615,7 +748,10 @@ def _main(args, argv, settings: Settings) -> dict:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     result["paths"] = {"json": path}
-    if not args.no_plot:
+    no_plot = None if args.no_plot else common.plotting_unavailable()
+    if no_plot:
+        print(f"no plot: {no_plot}")
+    if not args.no_plot and not no_plot:
         for dev in result["devices"]:
             png = os.path.join(args.out_dir, f"{base}_{dev}.png")
             plot(result, dev, png)

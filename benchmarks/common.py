@@ -1,10 +1,12 @@
 """What the benchmark scripts share: SPEC section 5's byte model, the backends to time on a
-device, the timers (``time.perf_counter`` on CPU, CUDA events on a GPU), the copy bandwidth
-roof, and a description of the machine for the results files.
+device, the timers (``time.perf_counter`` on CPU, CUDA events on a GPU), the memory roof
+(the best of several streaming kernels, counted like the kernels), inputs that share no memory,
+and a description of the machine for the results files.
 
     from benchmarks import common
     common.bytes_per_element("meta_step", torch.bfloat16, "inverse")   # 22
     chosen, skipped = common.backends_for(torch.device("cpu"))
+    roof = common.device_roof(torch.device("cpu"), repeats=10)          # roof["roof_gbps"]
 """
 from __future__ import annotations
 
@@ -203,20 +205,233 @@ def repeats_for(estimate_s: float, budget_s: float, min_reps: int, max_reps: int
     return int(max(min_reps, min(max_reps, math.ceil(budget_s / estimate_s))))
 
 
-def copy_bandwidth(device: torch.device, numel: int, repeats: int) -> dict:
-    """GB/s of ``dst.copy_(src)`` for fp32 tensors of ``numel`` elements on ``device``,
-    counting the bytes read plus written (2 x 4 x numel). Returns the samples too."""
-    src = torch.empty(numel, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    secs = time_calls([lambda: dst.copy_(src)] * repeats, device)
-    nbytes = 2 * src.element_size() * numel
-    del src, dst
-    return {"numel": numel, "bytes": nbytes, "seconds": secs}
-
-
 def gbps(nbytes: float, seconds: float) -> float:
     return nbytes / seconds / 1e9
+
+
+# ---------------------------------------------------------------------------------------------
+# The memory roof: the best of several streaming kernels, counted like the EMCL kernels
+# ---------------------------------------------------------------------------------------------
+
+def write_allocate_default(device: torch.device) -> bool:
+    """Whether a store to a cache line that the kernel has not read costs a read of that line
+    too (write-allocate, "read for ownership"). True on CPU: x86 caches are write-allocate and
+    torch's CPU kernels use ordinary stores, so ``dst.copy_(src)`` moves 3 x 4 B per fp32
+    element, not 2 x 4 B (every roof measurement shows it: copy, triad and fill reach about the
+    same GB/s on this count and not on the other; benchmarks/README.md). False on a GPU, whose
+    L2 takes full-sector writes without reading DRAM."""
+    return torch.device(device).type == "cpu"
+
+
+# name -> (bytes read, bytes written, whether the written tensor was read first), per fp32
+# element; the written tensor is ``a`` in ``roof_kernels``.
+ROOF_KERNELS = {
+    "copy": (4, 4, False),          # a.copy_(b)
+    "foreach_copy": (4, 4, False),  # torch._foreach_copy_(a chunks, b chunks)
+    "triad": (8, 4, False),         # torch.add(b, c, alpha=s, out=a): STREAM triad, one pass
+    "axpy_inplace": (8, 4, True),   # a.add_(b, alpha=s): read a and b, write a
+    "scale_inplace": (4, 4, True),  # a.mul_(1.0): read a, write a
+    "fill": (0, 4, False),          # a.fill_(0.5): write only
+}
+FOREACH_CHUNKS = 64
+
+
+def roof_bytes_per_element(kernel: str, write_allocate: bool) -> int:
+    """Bytes one element of ``kernel`` moves between the cores and memory: reads plus writes,
+    plus one read of every written line the kernel did not read itself when the caches
+    write-allocate. The EMCL kernels write only what they have just read (θ, θ₀, h, α are
+    updated in place), so SPEC section 5's count is their traffic under either model."""
+    read, written, in_place = ROOF_KERNELS[kernel]
+    return read + written + (written if write_allocate and not in_place else 0)
+
+
+def roof_kernels(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> dict:
+    """The streaming kernels of the roof, name -> callable, on three distinct 1-d fp32 tensors
+    of one size: ``a`` is written (its values kept by ``scale_inplace``, moved by 1e-6·b per
+    ``axpy_inplace``, set by the others), ``b`` and ``c`` are only read."""
+    a_chunks, b_chunks = a.chunk(FOREACH_CHUNKS), b.chunk(FOREACH_CHUNKS)
+    return {
+        "copy": lambda: a.copy_(b),
+        "foreach_copy": lambda: torch._foreach_copy_(a_chunks, b_chunks),
+        "triad": lambda: torch.add(b, c, alpha=0.5, out=a),
+        "axpy_inplace": lambda: a.add_(b, alpha=1e-6),
+        "scale_inplace": lambda: a.mul_(1.0),
+        "fill": lambda: a.fill_(0.5),
+    }
+
+
+def roof_sizes(device: torch.device, llc_bytes: int, largest: int) -> list:
+    """The tensor sizes the roof is measured at: from 1/128 of the last-level cache in fp32
+    elements (2**18 for a 32 MiB cache; 1 MiB per tensor) to ``largest``, every factor 4. A
+    streaming kernel on small tensors can be faster per byte than on large ones (fewer TLB
+    misses, shorter streams that other jobs interrupt less), so a roof from one large size
+    alone may not bound it."""
+    sizes, n = [], 1 << max(10, (llc_bytes // 128).bit_length() - 1)
+    while n < largest:
+        sizes.append(n)
+        n *= 4
+    return sizes + [largest]
+
+
+def measure_roof(device: torch.device, numels: Sequence[int], repeats: int, *,
+                 rotate_bytes: int, write_allocate: Optional[bool] = None,
+                 extra: Optional[dict] = None, extra_numel: Optional[int] = None) -> dict:
+    """GB/s of the streaming kernels of :data:`ROOF_KERNELS` at each size in ``numels`` (fp32
+    elements per tensor) at the current torch thread count.
+
+    At each size the kernels run on as many sets of three tensors as make ``rotate_bytes``
+    (choose a few last-level caches), and every call takes the least recently used set, so no
+    call finds its tensors in cache; ``max(repeats, 2 x sets)`` rounds, each round one call of
+    every kernel, after a warm-up call of each. ``extra`` (name -> (callable, bytes per
+    element), e.g. the EMCL kernels on tensors of ``extra_numel`` elements) is timed in the
+    same rounds as the largest size, recorded, never part of the roof.
+
+    Returns ``{"threads", "write_allocate", "rotate_bytes", "records": [{"kernel", "numel",
+    "sets", "bytes_per_element", "seconds", "gbps" (median repeat), "gbps_best" (fastest
+    repeat), "ratio_to_roof", "ratio_to_roof_best"}], "roof_gbps", "roof_kernel",
+    "roof_numel", "copy_gbps"}``. The roof is the highest bandwidth any streaming kernel
+    reached at any size (its fastest repeat): other jobs only ever take bandwidth away, so the
+    fastest repeat is the best estimate of what the memory can do, and a roof that is too high
+    only makes the ratios to it conservative. ``copy_gbps``: the fastest copy likewise."""
+    device = torch.device(device)
+    if write_allocate is None:
+        write_allocate = write_allocate_default(device)
+    numels = sorted(numels)
+    samples = {}   # (kernel, numel) -> ([seconds], bytes per element, sets)
+    for numel in numels:
+        n_sets = max(1, -(-rotate_bytes // (3 * 4 * numel)))
+        sets = [roof_kernels(*(torch.rand(numel, device=device) for _ in range(3)))
+                for _ in range(n_sets)]
+        fns = {k: [s[k] for s in sets] for k in ROOF_KERNELS}
+        bpe = {k: roof_bytes_per_element(k, write_allocate) for k in ROOF_KERNELS}
+        if numel == numels[-1]:
+            for name, (fn, b) in (extra or {}).items():
+                fns[name], bpe[name] = [fn], b
+        keys = {k: (k, numel if k in ROOF_KERNELS else extra_numel or numel) for k in fns}
+        position = 0  # every call, warm-up included, takes the least recently used set
+        for name, calls in fns.items():
+            samples[keys[name]] = ([], bpe[name], len(calls))
+            time_once(calls[position % len(calls)], device)
+            position += 1
+        for _ in range(max(repeats, 2 * n_sets)):
+            for name, calls in fns.items():
+                samples[keys[name]][0].extend(
+                    time_calls([calls[position % len(calls)]], device))
+                position += 1
+        del sets, fns
+    return _roof_summary({"threads": torch.get_num_threads(), "write_allocate": write_allocate,
+                          "rotate_bytes": rotate_bytes}, samples)
+
+
+def _roof_summary(head: dict, samples: dict) -> dict:
+    records = []
+    for (name, numel), (secs, bpe, n_sets) in samples.items():
+        st = Stats.of(secs)
+        records.append({"kernel": name, "numel": numel, "sets": n_sets,
+                        "bytes_per_element": bpe, "seconds": list(secs),
+                        "gbps": gbps(bpe * numel, st.median_ms / 1e3),
+                        "gbps_best": gbps(bpe * numel, st.min_ms / 1e3)})
+    streaming = [r for r in records if r["kernel"] in ROOF_KERNELS]
+    top = max(streaming, key=lambda r: r["gbps_best"])
+    for r in records:
+        r["ratio_to_roof"] = r["gbps"] / top["gbps_best"]
+        r["ratio_to_roof_best"] = r["gbps_best"] / top["gbps_best"]
+    return {**head, "records": records, "roof_gbps": top["gbps_best"],
+            "roof_kernel": top["kernel"], "roof_numel": top["numel"],
+            "copy_gbps": max(r["gbps_best"] for r in streaming if r["kernel"] == "copy")}
+
+
+# The backends whose kernels are compiled: their fp32 steps are timed beside the roof.
+COMPILED_BACKENDS = ("cpu", "cuda", "triton")
+
+
+def device_roof(device: torch.device, repeats: int, *, largest: Optional[int] = None,
+                rotate_bytes: Optional[int] = None, backends: Sequence[str] = ()) -> dict:
+    """:func:`measure_roof` on ``device`` at the current thread count, at the sizes of
+    :func:`roof_sizes` up to ``largest`` fp32 elements per tensor (default on CPU: 2**26, or
+    tensors of 8 x the last-level cache if that is more; on a GPU 2**28), rotated over
+    ``rotate_bytes`` (default 4 x the last-level cache), with the inner and combined steps of
+    those of ``backends`` that are compiled timed beside the roof on the largest size."""
+    device = torch.device(device)
+    llc = last_level_cache_bytes(device)
+    if largest is None:
+        largest = 2 ** 28 if device.type == "cuda" else max(2 ** 26, 2 * llc)
+    extra = emcl_kernel_calls(device, largest, [b for b in backends if b in COMPILED_BACKENDS])
+    return measure_roof(device, roof_sizes(device, llc, largest), repeats,
+                        rotate_bytes=rotate_bytes or 4 * llc, extra=extra, extra_numel=largest)
+
+
+def pool_roofs(runs: Sequence[dict]) -> dict:
+    """One roof from several :func:`measure_roof` results of the same setting (taken at the
+    start and at the end of a run): every kernel's samples at every size pooled."""
+    if not runs:
+        raise ValueError("no roof measurements to pool")
+    samples = {}
+    for run in runs:
+        for r in run["records"]:
+            key = (r["kernel"], r["numel"])
+            secs, _, _ = samples.setdefault(key, ([], r["bytes_per_element"], r["sets"]))
+            secs.extend(r["seconds"])
+    head = {k: runs[0][k] for k in ("threads", "write_allocate", "rotate_bytes")}
+    return _roof_summary(head, samples)
+
+
+def emcl_kernel_calls(device: torch.device, numel: int, backends: Sequence[str]) -> dict:
+    """For :func:`measure_roof`'s ``extra``: the inner step and the combined step of each of
+    ``backends`` on one fp32 tensor of ``numel`` elements, θ, g, θ₀ and h distinct tensors,
+    name -> (callable, SPEC section 5 bytes per element)."""
+    from emcl_kernels import functional as F
+
+    theta = torch.randn(numel, device=device)
+    grad = torch.randn(numel, device=device).mul_(1e-3)
+    anchor = theta + 0.3 * torch.randn(numel, device=device)
+    importance = torch.rand(numel, device=device).add_(0.1)
+    lists = ([theta], [grad], [anchor], [importance])
+    out = {}
+    for backend in backends:
+        for op in ("inner_step", "inner_meta_step"):
+            hyper = hyperparameters(op, "inverse")
+            fn = getattr(F, op + "_")
+            extra = () if op == "inner_step" else (None,)
+            out[f"emcl_{backend}_{op}"] = (
+                (lambda fn=fn, extra=extra, backend=backend, hyper=hyper:
+                 fn(*lists, *extra, backend=backend, check_finite=False, **hyper)),
+                bytes_per_element(op, torch.float32))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs that share no memory
+# ---------------------------------------------------------------------------------------------
+
+def overlapping(tensors: Sequence[torch.Tensor]) -> list:
+    """Pairs of positions in ``tensors`` whose memory spans (first to last byte) overlap: the
+    same tensor twice, views of one buffer that share bytes (or interleave). Empty when every
+    tensor has memory of its own, as the benchmarks need: an aliased input is read from cache
+    and inflates the GB/s."""
+    spans = []
+    for i, t in enumerate(tensors):
+        if t.numel() == 0:
+            continue
+        start = t.data_ptr()
+        last = start + t.element_size() * (
+            sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1)
+        spans.append((start, last, i))
+    spans.sort()
+    out, reach, owner = [], None, None
+    for start, last, i in spans:
+        if reach is not None and start < reach:
+            out.append((owner, i))
+        if reach is None or last > reach:
+            reach, owner = last, i
+    return out
+
+
+def load_average() -> Optional[list]:
+    """The 1, 5 and 15 minute load averages (None where the system has none)."""
+    if not hasattr(os, "getloadavg"):
+        return None
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,6 +540,16 @@ def busy_warning(device: torch.device) -> Optional[str]:
     return (f"the machine is busy: load average {load:.1f} on {cores} cores while timing with "
             f"{threads} torch thread(s); timings are slower and noisier than on a quiet "
             f"machine{advice}")
+
+
+def plotting_unavailable() -> Optional[str]:
+    """None when matplotlib imports, else why not (the plots are optional: a machine without
+    it still gets the JSON and the tables)."""
+    try:
+        import matplotlib  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any failure means: no plot here
+        return f"matplotlib is not importable ({type(exc).__name__}: {exc})"
+    return None
 
 
 def utc_stamp() -> str:

@@ -1,13 +1,16 @@
-"""Turn a kernel-benchmark results file into the README's markdown table, so the numbers in
-the README come from a committed file and nowhere else.
+"""Turn a benchmark results file into the README's markdown table, so the numbers in the
+README come from a committed file and nowhere else.
 
-    python benchmarks/make_readme_table.py                          # newest results file
+    python benchmarks/make_readme_table.py                          # newest kernels_*.json
     python benchmarks/make_readme_table.py benchmarks/results/kernels_<stamp>_cpu.json \\
         --ops inner_meta_step --dtypes fp32 bf16
+    python benchmarks/make_readme_table.py --step                   # newest step_*.json
+    python benchmarks/make_readme_table.py benchmarks/results/step_<stamp>_cpu.json --backends cpu
 
+Kernel results (``bench_kernels.py``):
 By default the table covers the model layouts (MLP, reduced ResNet-18), the 1,000 x 4K
 tensors, and the single tensor at 2**20 and at the largest size every backend was timed at.
-Each cell is the achieved GB/s (SPEC section 5 bytes), the fraction of the copy bandwidth
+Each cell is the achieved GB/s (SPEC section 5 bytes), the fraction of the memory roof
 and the median time; the last column names the fastest backend and its speedups.
 """
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import re
 import os
 import sys
 from typing import Optional
@@ -25,12 +29,13 @@ OP_SHORT = {"inner_step": "inner", "meta_step": "meta", "inner_meta_step": "comb
 LAYOUT_ORDER = {"single": 0, "mlp-2x100": 1, "resnet18-reduced": 2, "many-1000x4096": 3}
 
 
-def newest_results(directory: str = DEFAULT_DIR) -> str:
-    """The most recent ``kernels_*.json`` in ``directory``."""
-    files = sorted(glob.glob(os.path.join(directory, "kernels_*.json")))
+def newest_results(directory: str = DEFAULT_DIR, kind: str = "kernels") -> str:
+    """The most recent ``<kind>_*.json`` in ``directory`` (by the UTC stamp in its name)."""
+    files = glob.glob(os.path.join(directory, f"{kind}_*.json"))
     if not files:
-        raise SystemExit(f"no kernels_*.json in {directory}; run benchmarks/bench_kernels.py first")
-    return files[-1]
+        raise SystemExit(f"no {kind}_*.json in {directory}; run benchmarks/bench_{kind}.py first")
+    stamp = re.compile(r"(\d{8}T\d{6}Z)")
+    return max(files, key=lambda f: (stamp.search(f).group(1) if stamp.search(f) else "", f))
 
 
 def _default_sizes(records: list, backends: list) -> set:
@@ -48,6 +53,12 @@ def _default_sizes(records: list, backends: list) -> set:
     return out
 
 
+def _roof_source(roof: dict) -> str:
+    if roof.get("roof_kernel") == "probe":
+        return f"an in-place pass over the inputs, {roof['roof_source'].replace('probe on ', '')}"
+    return f"`{roof['roof_kernel']}`, the best streaming kernel"
+
+
 def _time(ms: float) -> str:
     return f"{ms / 1e3:.3g} s" if ms >= 1000 else f"{ms:.3g} ms"
 
@@ -55,7 +66,7 @@ def _time(ms: float) -> str:
 def _cell(r: Optional[dict]) -> str:
     if r is None:
         return "-"
-    text = f"{r['gbps']:.2f} GB/s ({100 * r['ratio_to_copy']:.0f}%), {_time(r['time_ms'])}"
+    text = f"{r['gbps']:.2f} GB/s ({100 * r['ratio_to_roof']:.0f}%), {_time(r['time_ms'])}"
     if r.get("launches") is not None:
         text += f", {r['launches']} launch" + ("es" if r["launches"] != 1 else "")
     return text
@@ -107,12 +118,20 @@ def make_table(result: dict, *, device: Optional[str] = None, layouts=None, ops=
                                           op_rank.get(k[3], 9)))
     machine = result.get("machine", {})
     settings = result.get("settings", {})
+    roof = info["roof"]
+    counting = ("bytes read + written + write-allocate reads" if roof["write_allocate"]
+                else "bytes read + written")
     caption = (f"**{info['name']}**, torch {machine.get('torch', '?')} with "
-               f"{machine.get('torch_threads', '?')} thread(s); copy bandwidth "
-               f"{info['copy_gbps']:.1f} GB/s (`dst.copy_(src)`, bytes read + written); "
+               f"{machine.get('torch_threads', '?')} thread(s); roof {roof['roof_gbps']:.1f} GB/s "
+               f"({_roof_source(roof)}; "
+               f"copy {roof['copy_gbps']:.1f} GB/s; {counting}; percentages are of the roof); "
                f"{settings.get('mode', '?')} run of {result.get('created_utc', '?')}, "
                f"lr_mode `{settings.get('lr_mode', '?')}`"
                + (f", from `{source}`" if source else "") + ".")
+    loads = [l for _, l in info.get("load_averages", []) if l]
+    if loads:
+        caption += (f" 1-minute load average during the run: {min(l[0] for l in loads):.1f} to "
+                    f"{max(l[0] for l in loads):.1f} on {machine.get('cpu_count', '?')} cores.")
     if result.get("note"):
         caption += f" Note: {result['note']}."
     header = ["layout", "elements (tensors)", "dtype", "step"] + backends + ["fastest"]
@@ -135,11 +154,148 @@ def make_table(result: dict, *, device: Optional[str] = None, layouts=None, ops=
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------
+# Step results (bench_step.py)
+# ---------------------------------------------------------------------------------------------
+
+STEP_BASELINES = ("adam_fused", "adam_foreach", "sgd_foreach")
+STEP_TITLES = {"adam_fused": "Adam fused", "adam_foreach": "Adam foreach",
+               "sgd_foreach": "SGD foreach"}
+
+
+def _step_rank(name: str) -> tuple:
+    """The baselines first, then EMCL per backend: step() before inner_step(), the defaults
+    before check_finite=False."""
+    if name in STEP_BASELINES:
+        return (0, STEP_BASELINES.index(name))
+    backend = name.split("]")[0]
+    return (1, backend, "inner_step()" in name, "nocheck" in name, name)
+
+
+def _step_title(name: str) -> str:
+    if name in STEP_TITLES:
+        return STEP_TITLES[name]
+    return (name.replace("emcl[", "EMCL ").replace("]", "")
+            .replace(" nocheck", ", check off"))
+
+
+def _load(load) -> str:
+    return "?" if not load else f"{load[0]:.1f}"
+
+
+def step_goals(records: list) -> list:
+    """Lines saying how often EMCL met the issue's goals: ``step()`` (inner+meta, Adam's bytes)
+    at most 1.0x Adam-fused's wall time, ``inner_step()`` at most 0.8x."""
+    lines = []
+    emcl = [r for r in records if r.get("family") == "emcl" and r.get("ratio_to_adam_fused")]
+    for call, goal in (("step()", 1.0), ("inner_step()", 0.8)):
+        for check in (True, False):
+            rs = [r for r in emcl if r["call"] == call and r["check_finite"] is check]
+            for backend in dict.fromkeys(r["backend"] for r in rs):
+                mine = [r for r in rs if r["backend"] == backend]
+                met = [r for r in mine if r["ratio_to_adam_fused"] <= goal]
+                worst = max(mine, key=lambda r: r["ratio_to_adam_fused"])
+                lines.append(
+                    f"- EMCL `{backend}` `{call}`{'' if check else ' with check_finite=False'}: "
+                    f"<= {goal}x Adam-fused in {len(met)} of {len(mine)} cells; worst "
+                    f"{worst['ratio_to_adam_fused']:.2f}x ({worst['layout']} {worst['dtype']}, "
+                    f"{worst['threads']} thread(s))")
+    return lines
+
+
+def make_step_table(result: dict, *, backends=None, layouts=None, dtypes=None,
+                    source: str = "") -> str:
+    """The README's step table: per thread count (CPU) or for the GPU, one row per layout and
+    dtype; Adam-fused's median wall time per step, every other contender's as a ratio to it.
+    On a GPU a second table gives wall, host and device time and GPU activities per step."""
+    recs = [r for r in result["records"]
+            if (not layouts or any(r["layout"].startswith(l) for l in layouts))
+            and (not dtypes or r["dtype"] in dtypes)
+            and (r["family"] != "emcl" or not backends or r.get("backend") in backends)]
+    if not recs:
+        raise SystemExit("no records match the selection")
+    names = list(dict.fromkeys(r["contender"] for r in recs))
+    names = sorted(names, key=_step_rank)
+    machine = result.get("machine", {})
+    loads = [l for r in recs for l in (r.get("load_average_before"), r.get("load_average_after"))
+             if l]
+    roofs = "; ".join(f"{r['threads']} thread(s) {r['roof_gbps']:.1f} GB/s ({r['roof_kernel']})"
+                      for r in result.get("roofs", []))
+    caption = (f"**{result['device_name']}**, torch {machine.get('torch', '?')}; "
+               f"{result['settings']['mode']} run of {result['created_utc']}"
+               + (f", from `{source}`" if source else "") + ". Adam fused: median wall time "
+               "of one `step()` in ms [quartiles]; the others: median wall time of one `step()` "
+               "(`inner_step()` where named) over Adam fused's, and in parentheses the same of "
+               "the fastest steps; every contender on the same tensors, interleaved round by "
+               "round."
+               + (f" 1-minute load average during the run: {min(l[0] for l in loads):.1f} to "
+                  f"{max(l[0] for l in loads):.1f} on {machine.get('cpu_count', '?')} cores."
+                  if loads else "")
+               + (f" Memory roof: {roofs}." if roofs else ""))
+    if result.get("note"):
+        caption += f" Note: {result['note']}."
+    lines = [caption]
+    for threads in dict.fromkeys(r["threads"] for r in recs):
+        sub = [r for r in recs if r["threads"] == threads]
+        head = ["layout", "dtype", "Adam fused (ms)"] + \
+            [_step_title(n) for n in names if n != "adam_fused"]
+        title = f"{threads} thread(s)" if result["device"] == "cpu" else result["device_name"]
+        lines += ["", f"*{title}*", "", "| " + " | ".join(head) + " |",
+                  "|" + "|".join(["---", "---"] + ["--:"] * (len(head) - 2)) + "|"]
+        for layout in dict.fromkeys(r["layout"] for r in sub):
+            for dtype in dict.fromkeys(r["dtype"] for r in sub):
+                by = {r["contender"]: r for r in sub if r["layout"] == layout
+                      and r["dtype"] == dtype}
+                if not by:
+                    continue
+                base = by.get("adam_fused")
+                cells = [layout, dtype,
+                         "-" if not base or base.get("error") else
+                         f"{base['wall_ms']:.3g} [{base['wall_ms_q25']:.3g}-{base['wall_ms_q75']:.3g}]"]
+                for n in names:
+                    if n == "adam_fused":
+                        continue
+                    r = by.get(n)
+                    if r is None:
+                        cells.append("-")
+                    elif r.get("error"):
+                        cells.append("error")
+                    elif r.get("ratio_to_adam_fused") is None:
+                        cells.append(f"{r['wall_ms']:.3g} ms")
+                    else:
+                        cells.append(f"{r['ratio_to_adam_fused']:.2f}x "
+                                     f"({r['ratio_to_adam_fused_min']:.2f}x)"
+                                     + ("" if r.get("finite", True) else " (not finite)"))
+                lines.append("| " + " | ".join(cells) + " |")
+    gpu = [r for r in recs if r.get("device_ms") is not None]
+    if gpu:
+        lines += ["", "| layout | dtype | contender | wall ms | host ms | device ms | "
+                  "GPU activities / step | x Adam fused |", "|---|---|---|--:|--:|--:|--:|--:|"]
+        for r in gpu:
+            lines.append(f"| {r['layout']} | {r['dtype']} | {_step_title(r['contender'])} | "
+                         f"{r['wall_ms']:.3g} | {r['host_ms']:.3g} | {r['device_ms']:.3g} | "
+                         f"{r['gpu_activities_per_step']:.3g} | "
+                         f"{r['ratio_to_adam_fused']:.2f}x |")
+    errors = {(r["contender"], r["error"]) for r in recs if r.get("error")}
+    goals = step_goals(recs)
+    if goals or errors:
+        lines.append("")
+    lines += goals
+    lines += [f"- {_step_title(n)}: {e}" for n, e in sorted(errors)]
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python benchmarks/make_readme_table.py",
-                                description="Markdown table from a bench_kernels.py results file.")
+                                description="Markdown table from a bench_kernels.py or "
+                                            "bench_step.py results file.")
     p.add_argument("results", nargs="?", default=None,
-                   help="results JSON (default: the newest benchmarks/results/kernels_*.json)")
+                   help="results JSON (default: the newest benchmarks/results/kernels_*.json, "
+                        "with --step the newest step_*.json)")
+    p.add_argument("--step", action="store_true",
+                   help="without a file: the newest step_*.json (bench_step.py)")
+    p.add_argument("--backends", nargs="+", default=None,
+                   help="step results: only these EMCL backends (default: all in the file)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: the first in the file)")
     p.add_argument("--layouts", nargs="+", default=None,
                    help="layout name prefixes: single mlp resnet18 many (default: all)")
@@ -153,17 +309,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list] = None) -> str:
     args = build_parser().parse_args(argv)
-    path = args.results or newest_results()
+    path = args.results or newest_results(kind="step" if args.step else "kernels")
     with open(path) as f:
         result = json.load(f)
+    is_step = str(result.get("schema", "")).startswith("emcl-kernels/bench_step")
     try:
         source = os.path.relpath(path, os.path.dirname(HERE))
     except ValueError:
         source = path
     if source.startswith(".."):
         source = os.path.basename(path)
-    text = make_table(result, device=args.device, layouts=args.layouts, ops=args.ops,
-                      dtypes=args.dtypes, sizes=args.sizes, source=source)
+    if is_step:
+        text = make_step_table(result, backends=args.backends, layouts=args.layouts,
+                               dtypes=args.dtypes, source=source)
+    else:
+        text = make_table(result, device=args.device, layouts=args.layouts, ops=args.ops,
+                          dtypes=args.dtypes, sizes=args.sizes, source=source)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")

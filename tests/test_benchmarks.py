@@ -1,5 +1,6 @@
-"""The benchmark scripts: SPEC section 5's byte model, the backends they pick up, the records
-they write, the README table made from them, and the end-to-end training benchmark.
+"""The benchmark scripts: SPEC section 5's byte model, the backends they pick up, inputs that
+never share memory, the memory roof, the records they write, the README tables made from them,
+the optimizer-step benchmark and the end-to-end training benchmark.
 
 Every run here is the real script on real tensors, shrunk (one small size, few repeats) so the
 file takes seconds.
@@ -18,7 +19,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import bench_kernels, bench_training, common, make_readme_table  # noqa: E402
+from benchmarks import (bench_kernels, bench_step, bench_training, common,  # noqa: E402
+                        make_readme_table)
 
 from emcl_kernels.backends import BACKENDS, get_backend  # noqa: E402
 
@@ -119,6 +121,33 @@ def test_rotated_sets_exceed_the_last_level_cache():
         assert n == 1 or (n - 1) * set_bytes < s.rotate_factor * llc  # no more than needed
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_input_sets_never_share_memory(dtype):
+    # The old make_input_set took θ.to(dtype) as the parameter (θ itself for fp32) and made the
+    # anchor with θ.add_(noise): parameter and anchor were one tensor, and the fp32 "GB/s" was
+    # above the memory's (141 % of copy on the H100).
+    layout = bench_kernels.Layout("x", [(64, 3), (5,), (1000,)])
+    gen = torch.Generator().manual_seed(0)
+    s = bench_kernels.make_input_set(layout, dtype, torch.device("cpu"), gen, with_meta_lrs=True)
+    tensors = s.params + s.grads + s.anchors + s.importances + s.meta_lrs
+    assert common.overlapping(tensors) == []
+    assert len({t.data_ptr() for t in tensors}) == len(tensors)
+    for p, a in zip(s.params, s.anchors):
+        assert not torch.equal(p.float(), a)  # θ₀ = θ + 0.3·noise, a tensor of its own
+
+
+def test_overlapping_finds_shared_memory_and_only_that():
+    buf = torch.zeros(100)
+    a, b = buf[:50], buf[50:]
+    assert common.overlapping([a, b]) == []
+    assert common.overlapping([buf, a]) != []
+    assert common.overlapping([a, torch.zeros(3), a]) != []
+    assert common.overlapping([buf[40:60], b, torch.zeros(5)]) != []
+    strided = torch.zeros(10, 10)
+    assert common.overlapping([strided[:, 0], strided[9, 1:]]) == []   # spans end at the last element
+    assert common.overlapping([torch.zeros(0), torch.zeros(0)]) == []
+
+
 def test_input_sets_are_random_and_shaped_like_the_layout():
     layout = bench_kernels.Layout("x", [(3, 5), (7,)])
     gen = torch.Generator().manual_seed(0)
@@ -128,6 +157,78 @@ def test_input_sets_are_random_and_shaped_like_the_layout():
     assert all(t.dtype == torch.float32 for t in s.anchors + s.importances + s.meta_lrs)
     assert all(bool((t != 0).all()) for t in s.grads + s.importances + s.meta_lrs)
     assert s.nbytes == 22 * 2 * 2 + 22 * 4 * 3
+
+
+# ---------------------------------------------------------------------------------------------
+# The memory roof
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kernel, with_wa, without_wa", [
+    ("copy", 12, 8), ("foreach_copy", 12, 8), ("triad", 16, 12),
+    ("axpy_inplace", 12, 12), ("scale_inplace", 8, 8), ("fill", 8, 4)])
+def test_roof_kernels_count_write_allocate_only_for_stores_to_unread_lines(kernel, with_wa,
+                                                                           without_wa):
+    assert common.roof_bytes_per_element(kernel, True) == with_wa
+    assert common.roof_bytes_per_element(kernel, False) == without_wa
+    assert common.write_allocate_default(torch.device("cpu")) is True
+    assert common.write_allocate_default(torch.device("cuda")) is False
+
+
+def test_roof_kernels_do_what_their_names_say():
+    a, b, c = torch.rand(1000), torch.rand(1000), torch.rand(1000)
+    b0, c0 = b.clone(), c.clone()
+    fns = common.roof_kernels(a, b, c)
+    assert set(fns) == set(common.ROOF_KERNELS)
+    fns["triad"]()
+    assert torch.allclose(a, b0 + 0.5 * c0)
+    fns["copy"]()
+    assert torch.equal(a, b0)
+    a.fill_(2.0)
+    fns["foreach_copy"]()
+    assert torch.equal(a, b0)
+    fns["scale_inplace"]()
+    assert torch.equal(a, b0)   # x 1.0: values kept, so repeats stay finite
+    fns["axpy_inplace"]()
+    assert torch.allclose(a, b0 * (1 + 1e-6))
+    fns["fill"]()
+    assert bool((a == 0.5).all())
+    assert torch.equal(b, b0) and torch.equal(c, c0)   # only a is written
+
+
+def test_roof_sizes_span_the_cache_to_the_largest():
+    sizes = common.roof_sizes(torch.device("cpu"), 32 << 20, 2 ** 26)
+    assert sizes == [2 ** 18, 2 ** 20, 2 ** 22, 2 ** 24, 2 ** 26]
+    assert common.roof_sizes(torch.device("cpu"), 32 << 20, 2 ** 18) == [2 ** 18]
+    assert common.roof_sizes(torch.device("cpu"), 32 << 20, 2 ** 12) == [2 ** 12]
+
+
+def test_measure_roof_returns_sane_numbers():
+    torch.set_num_threads(1)
+    extra = common.emcl_kernel_calls(torch.device("cpu"), 2 ** 14, ["foreach"])
+    roof = common.measure_roof(torch.device("cpu"), [2 ** 12, 2 ** 14], 3,
+                               rotate_bytes=1 << 20, extra=extra, extra_numel=2 ** 14)
+    assert roof["threads"] == 1 and roof["write_allocate"] is True
+    keys = {(r["kernel"], r["numel"]) for r in roof["records"]}
+    assert keys == {(k, n) for k in common.ROOF_KERNELS for n in (2 ** 12, 2 ** 14)} | {
+        ("emcl_foreach_inner_step", 2 ** 14), ("emcl_foreach_inner_meta_step", 2 ** 14)}
+    streaming = [r for r in roof["records"] if r["kernel"] in common.ROOF_KERNELS]
+    for r in roof["records"]:
+        assert 0 < r["gbps"] <= r["gbps_best"] < 10_000   # positive, below any memory made
+        assert len(r["seconds"]) >= 3
+        assert r["gbps_best"] == pytest.approx(
+            r["bytes_per_element"] * r["numel"] / min(r["seconds"]) / 1e9)
+    small = [r for r in streaming if r["numel"] == 2 ** 12]
+    assert all(r["sets"] == -(-(1 << 20) // (3 * 4 * 2 ** 12)) for r in small)
+    assert len(small[0]["seconds"]) == 2 * small[0]["sets"]   # every set used twice
+    top = max(streaming, key=lambda r: r["gbps_best"])
+    assert roof["roof_gbps"] == top["gbps_best"] and roof["roof_kernel"] == top["kernel"]
+    assert roof["roof_numel"] == top["numel"]
+    assert all(r["ratio_to_roof_best"] <= 1.0 for r in streaming)
+    assert roof["copy_gbps"] == max(r["gbps_best"] for r in streaming if r["kernel"] == "copy")
+    pooled = common.pool_roofs([roof, roof])
+    assert pooled["roof_gbps"] == roof["roof_gbps"]
+    assert all(len(r["seconds"]) == 2 * len(o["seconds"])
+               for r, o in zip(pooled["records"], roof["records"]))
 
 
 def test_stats_and_repeats():
@@ -152,7 +253,7 @@ def kernel_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     result = bench_kernels.main(["--quick", "--sizes", "10", "--layouts", "single", "mlp",
                                  "--budget", "0.002", "--max-reps", "3", "--device", "cpu",
-                                 "--rotate-mb", "2", "--copy-mb", "8", "--threads", "1",
+                                 "--rotate-mb", "2", "--roof-mb", "1", "--threads", "1",
                                  "--out-dir", str(out), "--name", "run", "--quiet"])
     return result, out
 
@@ -173,8 +274,15 @@ def test_kernel_run_has_a_record_for_every_backend_op_dtype_and_layout(kernel_ru
 
 def test_kernel_records_are_consistent(kernel_run):
     result, _ = kernel_run
-    copy = result["devices"]["cpu"]["copy_gbps"]
-    assert copy > 0
+    info = result["devices"]["cpu"]
+    copy, roof = info["copy_gbps"], info["roof_gbps"]
+    assert 0 < copy <= roof == info["roof"]["roof_gbps"]
+    assert len(info["roof_runs"]) == 2   # measured at the start and at the end, pooled
+    assert [l[0] for l in info["load_averages"]][::len(info["load_averages"]) - 1] == ["start", "end"]
+    probes = info["roof"]["probes"]
+    assert {(p["layout"], p["dtype"]) for p in probes} == {
+        (l, d) for l in ("single", "mlp-2x100") for d in ("fp32", "bf16")}
+    assert roof >= max(p["gbps_best"] for p in probes)
     index = {(r["backend"], r["op"], r["dtype"], r["layout"]): r for r in result["records"]}
     for r in result["records"]:
         for key in REQUIRED:
@@ -184,6 +292,9 @@ def test_kernel_records_are_consistent(kernel_run):
         assert r["bytes_per_element"] == bpe and r["bytes"] == bpe * r["numel"]
         assert r["gbps"] == pytest.approx(r["bytes"] / (r["time_ms"] / 1e3) / 1e9)
         assert r["copy_gbps"] == copy and r["ratio_to_copy"] == pytest.approx(r["gbps"] / copy)
+        assert r["roof_gbps"] == roof and r["ratio_to_roof"] == pytest.approx(r["gbps"] / roof)
+        assert r["ratio_to_roof_best"] == pytest.approx(r["gbps_best"] / roof)
+        assert r["gbps_best"] >= r["gbps"]
         assert r["time_ms_min"] <= r["time_ms"] and 1 <= r["repeats"] <= 3
         assert r["launches"] is None and r["finite"] is True
         assert r["rotation_bytes"] >= 2 << 20 and r["rotation_sets"] >= 2
@@ -202,14 +313,14 @@ def test_kernel_run_says_what_it_left_out(kernel_run):
         assert "interpreter" in info["skipped_backends"]["triton"]
     assert result["settings"]["mode"] == "quick"
     table = bench_kernels.format_table(result)
-    assert "copy bandwidth" in table and "not timed: cuda" in table
+    assert "roof" in table and "not timed: cuda" in table
 
 
 def test_reference_is_capped(tmp_path):
     result = bench_kernels.main(["--sizes", "10", "12", "--layouts", "single", "--ops", "inner_step",
                                  "--dtypes", "fp32", "--reference-cap", "10", "--budget", "0.001",
                                  "--max-reps", "2", "--device", "cpu", "--out-dir", str(tmp_path),
-                                 "--rotate-mb", "1", "--copy-mb", "8", "--threads", "1", "--no-plot", "--quiet", "--backends", "reference", "foreach"])
+                                 "--rotate-mb", "1", "--roof-mb", "1", "--threads", "1", "--no-plot", "--quiet", "--backends", "reference", "foreach"])
     sizes = {(r["backend"], r["numel"]) for r in result["records"]}
     assert sizes == {("reference", 1024), ("foreach", 1024), ("foreach", 4096)}
     assert any("reference backend timed only up to 1024" in n for n in result["devices"]["cpu"]["notes"])
@@ -221,7 +332,7 @@ def test_readme_table_comes_from_the_results_file(kernel_run):
     result, out = kernel_run
     text = make_readme_table.main([str(out / "run.json"), "--sizes", "10"])
     assert result["devices"]["cpu"]["name"] in text
-    assert f"{result['devices']['cpu']['copy_gbps']:.1f} GB/s" in text
+    assert f"roof {result['devices']['cpu']['roof_gbps']:.1f} GB/s" in text
     rows = [l for l in text.splitlines() if l.startswith("| ") and "GB/s" in l]
     backends = list(dict.fromkeys(r["backend"] for r in result["records"]))
     assert len(rows) == 2 * 2 * 3  # 2 layouts x 2 dtypes x 3 ops
@@ -243,13 +354,282 @@ def test_kernel_script_runs_from_the_command_line(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_kernels.py"), "--quick",
            "--sizes", "10", "--layouts", "single", "--dtypes", "bf16", "--ops", "meta_step",
            "--budget", "0.001", "--max-reps", "2", "--device", "cpu", "--out-dir", str(tmp_path),
-           "--rotate-mb", "1", "--copy-mb", "8", "--threads", "1", "--name", "cli",
+           "--rotate-mb", "1", "--roof-mb", "1", "--threads", "1", "--name", "cli",
            "--quiet", "--no-plot"]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the script finds the repo itself
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "copy bandwidth" in proc.stdout and "meta_step" in proc.stdout
+    assert "roof" in proc.stdout and "meta_step" in proc.stdout
     assert (tmp_path / "cli.json").exists()
+
+
+def test_above_roof_records_are_called_a_bug():
+    roof = {"records": [{"kernel": "copy", "ratio_to_roof_best": 1.0},
+                        {"kernel": "emcl_cpu_inner_step", "ratio_to_roof_best": 1.2}]}
+    recs = [{"backend": "cpu", "op": "meta_step", "dtype": "fp32", "layout": "single",
+             "numel": 1 << 20, "ratio_to_roof_best": r} for r in (0.5, 1.3, 1.1)]
+    notes = bench_kernels.above_roof_notes(recs, roof)
+    assert len(notes) == 2 and all(n.startswith("BUG") for n in notes)
+    assert "2 record(s)" in notes[0] and "1.30x" in notes[0]
+    assert "emcl_cpu_inner_step" in notes[1]
+    assert bench_kernels.above_roof_notes(recs[:1], {"records": roof["records"][:1]}) == []
+
+
+def test_probes_raise_the_roof_only_when_faster():
+    roof = {"roof_gbps": 20.0, "roof_kernel": "copy", "roof_numel": 1 << 26, "records": []}
+    slow = {"layout": "single", "numel": 1 << 20, "dtype": "fp32", "gbps_best": 19.0}
+    fast = {**slow, "numel": 1 << 22, "gbps_best": 21.0}
+    kept = bench_kernels.roof_with_probes(roof, [slow])
+    assert kept["roof_gbps"] == 20.0 and kept["roof_kernel"] == "copy" and kept["probes"] == [slow]
+    raised = bench_kernels.roof_with_probes(roof, [slow, fast])
+    assert raised["roof_gbps"] == 21.0 and raised["roof_kernel"] == "probe"
+    assert raised["roof_numel"] == 1 << 22 and roof["roof_gbps"] == 20.0   # the input is kept
+    assert bench_kernels.roof_with_probes(roof, [])["roof_gbps"] == 20.0
+
+
+def test_rotation_always_takes_the_least_recently_used_set():
+    rot = bench_kernels.Rotation(3)
+    assert [rot.take(), rot.take()] == [0, 1]
+    assert rot.upcoming(4) == [2, 0, 1, 2]
+    rot.advance(2)                 # only two of them were used
+    assert rot.take() == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The optimizer-step benchmark
+# ---------------------------------------------------------------------------------------------
+
+def test_step_layouts_have_the_published_sizes():
+    name, shapes, _ = bench_step.layout_shapes("mlp")
+    assert shapes == [(100, 784), (100,), (100, 100), (100,), (10, 100), (10,)]
+    assert bench_step.numel_of(shapes) == 89_610
+    gpt2 = bench_step.gpt2_shapes()
+    assert len(gpt2) == 148 and bench_step.numel_of(gpt2) == 124_439_808
+    assert gpt2[:4] == [(50257, 768), (1024, 768), (768,), (768,)]
+    _, many, _ = bench_step.layout_shapes("many")
+    assert many == [(4096,)] * 1000
+    by_hand = bench_step.resnet18_shapes_by_hand()
+    assert len(by_hand) == 62 and bench_step.numel_of(by_hand) == 11_689_512
+
+
+def test_resnet18_shapes_by_hand_are_torchvisions():
+    torchvision = pytest.importorskip("torchvision")
+    model = torchvision.models.resnet18(weights=None)
+    assert bench_step.resnet18_shapes_by_hand() == [tuple(p.shape) for p in model.parameters()]
+    shapes, source = bench_step.resnet18_shapes()
+    assert shapes == bench_step.resnet18_shapes_by_hand() and "torchvision" in source
+
+
+def test_resnet18_layout_works_without_torchvision(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchvision", None)   # import torchvision now fails
+    shapes, source = bench_step.resnet18_shapes()
+    assert shapes == bench_step.resnet18_shapes_by_hand() and "by hand" in source
+
+
+@pytest.mark.parametrize("kind, fp32, bf16", [
+    ("emcl_step", 28, 22), ("emcl_inner", 20, 14), ("adam", 28, 14), ("sgd", 20, 10)])
+def test_step_byte_models(kind, fp32, bf16):
+    assert bench_step.bytes_per_element(kind, torch.float32) == fp32
+    assert bench_step.bytes_per_element(kind, torch.bfloat16) == bf16
+
+
+def test_step_parameters_and_gradients_are_distinct_and_nonzero():
+    params = bench_step.make_params([(3, 4), (7,)], torch.bfloat16, torch.device("cpu"),
+                                    torch.Generator().manual_seed(0))
+    tensors = [t for p in params for t in (p, p.grad)]
+    assert common.overlapping(tensors) == []
+    assert all(t.dtype == torch.bfloat16 and bool((t != 0).all()) for t in tensors)
+    assert all(p.is_leaf and p.requires_grad for p in params)
+
+
+def test_step_ratios_are_computed_within_each_group():
+    def rec(family, contender, wall, wall_min, threads=1, dtype="fp32"):
+        return {"device": "cpu", "threads": threads, "layout": "x", "dtype": dtype,
+                "family": family, "contender": contender, "wall_ms": wall, "wall_ms_min": wall_min}
+    recs = [rec("adam_fused", "adam_fused", 2.0, 1.0), rec("sgd_foreach", "sgd_foreach", 1.0, 0.8),
+            rec("emcl", "emcl[cpu] step()", 3.0, 1.5),
+            rec("adam_fused", "adam_fused", 10.0, 5.0, threads=2),
+            rec("emcl", "emcl[cpu] step()", 5.0, 4.0, threads=2),
+            rec("emcl", "emcl[cpu] step()", 5.0, 4.0, dtype="bf16"),
+            {**rec("emcl", "emcl[cpu] inner_step()", None, None), "error": "boom"}]
+    bench_step.add_ratios(recs)
+    assert recs[2]["ratio_to_adam_fused"] == 1.5 and recs[2]["ratio_to_adam_fused_min"] == 1.5
+    assert recs[2]["ratio_to_sgd_foreach"] == 3.0 and recs[2]["ratio_to_adam_foreach"] is None
+    assert recs[0]["ratio_to_adam_fused"] == 1.0
+    assert recs[4]["ratio_to_adam_fused"] == 0.5 and recs[4]["ratio_to_adam_fused_min"] == 0.8
+    assert recs[4]["ratio_to_sgd_foreach"] is None          # no SGD at 2 threads
+    assert recs[5]["ratio_to_adam_fused"] is None           # no Adam in the bf16 group
+    assert recs[6]["ratio_to_adam_fused"] is None
+
+
+def test_a_contender_that_fails_mid_run_is_recorded_and_the_rest_go_on():
+    class FailsOnThirdStep(torch.optim.SGD):
+        calls = 0
+
+        def step(self, closure=None):
+            FailsOnThirdStep.calls += 1
+            if FailsOnThirdStep.calls == 3:
+                raise RuntimeError("out of memory, say")
+            return super().step(closure)
+
+    params = bench_step.make_params([(4, 4)], torch.float32, torch.device("cpu"),
+                                    torch.Generator().manual_seed(0))
+    ok = bench_step.Contender("sgd_foreach", "sgd_foreach", torch.optim.SGD(params, lr=1e-3),
+                              "step()", "sgd")
+    bad = bench_step.Contender("flaky", "sgd_foreach", FailsOnThirdStep(params, lr=1e-3),
+                               "step()", "sgd")
+    settings = bench_step.Settings.quick()
+    settings.min_rounds = settings.max_rounds = 4
+    settings.block_s = 0.0   # one step per block
+    alive = bench_step.warm_up([ok, bad], torch.device("cpu"), 1, lambda *_: None)
+    assert alive == [ok, bad]
+    assert bench_step.time_group(alive, torch.device("cpu"), settings, lambda *_: None) == 4
+    assert ok.error is None and ok.blocks == 4
+    assert "out of memory" in bad.error and bad.blocks == 1   # warm-up, one block, then the error
+    rec = bench_step.record_of(bad, {"numel": 16}, torch.device("cpu"), torch.float32)
+    assert rec["error"] and "wall_ms" not in rec
+
+
+def test_gpu_activities_are_counted_and_timed_per_step():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Interval
+
+    def evt(name, device, start, end, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, time_range=Interval(start, end),
+                               is_user_annotation=annotation)
+    cuda, cpu = DeviceType.CUDA, DeviceType.CPU
+    events = []
+    for step in range(2):
+        t = 100.0 * step
+        events += [evt("Optimizer.step#Adam.step", cpu, t, t + 90),
+                   evt("Optimizer.step#Adam.step", cuda, t + 10, t + 60, annotation=True),
+                   evt("Memset (Device)", cuda, t + 10, t + 11),
+                   evt("void emcl_kernel<float>(...)", cuda, t + 20, t + 50),
+                   evt("Memcpy DtoH (Device -> Pinned)", cuda, t + 55, t + 57),
+                   evt("cudaLaunchKernel", cpu, t + 5, t + 8)]
+    events.append(evt("Optimizer.step#Adam.step", cuda, 300, 350))   # torch without the flag
+    out = bench_step.summarize_gpu_events(events, steps=2)
+    assert out["gpu_activities_per_step"] == 3
+    assert out["gpu_kernels_per_step"] == out["gpu_memsets_per_step"] == 1
+    assert out["gpu_memcpys_per_step"] == 1
+    assert out["device_ms"] == pytest.approx((1 + 30 + 2) / 1e3)
+
+
+@pytest.fixture(scope="module")
+def step_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("step")
+    result = bench_step.main(["--quick", "--device", "cpu", "--layouts", "mlp", "--dtypes", "fp32",
+                              "bf16", "--threads", "1", "--backends", "foreach", "cpu",
+                              "--rounds", "2", "2", "--warmup", "1", "--budget", "0.01",
+                              "--roof-mb", "1", "--rotate-mb", "2", "--out", str(out),
+                              "--name", "step", "--quiet"])
+    return result, out
+
+
+def test_step_run_times_every_contender_on_every_dtype(step_run):
+    result, out = step_run
+    with open(out / "step.json") as f:
+        saved = json.load(f)
+    assert saved["schema"] == bench_step.SCHEMA and saved["complete"] is True
+    assert saved["records"] == json.loads(json.dumps(result["records"]))
+    assert (out / "step.png").read_bytes()[:8] == PNG_MAGIC
+    emcl = [b for b in ("foreach", "cpu") if b in result["emcl_backends"]]
+    expected = {"adam_fused", "adam_foreach", "sgd_foreach"} | {
+        f"emcl[{b}] {call}{suffix}" for b in emcl for call in ("step()", "inner_step()")
+        for suffix in ("", " nocheck")}
+    for dtype in ("fp32", "bf16"):
+        names = {r["contender"] for r in saved["records"] if r["dtype"] == dtype}
+        assert names == expected
+    assert len(saved["roofs"]) == 1 and saved["roofs"][0]["threads"] == 1
+
+
+def test_step_plot_is_redrawn_from_the_results_file(step_run):
+    _, out = step_run
+    (out / "step.png").unlink()
+    bench_step.main(["--replot", str(out / "step.json")])
+    assert (out / "step.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_step_records_are_consistent(step_run):
+    result, _ = step_run
+    for r in result["records"]:
+        assert r["error"] is None, r["error"]
+        assert r["device"] == "cpu" and r["threads"] == 1 and r["numel"] == 89_610
+        assert r["finite"] is True
+        assert r["wall_ms_min"] <= r["wall_ms_q25"] <= r["wall_ms"] <= r["wall_ms_q75"]
+        assert r["host_ms"] == r["wall_ms"]          # on CPU the whole step is host work
+        assert r["rounds"] == 2 and r["samples"] == 2 * r["steps_per_block"]
+        assert r["steps_taken"] >= 1 + r["samples"]     # warm-up, timed
+        assert r["device_ms"] is None and r["gpu_activities_per_step"] is None
+        assert r["gbps"] == pytest.approx(r["bytes_per_element"] * r["numel"] / r["wall_ms"] / 1e6)
+        assert r["roof_gbps"] == result["roofs"][0]["roof_gbps"]
+        assert r["ratio_to_roof"] == pytest.approx(r["gbps"] / r["roof_gbps"])
+        assert len(r["load_average_before"]) == 3
+        base = [b for b in result["records"] if b["contender"] == "adam_fused"
+                and b["dtype"] == r["dtype"]][0]
+        assert r["ratio_to_adam_fused"] == pytest.approx(r["wall_ms"] / base["wall_ms"])
+        if r["family"] == "emcl":
+            assert r["bytes_per_element"] == (28 if r["call"] == "step()" else 20) - \
+                (6 if r["dtype"] == "bf16" else 0)
+            assert r["settings"]["meta_every"] == 1
+            assert r["check_finite"] is (not r["contender"].endswith("nocheck"))
+
+
+def test_step_readme_table_comes_from_the_results_file(step_run):
+    result, out = step_run
+    text = make_readme_table.main([str(out / "step.json"), "--backends", "cpu"])
+    assert result["device_name"] in text and "step.json" in text
+    rows = [l for l in text.splitlines() if l.startswith("| mlp")]
+    assert len(rows) == 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        recs = {r["contender"]: r for r in result["records"] if r["dtype"] == cells[1]}
+        assert cells[2].startswith(f"{recs['adam_fused']['wall_ms']:.3g} [")
+        if "cpu" in result["emcl_backends"]:
+            r = recs["emcl[cpu] step()"]
+            assert (f"{r['ratio_to_adam_fused']:.2f}x ({r['ratio_to_adam_fused_min']:.2f}x)"
+                    in cells)
+    assert "emcl[foreach]" not in text and "EMCL foreach" not in text
+    assert any(l.startswith("- EMCL `cpu` `step()`") for l in text.splitlines()) or \
+        "cpu" not in result["emcl_backends"]
+
+
+def test_step_script_runs_from_the_command_line(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_step.py"), "--quick",
+           "--device", "cpu", "--layouts", "mlp", "--dtypes", "fp32", "--threads", "1",
+           "--backends", "foreach", "--rounds", "1", "1", "--warmup", "1", "--budget", "0.001",
+           "--no-roof", "--no-plot", "--out", str(tmp_path), "--tag", "before"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the script finds the repo itself
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = list(tmp_path.glob("step_before_*_cpu.json"))
+    assert len(files) == 1 and "adam_fused" in proc.stdout
+    assert json.loads(files[0].read_text())["roofs"] == []
+
+
+def test_step_benchmark_writes_its_results_without_matplotlib(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # import matplotlib now fails
+    result = bench_step.main(["--device", "cpu", "--layouts", "mlp", "--dtypes", "fp32",
+                              "--threads", "1", "--backends", "foreach", "--rounds", "1", "1",
+                              "--warmup", "1", "--budget", "0.001", "--no-roof",
+                              "--out", str(tmp_path), "--name", "noplot", "--quiet"])
+    assert "png" not in result["paths"] and (tmp_path / "noplot.json").exists()
+    assert "no plot: matplotlib is not importable" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_step_benchmark_on_the_gpu(tmp_path):
+    result = bench_step.main(["--quick", "--device", "cuda", "--layouts", "mlp", "--dtypes", "fp32",
+                              "--rounds", "2", "2", "--warmup", "1", "--roof-mb", "16",
+                              "--out", str(tmp_path), "--name", "gpu", "--quiet", "--no-plot"])
+    ok = [r for r in result["records"] if not r.get("error")]
+    assert {"adam_fused", "adam_foreach", "sgd_foreach"} <= {r["contender"] for r in ok}
+    for r in ok:
+        assert r["device"] == "cuda" and r["device_ms"] > 0
+        assert r["gpu_activities_per_step"] >= 1 and r["host_ms"] > 0
+        assert r["gbps"] <= 1.02 * r["copy_gbps"]
 
 
 # ---------------------------------------------------------------------------------------------

