@@ -9,11 +9,9 @@ program, and the test suite dies in the middle.
 So after compiling, ``setup.py`` loads the new library in a *subprocess* (a crash must not take
 pip down with it) and calls one op with a bad argument that the op's own C++ code rejects:
 
-- ``torch.ops.emcl.check_finite_(grads, counters)`` with a float32 ``counters`` tensor (the
-  interface wants int64; the C++ code checks it with ``TORCH_CHECK_TYPE`` -> ``TypeError``),
-  when the library registers that op (the interface of ``emcl_kernels/interface.py``);
-- otherwise ``torch.ops.emcl.inner_step_`` with lists of different lengths (the first op
-  interface; ``TORCH_CHECK_VALUE`` -> ``ValueError``).
+``torch.ops.emcl.check_finite_(grads, counters)`` with a float32 ``counters`` tensor (the
+interface of ``emcl_kernels/interface.py`` wants int64; the C++ code checks it with
+``TORCH_CHECK_TYPE`` -> ``TypeError``).
 
 The check passes only when that call raises exactly the expected Python exception. Anything
 else -- the library does not load, the process dies from a signal, the call returns, or raises
@@ -73,14 +71,9 @@ if registered("check_finite_"):
     op, expected = "check_finite_", TypeError
     def call():  # counters must be int64: the C++ op rejects float32 with TORCH_CHECK_TYPE
         torch.ops.emcl.check_finite_([torch.ones(3)], torch.zeros(4, dtype=torch.float32))
-elif registered("inner_step_"):
-    op, expected = "inner_step_", ValueError
-    def call():  # four lists of different lengths: TORCH_CHECK_VALUE in the C++ op
-        p = [torch.zeros(2), torch.zeros(2)]
-        torch.ops.emcl.inner_step_(p, p[:1], p, p, inner_lr=0.1, reg=1.0, gamma=0.1, prox=True)
 else:
-    print("EMCL_SELFCHECK_NO_OP neither torch.ops.emcl.check_finite_ nor "
-          "torch.ops.emcl.inner_step_ is registered by " + path, flush=True)
+    print("EMCL_SELFCHECK_NO_OP torch.ops.emcl.check_finite_ is not registered by " + path,
+          flush=True)
     sys.exit(3)
 print("EMCL_SELFCHECK_CALLING torch.ops.emcl." + op + ", expecting " + expected.__name__,
       flush=True)
