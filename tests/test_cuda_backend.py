@@ -132,21 +132,23 @@ def test_empty_lists_still_do_the_bookkeeping():
     assert counters_dict(counters.cpu()) == dict(found=0, calls=5, skipped=1, done=0)
 
 
-def test_a_step_never_waits_for_the_gpu():
+@pytest.mark.parametrize("entry", ("torch.ops", "backend"))
+def test_a_step_never_waits_for_the_gpu(entry):
     """With a check, grad_scale and found_inf, a call reads every device value on the device:
-    torch's sync debug mode finds no synchronization."""
-    mode = MODES[0]
-    case = make_case([4097, 70_001], torch.bfloat16, seed=6, device="cuda")
+    torch's sync debug mode finds no synchronization in the call (every tensor is made
+    before it: a copy from pageable host memory would synchronize)."""
+    call = step_op_call("cuda", torch.bfloat16, MODES[0], sizes=(4097, 70_001), seed=6)
+    call.update(grad_scale=torch.full((), 4.0, device="cuda"),
+                found_inf=torch.zeros((), device="cuda"), meta_every=2)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        call_step(_cuda(), "cadence", case, mode, step_hyper(mode), new_counters("cuda"),
-                  steps=torch.zeros(2, device="cuda"), meta_every=2, check=True,
-                  grad_scale=torch.full((), 4.0, device="cuda"),
-                  found_inf=torch.zeros((), device="cuda"))
+        call_step_op(call, entry)
+        _cuda().check_finite(call["grads"], call["counters"])
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+    assert counters_dict(call["counters"].cpu())["calls"] == 1
 
 
 class _Captured:
