@@ -1,41 +1,48 @@
-"""What the non-finite gradient check costs (issue 8): each backend's step with
-``check_finite=True`` against the same step with ``check_finite=False``, and the flag alone
-(:func:`emcl_kernels.functional.found_non_finite`) against the other ways to compute it.
+"""What the non-finite gradient check costs: each backend's own read-only pass over the
+gradients (``check_finite``) alone, and the optimizer's step with ``check_finite=True`` against
+the same step with ``check_finite=False``, on 2**24 gradient elements, fp32 and bf16.
 
-    PYTHONPATH=. python benchmarks/check_finite_overhead.py [--device cpu] [--threads 1]
-        [--repeats 30] [--out benchmarks/results/check_finite_overhead.json]
+    python benchmarks/check_finite_overhead.py [--device cpu|cuda] [--threads 1] [--repeats 20]
 
-Each timing is the minimum (the median is kept too) over ``--repeats`` runs (a quarter of
-that for the 16M workload), the two variants interleaved so that a busy machine slows both
-alike. On CUDA each timing is bracketed by synchronizations.
+Two layouts of 2**24 elements: one tensor, and 50 tensors of uneven sizes. The check reads the
+gradients once (4 B per fp32 element, 2 B per bf16 one) and writes one flag; the table gives
+its time, the gradient bytes it read per second, and what it adds to ``inner_step()`` (20 B per
+fp32 element without it) and to ``step()`` with ``meta_every=1`` (28 B). Timings are the
+minimum over ``--repeats`` interleaved runs (other jobs on a shared machine only add time; the
+medians are kept too); on a GPU each is bracketed by synchronizations. Writes
+``benchmarks/results/check_finite_<stamp>_<device>.json``.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-import emcl_kernels
-from emcl_kernels import functional as F
-from emcl_kernels.backends import BackendUnavailableError, get_backend
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# (name, tensor sizes): the paper's MNIST MLP (784-100-100-10), a 1M-parameter and a
-# 16M-parameter model made of tensors of realistic, uneven sizes.
-WORKLOADS = {
-    "mlp-89k": [784 * 100, 100, 100 * 100, 100, 100 * 10, 10],
-    "1M": [(i * 7919) % 100_000 + 1_000 for i in range(20)],
-    "16M": [(i * 104_729) % 600_000 + 30_000 for i in range(50)],
+from benchmarks import common  # noqa: E402
+from emcl_kernels import FusedEMCLOptimizer, available_backends  # noqa: E402
+from emcl_kernels.backends import BackendUnavailableError, get_backend  # noqa: E402
+from emcl_kernels.plan import new_counters  # noqa: E402
+
+N = 1 << 24
+LAYOUTS = {
+    "one tensor of 2^24": [N],
+    "50 tensors, 2^24 in all": None,  # uneven sizes, below
 }
-OPS = {
-    "inner_step": dict(inner_lr=0.05, reg=1.5, gamma=0.3),
-    "meta_step": dict(meta_lr=0.2, reg=1.5, decay=0.9, lr_scale=0.6, lr_mode="inverse"),
-    "inner_meta_step": dict(inner_lr=0.05, meta_lr=0.2, reg=1.5, gamma=0.3, decay=0.9,
-                            lr_scale=0.6, lr_mode="inverse"),
-}
+
+
+def _uneven(total: int, count: int) -> list:
+    sizes = [(i * 104_729) % 600_000 + 30_000 for i in range(count)]
+    scale = total / sum(sizes)
+    sizes = [max(1, int(s * scale)) for s in sizes]
+    sizes[-1] += total - sum(sizes)
+    return sizes
 
 
 def _sync(device):
@@ -43,118 +50,109 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _time(fn, device) -> float:
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - t0
-
-
-def _pair(a, b, device, repeats):
-    """(min, median) seconds of ``a`` and of ``b``, run interleaved. The minimum is the
-    estimate used on a shared machine: other jobs only ever add time."""
-    for _ in range(2):
-        a(), b()
-    ta, tb = [], []
+def _interleaved(fns: dict, device, repeats: int) -> dict:
+    """{name: (min, median) seconds}, the functions run in turn each repeat."""
+    for fn in fns.values():
+        fn()
+    times = {k: [] for k in fns}
     for _ in range(repeats):
-        ta.append(_time(a, device))
-        tb.append(_time(b, device))
-    return (min(ta), statistics.median(ta)), (min(tb), statistics.median(tb))
+        for k, fn in fns.items():
+            _sync(device)
+            t = time.perf_counter()
+            fn()
+            _sync(device)
+            times[k].append(time.perf_counter() - t)
+    return {k: (min(v), statistics.median(v)) for k, v in times.items()}
 
 
-def _tensors(sizes, device, dtype):
+def _params(sizes, dtype, device):
     gen = torch.Generator().manual_seed(0)
-    mk = lambda n, s=1.0: (s * torch.randn(n, generator=gen)).to(device)  # noqa: E731
-    params = [mk(n).to(dtype) for n in sizes]
-    grads = [mk(n).to(dtype) for n in sizes]
-    anchors = [p.float() + 0.01 * mk(n) for p, n in zip(params, sizes)]
-    imps = [mk(n).abs() for n in sizes]
-    return params, grads, anchors, imps
+    out = []
+    for n in sizes:
+        p = torch.nn.Parameter((0.1 * torch.randn(n, generator=gen)).to(device=device,
+                                                                         dtype=dtype))
+        p.grad = (1e-3 * torch.randn(n, generator=gen)).to(device=device, dtype=dtype)
+        out.append(p)
+    return out
 
 
-def bench_steps(device, backends, dtypes, repeats):
+def run(device: torch.device, backends: list, repeats: int) -> list:
     rows = []
-    for backend in backends:
-        for dtype in dtypes:
-            for wname, sizes in WORKLOADS.items():
-                params, grads, anchors, imps = _tensors(sizes, device, dtype)
-                for op, hp in OPS.items():
-                    fn = getattr(F, op + "_")
-                    extra = () if op == "inner_step" else (None,)
-
-                    def call(check):
-                        return lambda: fn(params, grads, anchors, imps, *extra, backend=backend,
-                                          check_finite=check, **hp)
-                    reps = repeats if sum(sizes) < 4_000_000 else max(5, repeats // 4)
-                    (t_on, m_on), (t_off, m_off) = _pair(call(True), call(False), device, reps)
-                    rows.append(dict(backend=backend, dtype=str(dtype).replace("torch.", ""),
-                                     workload=wname, elements=sum(sizes), tensors=len(sizes),
-                                     op=op, repeats=reps, ms_check=t_on * 1e3,
-                                     ms_no_check=t_off * 1e3, median_ms_check=m_on * 1e3,
-                                     median_ms_no_check=m_off * 1e3,
-                                     overhead_pct=100.0 * (t_on - t_off) / t_off))
-                    print(f"{backend:8s} {rows[-1]['dtype']:8s} {wname:8s} {op:16s} "
-                          f"check {t_on * 1e3:9.3f} ms  no check {t_off * 1e3:9.3f} ms  "
-                          f"overhead {rows[-1]['overhead_pct']:6.1f} % (min of {reps}; "
-                          f"medians {m_on * 1e3:.3f} / {m_off * 1e3:.3f} ms)", flush=True)
+    for layout, sizes in LAYOUTS.items():
+        sizes = sizes or _uneven(N, 50)
+        for dtype in (torch.float32, torch.bfloat16):
+            for backend in backends:
+                mod = get_backend(backend, device)
+                grads = [p.grad for p in _params(sizes, dtype, device)]
+                counters = new_counters(device)
+                opts = {}
+                for call in ("inner_step", "step"):
+                    for check in (True, False):
+                        ps = _params(sizes, dtype, device)
+                        opt = FusedEMCLOptimizer(ps, backend=backend, check_finite=check,
+                                                 meta_every=1)
+                        opts[(call, check)] = getattr(opt, call)
+                fns = {"check alone": lambda: mod.check_finite(grads, counters)}
+                fns.update({f"{call} {'check' if check else 'no check'}": fn
+                            for (call, check), fn in opts.items()})
+                t = _interleaved(fns, device, repeats)
+                check_s = t["check alone"][0]
+                row = dict(device=str(device), backend=backend, layout=layout,
+                           tensors=len(sizes), elements=N, dtype=str(dtype)[6:],
+                           repeats=repeats, check_ms=check_s * 1e3,
+                           check_median_ms=t["check alone"][1] * 1e3,
+                           check_read_gbps=N * grads[0].element_size() / check_s / 1e9)
+                for call in ("inner_step", "step"):
+                    on, off = t[f"{call} check"][0], t[f"{call} no check"][0]
+                    row[f"{call}_check_ms"] = on * 1e3
+                    row[f"{call}_no_check_ms"] = off * 1e3
+                    row[f"{call}_overhead_pct"] = 100.0 * (on - off) / off
+                rows.append(row)
+                print(f"{backend:7s} {row['dtype']:8s} {layout:24s} check {row['check_ms']:8.3f} ms "
+                      f"({row['check_read_gbps']:5.1f} GB/s)  inner_step +{row['inner_step_overhead_pct']:5.1f} %  "
+                      f"step +{row['step_overhead_pct']:5.1f} %", flush=True)
     return rows
 
 
-def bench_flag(device, repeats):
-    """The flag alone, by the op used (GradScaler's check-and-unscale with a unit scale) and
-    by the read-only alternatives considered."""
-    rows = []
-    nonempty = lambda gs: [g for g in gs if g.numel()]  # noqa: E731
-    ways = {
-        "amp_check_and_unscale (used)": lambda gs: F.found_non_finite(gs),
-        "foreach_norm(inf)": lambda gs: (~torch.isfinite(torch.stack(
-            torch._foreach_norm(nonempty(gs), float("inf"))))).any(),
-        "isfinite per tensor": lambda gs: torch.stack(
-            [~torch.isfinite(g).all() for g in gs]).any(),
-    }
-    for wname, sizes in WORKLOADS.items():
-        _, grads, _, _ = _tensors(sizes, device, torch.float32)
-        for name, way in ways.items():
-            (t, med), _ = _pair(lambda: way(grads), lambda: None, device, repeats)
-            gbs = 4 * sum(sizes) / t / 1e9
-            rows.append(dict(workload=wname, way=name, ms=t * 1e3, median_ms=med * 1e3,
-                             grad_read_GBps=gbs))
-            print(f"flag {wname:8s} {name:30s} {t * 1e3:9.3f} ms  ({gbs:6.2f} GB/s of fp32 "
-                  f"gradient read)", flush=True)
-    return rows
-
-
-def main():
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--backends", default="",
-                    help="comma-separated; default: every available backend but the reference")
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--backends", default="", help="comma-separated; default: every available "
+                    "backend for the device but the reference")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                  "results"))
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    backends = [b for b in args.backends.split(",") if b] or [
-        b for b in emcl_kernels.available_backends() if b != "reference"]
-    usable = []
-    for b in backends:
+    names = [b for b in args.backends.split(",") if b] or [
+        b for b in available_backends() if b != "reference"]
+    backends = []
+    for b in names:
         try:
             get_backend(b, device)
-            usable.append(b)
+            backends.append(b)
         except (BackendUnavailableError, ValueError) as exc:
             print(f"skipping {b}: {exc}")
-    dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
-    result = dict(machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
-                  device=str(device), threads=args.threads, repeats=args.repeats,
-                  torch=torch.__version__, steps=bench_steps(device, usable, dtypes,
-                                                              args.repeats),
-                  flag=bench_flag(device, args.repeats))
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+    load_before = common.load_average()
+    rows = run(device, backends, args.repeats)
+    result = dict(created_utc=common.utc_now(), command=" ".join(sys.argv),
+                  machine=common.machine_info(), device=str(device),
+                  device_name=common.device_name(device), threads=args.threads,
+                  load_average_before=load_before, load_average_after=common.load_average(),
+                  records=rows,
+                  headline={f"{r['backend']} {r['dtype']} {r['layout']}": {
+                      "check_ms": round(r["check_ms"], 3),
+                      "check_read_gbps": round(r["check_read_gbps"], 2),
+                      "inner_step_overhead_pct": round(r["inner_step_overhead_pct"], 1),
+                      "step_overhead_pct": round(r["step_overhead_pct"], 1)} for r in rows})
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"check_finite_{common.utc_stamp()}_{device.type}.json")
+    with open(path, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print(f"wrote {path}")
+    return result
 
 
 if __name__ == "__main__":

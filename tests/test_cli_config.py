@@ -109,7 +109,7 @@ def test_bad_values_are_one_line_errors(capsys, item, says):
 
 def test_cross_key_rules_come_from_the_optimizer(capsys):
     line = _refused(capsys, ["--method", "emcl", "--set", "lr_min=1", "--set", "lr_max=0.5"] + TINY)
-    assert "--set lr_max=0.5" in line and "lr_max (0.5) must be >= lr_min (1.0)" in line
+    assert "--set lr_max=0.5" in line and "lr_max (0.5) must be >= lr_min (1)" in line
 
 
 def test_named_flags_are_checked_too(capsys):

