@@ -97,6 +97,7 @@ class EMCL(Method):
         glances = 1  # Algorithm 1: one inner loop and one meta step per incoming batch
         cfg.update(ABLATION_DEFAULTS)
         cfg.update({
+            "lr_min": 0.0, "lr_max": None, "eps": 1e-8,  # clip of α (None: no upper clip) and ε of h + ε
             "importance": "taylor",
             "prox": True,
             "replay": presets.BATCH_SIZE,  # replayed samples per incoming batch
