@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define EMCL_HD __host__ __device__ __forceinline__
@@ -44,6 +45,9 @@ constexpr bool has_meta(Op op) { return op != Op::kInner; }
 // (The Vectorized overloads are at the end of this file, found by argument-dependent lookup.)
 EMCL_HD float emcl_abs(float x) { return fabsf(x); }
 EMCL_HD double emcl_abs(double x) { return fabs(x); }
+// min that lets NaN through (x NaN -> NaN), like torch.clamp(max=).
+EMCL_HD float emcl_min(float x, float hi) { return x > hi ? hi : x; }
+EMCL_HD double emcl_min(double x, double hi) { return x > hi ? hi : x; }
 // clamp that lets NaN through, like torch.clamp.
 EMCL_HD float emcl_clamp(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
 EMCL_HD double emcl_clamp(double x, double lo, double hi) {
@@ -64,9 +68,10 @@ struct Hyper {
   V one_minus_decay; // 1 − η
   V lr_scale;        // r                  (recurrent)
   V base_rate;       // α₀·r               (inverse)
-  V const_rate_reg;  // α₀·λ               (constant)
+  V meta_lr;         // α₀                 (constant)
   V lr_min, lr_max;  // clip bounds of α
   V eps;             // ε
+  V max_finite;      // the largest finite value of the compute type
   V grad_scale;      // gradients are divided by it when `scaled`
   bool scaled;
 
@@ -74,8 +79,8 @@ struct Hyper {
   template <typename W>
   Hyper<W> as() const {
     return Hyper<W>{W(one),   W(inner_lr),     W(gamma_reg), W(reg),    W(decay),
-                    W(one_minus_decay), W(lr_scale), W(base_rate), W(const_rate_reg),
-                    W(lr_min), W(lr_max), W(eps),    W(grad_scale), scaled};
+                    W(one_minus_decay), W(lr_scale), W(base_rate), W(meta_lr),
+                    W(lr_min), W(lr_max), W(eps),    W(max_finite), W(grad_scale), scaled};
   }
 };
 
@@ -88,8 +93,10 @@ struct StepArgs {
   double inner_lr, meta_lr, reg, gamma, decay, lr_scale, lr_min, lr_max, eps;
 
   // Combined in double like the Python reference, then rounded once to the compute type T.
+  // The upper clip of α is at most T's largest finite value (see meta_update).
   template <typename T>
   Hyper<T> hyper(double grad_scale, bool scaled) const {
+    const double max_finite = static_cast<double>(std::numeric_limits<T>::max());
     return Hyper<T>{T(1),
                     T(inner_lr),
                     T(gamma * reg),
@@ -98,10 +105,11 @@ struct StepArgs {
                     T(1.0 - decay),
                     T(lr_scale),
                     T(meta_lr * lr_scale),
-                    T(meta_lr * reg),
+                    T(meta_lr),
                     T(lr_min),
-                    T(lr_max),
+                    T(lr_max < max_finite ? lr_max : max_finite),
                     T(eps),
+                    T(max_finite),
                     T(grad_scale),
                     scaled};
   }
@@ -117,8 +125,11 @@ EMCL_HD V inner_update(const V& theta, const V& g, const V& theta0, const V& h,
                        const Hyper<V>& hp) {
   if constexpr (kProx) {
     const V theta_hat = theta - hp.inner_lr * g;    // eq. 14: gradient step on the risk
-    const V c = hp.gamma_reg * h;                   // γ·λ·h
-    return (theta_hat + c * theta0) / (hp.one + c); // eq. 19: prox of (λ/2)·h·(θ − θ₀)²
+    const V c = emcl_min(hp.gamma_reg * h, hp.max_finite);  // γ·λ·h (an overflow: the max)
+    // eq. 19, prox of (λ/2)·h·(θ − θ₀)²: (θ̂ + c·θ₀)/(1 + c) as θ̂ − w·(θ̂ − θ₀), w = c/(1 + c)
+    // in [0, 1]: no intermediate grows past |θ̂| and |θ₀|, and c = 0 leaves θ̂ as it is
+    const V w = c / (hp.one + c);
+    return theta_hat - w * (theta_hat - theta0);
   } else {
     // ablation: plain gradient step on eq. 6
     return theta - hp.inner_lr * (g + hp.reg * h * (theta - theta0));
@@ -137,16 +148,17 @@ EMCL_HD void meta_update(const V& theta, const V& g, V& theta0, V& h, V& alpha,
   }
   h = hp.decay * h + hp.one_minus_decay * omega;    // eq. 7: moving average of Ω
 
-  V rate_reg;                                       // α·λ
+  V rate;                                           // α
   if constexpr (kLr == LrMode::kRecurrent) {
     alpha = emcl_clamp(alpha * hp.lr_scale / (h + hp.eps), hp.lr_min, hp.lr_max);  // eq. 8
-    rate_reg = alpha * hp.reg;
+    rate = alpha;
   } else if constexpr (kLr == LrMode::kInverse) {
-    rate_reg = emcl_clamp(hp.base_rate / (h + hp.eps), hp.lr_min, hp.lr_max) * hp.reg;
+    rate = emcl_clamp(hp.base_rate / (h + hp.eps), hp.lr_min, hp.lr_max);  // α ∝ 1 / h
   } else {
-    rate_reg = hp.const_rate_reg;
+    rate = hp.meta_lr;                              // no modulation
   }
-  theta0 = theta0 - rate_reg * h * (theta0 - theta);  // eq. 10: ∇θ₀ = λ·H²·(θ₀ − θ_k)
+  // eq. 10, ∇θ₀ = λ·H²·(θ₀ − θ_k), with α·h formed first (at most α₀·r in inverse mode)
+  theta0 = theta0 - (rate * h) * hp.reg * (theta0 - theta);
 }
 
 // One element of one step, in the compute type: reads θ, g, θ₀, h (and α); leaves in the
@@ -178,6 +190,10 @@ inline namespace CPU_CAPABILITY {
 template <typename T>
 inline Vectorized<T> emcl_abs(const Vectorized<T>& x) {
   return x.abs();
+}
+template <typename T>
+inline Vectorized<T> emcl_min(const Vectorized<T>& x, const Vectorized<T>& hi) {
+  return clamp_max(x, hi);
 }
 template <typename T>
 inline Vectorized<T> emcl_clamp(const Vectorized<T>& x, const Vectorized<T>& lo,

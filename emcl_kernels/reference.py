@@ -47,8 +47,12 @@ def inner_update(theta: Tensor, g: Tensor, theta0: Tensor, h: Tensor, *,
     """One inner step on the regularized inner loss (eq. 6); returns the new fast weight θ."""
     if prox:
         theta_hat = theta - inner_lr * g                  # eq. 14: gradient step on the risk
-        c = gamma * reg * h                               # γ·λ·h
-        return (theta_hat + c * theta0) / (1 + c)         # eq. 19: prox of (λ/2)·h·(θ − θ₀)²
+        c = (gamma * reg * h).clamp(max=torch.finfo(h.dtype).max)  # γ·λ·h (an overflow: the max)
+        # eq. 19, prox of (λ/2)·h·(θ − θ₀)²: (θ̂ + c·θ₀)/(1 + c), written as θ̂ − w·(θ̂ − θ₀) with
+        # w = c/(1 + c) in [0, 1]: no intermediate grows past |θ̂| and |θ₀| (c·θ₀ overflows fp32
+        # for |θ₀| > 1e19), and c = 0 leaves θ̂ exactly as it is
+        w = c / (1 + c)
+        return theta_hat - w * (theta_hat - theta0)
     # ablation: plain gradient step on eq. 6, risk plus importance-weighted pull to θ₀
     return theta - inner_lr * (g + reg * h * (theta - theta0))
 
@@ -69,6 +73,8 @@ def meta_update(theta: Tensor, g: Tensor, theta0: Tensor, h: Tensor, alpha: Opti
         raise ValueError(f"importance must be 'taylor' or 'si', got {importance!r}")
     h = decay * h + (1 - decay) * omega                   # eq. 7: moving average of Ω
 
+    # the clip of α never lets it past the largest finite value, so α·h is 0, not NaN, for h = 0
+    lr_max = min(lr_max, torch.finfo(h.dtype).max)
     if lr_mode == "recurrent":
         alpha = (alpha * lr_scale / (h + eps)).clamp(lr_min, lr_max)     # eq. 8 as written
         rate = alpha
@@ -79,7 +85,9 @@ def meta_update(theta: Tensor, g: Tensor, theta0: Tensor, h: Tensor, alpha: Opti
     else:
         raise ValueError(f"lr_mode must be 'recurrent', 'inverse' or 'constant', got {lr_mode!r}")
 
-    theta0 = theta0 - rate * reg * h * (theta0 - theta)   # eq. 10: ∇θ₀ = λ·H²·(θ₀ − θ_k)
+    # eq. 10, ∇θ₀ = λ·H²·(θ₀ − θ_k): θ₀ ← θ₀ − α·λ·h·(θ₀ − θ), with α·h formed first (it is at
+    # most α₀·r in inverse mode, where α alone grows like 1/ε as h → 0)
+    theta0 = theta0 - (rate * h) * reg * (theta0 - theta)
     return theta0, h, alpha
 
 

@@ -189,3 +189,111 @@ def check_against_reference(backend: str, op: str, sizes, dtype: torch.dtype, mo
         new = fresh_grads(case, seed=1000 * seed + step)
         case.grads = new
         expected.grads = [g.detach().to("cpu", ref_dtype, copy=True) for g in new]
+
+
+# ---------------------------------------------------------------------------------------------
+# The step interface (emcl_kernels.interface, [note: the step call]): one call per group.
+# ---------------------------------------------------------------------------------------------
+
+def pack_hyper(hyper: dict, device="cpu"):
+    """``hyper`` (a :meth:`Mode.hyper` dict) as the interface's fp64 ``hyper`` tensor; missing
+    values are the defaults, ``lr_scale=None`` the 1/reg sentinel."""
+    from emcl_kernels.interface import HYPER_FIELDS, LR_SCALE_FROM_REG
+    defaults = dict(inner_lr=0.0, meta_lr=0.0, reg=0.0, gamma=0.0, decay=0.0, lr_scale=1.0,
+                    lr_min=0.0, lr_max=float("inf"), eps=1e-8)
+    values = {**defaults, **{k: v for k, v in hyper.items() if k in defaults}}
+    if "lr_scale" in hyper and hyper["lr_scale"] is None:
+        values["lr_scale"] = LR_SCALE_FROM_REG
+    return torch.tensor([float(values[k]) for k in HYPER_FIELDS], dtype=torch.float64,
+                        device=device)
+
+
+def new_counters(device="cpu", **values):
+    """A fresh ``counters`` tensor (int64), with the given slots set."""
+    from emcl_kernels.interface import COUNTER, COUNTER_FIELDS
+    c = torch.zeros(len(COUNTER_FIELDS), dtype=torch.int64)
+    for name, v in values.items():
+        c[COUNTER[name]] = int(v)
+    return c.to(device)
+
+
+def counters_dict(counters) -> dict:
+    from emcl_kernels.interface import COUNTER_FIELDS
+    return dict(zip(COUNTER_FIELDS, counters.tolist()))
+
+
+def mode_codes(mode: Mode) -> dict:
+    from emcl_kernels.interface import IMPORTANCE, LR_MODE
+    return dict(prox=mode.prox, importance=IMPORTANCE[mode.importance],
+                lr_mode=LR_MODE[mode.lr_mode])
+
+
+def call_step(mod, op: str, case: Case, mode: Mode, hyper: dict, counters, *, steps=None,
+              meta_every: int = 1, check: bool = False, finalize: bool = True,
+              grad_scale=None, found_inf=None) -> None:
+    """``mod.step(...)`` of the step interface on ``case`` (op: "inner", "meta", "inner_meta"
+    or "cadence"); ``meta_lrs`` are passed exactly when the mode is recurrent."""
+    from emcl_kernels.interface import OP
+    device = case.params[0].device if case.params else "cpu"
+    if steps is None:
+        steps = torch.zeros(0, dtype=torch.float32, device=device)
+    meta_lrs = list(case.meta_lrs) if mode.lr_mode == "recurrent" else []
+    mod.step(list(case.params), list(case.grads), list(case.anchors), list(case.importances),
+             meta_lrs, steps, pack_hyper(hyper, device), counters, op=OP[op],
+             meta_every=meta_every, check=check, finalize=finalize, grad_scale=grad_scale,
+             found_inf=found_inf, **mode_codes(mode))
+
+
+def step_hyper(mode: Mode) -> dict:
+    """Hyper-parameters for every op of the interface (inner and meta ones together)."""
+    return mode.hyper("inner_meta_step")
+
+
+def reference_backend():
+    from emcl_kernels.backends import reference
+    return reference
+
+
+def check_step_matches_reference(mod, op: str, sizes, dtype: torch.dtype, mode: Mode, *,
+                                 device="cpu", calls: int = 7, meta_every: int = 3,
+                                 seed: int = 0) -> None:
+    """Chain ``calls`` calls of ``mod.step`` (op ``op``) with fresh gradients, against the
+    reference backend's ``step`` (in fp64 for fp32 tensors), comparing every tensor, the
+    counters and the meta-step counts after every call."""
+    hyper = step_hyper(mode)
+    case = make_case(sizes, dtype, seed=seed, device=device)
+    ref_dtype = torch.float64 if dtype == torch.float32 else dtype
+    expected = clone_case(case, ref_dtype, device="cpu")
+    n = len(sizes)
+    counters, ref_counters = new_counters(device), new_counters("cpu")
+    steps = torch.zeros(n, dtype=torch.float32, device=device)
+    ref_steps = torch.zeros(n, dtype=torch.float32)
+    ref = reference_backend()
+    for call in range(calls):
+        call_step(mod, op, case, mode, hyper, counters, steps=steps, meta_every=meta_every)
+        call_step(ref, op, expected, mode, hyper, ref_counters, steps=ref_steps,
+                  meta_every=meta_every)
+        what = f"{getattr(mod, '__name__', mod)} {op} {dtype} {mode.id} call {call + 1}"
+        assert_case_close(case, expected, dtype, what,
+                          with_meta_lrs=mode.lr_mode == "recurrent" and op != "inner")
+        assert counters_dict(counters.cpu()) == counters_dict(ref_counters), what
+        assert torch.equal(steps.cpu(), ref_steps), f"{what}: steps {steps} != {ref_steps}"
+        new = fresh_grads(case, seed=1000 * seed + call)
+        case.grads = new
+        expected.grads = [g.detach().to("cpu", ref_dtype, copy=True) for g in new]
+
+
+def snapshot(case: Case) -> list:
+    """Bitwise copies of every tensor a step may write (and of the grads)."""
+    return [t.clone() for lst in (case.params, case.grads, case.anchors, case.importances,
+                                  case.meta_lrs) for t in lst]
+
+
+def assert_unchanged(case: Case, before: list, what: str) -> None:
+    after = [t for lst in (case.params, case.grads, case.anchors, case.importances,
+                           case.meta_lrs) for t in lst]
+    for i, (a, b) in enumerate(zip(after, before)):
+        # bitwise, NaN payloads included
+        same = a.dtype == b.dtype and torch.equal(a.view(-1).view(torch.uint8) if a.numel() else a,
+                                                  b.view(-1).view(torch.uint8) if b.numel() else b)
+        assert same, f"{what}: tensor {i} changed"

@@ -75,9 +75,11 @@ def _inner(theta, g, anchors, importances, *, inner_lr, reg, gamma, prox):
     if prox:
         _add_scaled_(theta, g, -inner_lr)                           # θ̂ = θ − β·g     (eq. 14)
         c = torch._foreach_mul(importances, gamma * reg)            # c = γ·λ·h
-        torch._foreach_addcmul_(theta, c, anchors)                  # θ̂ + c·θ₀
-        torch._foreach_add_(c, 1.0)
-        torch._foreach_div_(theta, c)                               # / (1 + c)         (eq. 19)
+        torch._foreach_clamp_max_(c, torch.finfo(anchors[0].dtype).max)
+        w = torch._foreach_div(c, torch._foreach_add(c, 1.0))       # w = c / (1 + c)
+        step = torch._foreach_sub(theta, anchors)                   # θ̂ − θ₀
+        torch._foreach_mul_(step, w)
+        torch._foreach_sub_(theta, step)                            # θ̂ − w·(θ̂ − θ₀)    (eq. 19)
     else:
         pull = torch._foreach_sub(theta, anchors)                   # θ − θ₀
         torch._foreach_mul_(pull, importances)                      # h·(θ − θ₀)
@@ -106,16 +108,17 @@ def _meta(theta, g, anchors, importances, meta_lrs, *, meta_lr, reg, decay, lr_s
         rate = torch._foreach_add(importances, eps)
         torch._foreach_reciprocal_(rate)
         torch._foreach_mul_(rate, meta_lr * lr_scale)               # α = α₀·r / (h + ε)
-    if rate is not None:
-        _clamp_(rate, lr_min, lr_max)
-
+    if rate is not None:  # the upper clip is at most the largest finite value (see reference)
+        max_finite = torch.finfo(anchors[0].dtype).max
+        _clamp_(rate, lr_min, torch.clamp(lr_max, max=max_finite) if isinstance(lr_max, Tensor)
+                else min(lr_max, max_finite))
+        rate_h = torch._foreach_mul(rate, importances)              # α·h
+    else:                                                           # constant: α = α₀
+        rate_h = torch._foreach_mul(importances, meta_lr)
+    torch._foreach_mul_(rate_h, reg)                                # α·h·λ
     step = torch._foreach_sub(anchors, theta)                       # θ₀ − θ
-    torch._foreach_mul_(step, importances)                          # h·(θ₀ − θ)
-    if rate is None:                                                # constant: α = α₀
-        _add_scaled_(anchors, step, -meta_lr * reg)
-    else:
-        torch._foreach_mul_(step, rate)
-        _add_scaled_(anchors, step, -reg)                           # θ₀ ← θ₀ − α·λ·h·(θ₀ − θ) (eq. 10)
+    torch._foreach_mul_(step, rate_h)
+    torch._foreach_sub_(anchors, step)                              # θ₀ ← θ₀ − α·λ·h·(θ₀ − θ) (eq. 10)
 
 
 def inner_step(params, grads, anchors, importances, *, inner_lr, reg, gamma, prox,
@@ -160,3 +163,118 @@ def inner_meta_step(params, grads, anchors, importances, meta_lrs, *, inner_lr, 
 
 def _written(params, anchors, importances, meta_lrs):
     return [*params, *anchors, *importances, *(meta_lrs or [])]
+
+
+# ---------------------------------------------------------------------------------------------
+# The step interface ([note: the step call] in emcl_kernels.interface)
+# ---------------------------------------------------------------------------------------------
+from emcl_kernels.interface import (COUNTER, HYPER, IMPORTANCE_KINDS,  # noqa: E402
+                                    LR_MODES, LR_SCALE_FROM_REG, OP)
+
+_FOUND, _CALLS, _SKIPPED = COUNTER["found"], COUNTER["calls"], COUNTER["skipped"]
+
+
+def check_finite(grads, counters: Tensor) -> None:
+    """``counters[FOUND] = 1`` when a gradient holds an inf or a NaN: one read-only pass per
+    dtype (the inf-norm of each tensor is inf or NaN exactly then), no host sync."""
+    by_dtype: dict = {}
+    for g in grads:
+        if g.numel():
+            by_dtype.setdefault(g.dtype, []).append(g)
+    for lst in by_dtype.values():
+        norms = torch._foreach_norm(lst, float("inf"))
+        bad = ~torch.isfinite(torch.stack(norms)).all()
+        counters[_FOUND].copy_(torch.maximum(counters[_FOUND], bad.to(counters.dtype)))
+
+
+def _hyper_numbers(hyper: Tensor) -> dict:
+    values = dict(zip(HYPER, hyper.tolist()))
+    if values["lr_scale"] == LR_SCALE_FROM_REG:
+        values["lr_scale"] = 1.0 / values["reg"] if values["reg"] > 0 else 1.0
+    return values
+
+
+def _hyper_tensors(hyper: Tensor) -> dict:
+    """The hyper-parameters as 0-d views of ``hyper`` (read at run time: no host sync)."""
+    values = {name: hyper[i] for name, i in HYPER.items()}
+    reg, scale = values["reg"], values["lr_scale"]
+    from_reg = torch.where(reg > 0, 1.0 / torch.where(reg > 0, reg, torch.ones_like(reg)),
+                           torch.ones_like(reg))
+    values["lr_scale"] = torch.where(scale == LR_SCALE_FROM_REG, from_reg, scale)
+    return values
+
+
+def _update(which: int, params, grads, anchors, importances, meta_lrs, hp: dict, prox: bool,
+            importance: str, lr_mode: str, grad_scale) -> None:
+    theta, g = _working(params, grads, grad_scale)
+    if which != OP["meta"]:
+        _inner(theta, g, anchors, importances, inner_lr=hp["inner_lr"], reg=hp["reg"],
+               gamma=hp["gamma"], prox=prox)
+    if which != OP["inner"]:
+        _meta(theta, g, anchors, importances, meta_lrs or None, meta_lr=hp["meta_lr"],
+              reg=hp["reg"], decay=hp["decay"], lr_scale=hp["lr_scale"], lr_mode=lr_mode,
+              lr_min=hp["lr_min"], lr_max=hp["lr_max"], eps=hp["eps"], importance=importance)
+        torch._foreach_copy_(params, anchors)                       # θ ← θ₀
+    elif theta[0] is not params[0]:
+        torch._foreach_copy_(params, theta)
+
+
+def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, *, op: int,
+         prox: bool, importance: int, lr_mode: int, meta_every: int, check: bool,
+         finalize: bool, grad_scale=None, found_inf=None) -> None:
+    """One step of one group (emcl_kernels.interface, [note: the step call]). Eagerly it reads
+    the counters and the hyper-parameters on the host (one sync on a GPU); under torch.compile
+    or a CUDA graph capture it computes every branch and selects with ``torch.where``."""
+    if check:
+        check_finite(grads, counters)
+    kinds = dict(prox=prox, importance=IMPORTANCE_KINDS[importance], lr_mode=LR_MODES[lr_mode])
+    if params and not capturing():
+        found, calls = counters[_FOUND].item(), counters[_CALLS].item()
+        skip = found != 0 or (found_inf is not None and found_inf.item() != 0)
+        which = op
+        if op == OP["cadence"]:
+            which = OP["inner_meta"] if (calls + 1) % meta_every == 0 else OP["inner"]
+        if not skip:
+            _update(which, params, grads, anchors, importances, meta_lrs,
+                    _hyper_numbers(hyper), grad_scale=grad_scale, **kinds)
+            if which != OP["inner"] and steps.numel():
+                steps.add_(1)
+    elif params:
+        _step_without_sync(op, params, grads, anchors, importances, meta_lrs, steps, hyper,
+                           counters, meta_every, grad_scale, found_inf, kinds)
+    if finalize:
+        if op == OP["cadence"]:
+            counters[_CALLS] += 1
+        counters[_SKIPPED] += (counters[_FOUND] != 0).to(counters.dtype)
+        counters[_FOUND] = 0
+
+
+def _step_without_sync(op, params, grads, anchors, importances, meta_lrs, steps, hyper,
+                       counters, meta_every, grad_scale, found_inf, kinds) -> None:
+    skip = counters[_FOUND] != 0
+    if found_inf is not None:
+        skip = skip | (found_inf.reshape(()) != 0)
+    hp = _hyper_tensors(hyper)
+    state = [*anchors, *importances, *meta_lrs]
+    saved_params = [p.clone() for p in params]
+    saved_state = [t.clone() for t in state]
+    if op == OP["cadence"]:
+        is_meta = (counters[_CALLS] + 1) % meta_every == 0
+        _update(OP["inner"], params, grads, anchors, importances, meta_lrs, hp,
+                grad_scale=grad_scale, **kinds)
+        inner_params = [p.clone() for p in params]
+        torch._foreach_copy_(params, saved_params)
+        _update(OP["inner_meta"], params, grads, anchors, importances, meta_lrs, hp,
+                grad_scale=grad_scale, **kinds)
+        for p, inner in zip(params, inner_params):
+            p.copy_(torch.where(is_meta, p, inner))
+        for t, old in zip(state, saved_state):
+            t.copy_(torch.where(is_meta, t, old))
+    else:
+        is_meta = torch.full((), op != OP["inner"], dtype=torch.bool, device=counters.device)
+        _update(op, params, grads, anchors, importances, meta_lrs, hp, grad_scale=grad_scale,
+                **kinds)
+    for t, old in zip([*params, *state], [*saved_params, *saved_state]):
+        t.copy_(torch.where(skip, old, t))
+    if steps.numel():
+        steps.add_((is_meta & ~skip).to(steps.dtype))

@@ -1,9 +1,78 @@
 """The ``"reference"`` backend: the per-tensor oracle of :mod:`emcl_kernels.reference`, looped
-over the list. Slow and obvious; every other backend is tested against it."""
+over the list. Slow and obvious; every other backend is tested against it.
+
+:func:`step` and :func:`check_finite` are [note: the step call] of
+:mod:`emcl_kernels.interface` written out in plain Python: what every other backend's kernels
+must do, counters included.
+"""
 from __future__ import annotations
 
-from emcl_kernels import reference as _ref
+import torch
 
+from emcl_kernels import reference as _ref
+from emcl_kernels.interface import (COUNTER, HYPER, HYPER_FIELDS, IMPORTANCE_KINDS,
+                                    LR_MODES, LR_SCALE_FROM_REG, OP)
+
+_FOUND, _CALLS, _SKIPPED = COUNTER["found"], COUNTER["calls"], COUNTER["skipped"]
+
+
+def hyper_dict(hyper: torch.Tensor) -> dict:
+    """The ``hyper`` tensor as a dict of floats, with ``lr_scale`` resolved (the sentinel
+    :data:`~emcl_kernels.interface.LR_SCALE_FROM_REG` means 1 / reg, or 1 when reg is 0)."""
+    values = dict(zip(HYPER_FIELDS, hyper.tolist()))
+    if values["lr_scale"] == LR_SCALE_FROM_REG:
+        values["lr_scale"] = 1.0 / values["reg"] if values["reg"] > 0 else 1.0
+    return values
+
+
+def check_finite(grads, counters: torch.Tensor) -> None:
+    """``counters[FOUND] = 1`` when any gradient holds an inf or a NaN."""
+    if any(g.numel() and not bool(torch.isfinite(g).all()) for g in grads):
+        counters[_FOUND] = 1
+
+
+def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, *, op: int,
+         prox: bool, importance: int, lr_mode: int, meta_every: int, check: bool,
+         finalize: bool, grad_scale=None, found_inf=None) -> None:
+    """One step of one group (see [note: the step call] in :mod:`emcl_kernels.interface`)."""
+    if check:
+        check_finite(grads, counters)
+    found, calls = int(counters[_FOUND]), int(counters[_CALLS])
+    skip = found != 0 or (found_inf is not None and float(found_inf.reshape(-1)[0]) != 0)
+    which = op
+    if op == OP["cadence"]:
+        which = OP["inner_meta"] if (calls + 1) % meta_every == 0 else OP["inner"]
+    if not skip:
+        hp = hyper_dict(hyper)
+        inner = dict(inner_lr=hp["inner_lr"], reg=hp["reg"], gamma=hp["gamma"], prox=prox)
+        meta = dict(meta_lr=hp["meta_lr"], reg=hp["reg"], decay=hp["decay"],
+                    lr_scale=hp["lr_scale"], lr_mode=LR_MODES[lr_mode], lr_min=hp["lr_min"],
+                    lr_max=hp["lr_max"], eps=hp["eps"],
+                    importance_kind=IMPORTANCE_KINDS[importance])
+        for i, (p, g, a, h) in enumerate(zip(params, grads, anchors, importances)):
+            alpha = meta_lrs[i] if len(meta_lrs) else None
+            if which == OP["inner"]:
+                _ref.inner_step_(p, g, a, h, grad_scale=grad_scale, **inner)
+            elif which == OP["meta"]:
+                _ref.meta_step_(p, g, a, h, alpha, grad_scale=grad_scale, **meta)
+            else:
+                meta_only = {k: v for k, v in meta.items() if k != "reg"}
+                _ref.inner_meta_step_(p, g, a, h, alpha, grad_scale=grad_scale, **inner,
+                                      **meta_only)
+        if which != OP["inner"] and steps.numel():
+            steps.add_(1)
+    if finalize:
+        if op == OP["cadence"]:
+            counters[_CALLS] += 1
+        if found:
+            counters[_SKIPPED] += 1
+        counters[_FOUND] = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The previous interface (one function per op), used by emcl_kernels.functional until it moves
+# to step().
+# ---------------------------------------------------------------------------------------------
 
 def _meta_lr_of(meta_lrs, i):
     return None if meta_lrs is None else meta_lrs[i]
@@ -26,3 +95,7 @@ def inner_meta_step(params, grads, anchors, importances, meta_lrs, *, importance
     for i, (p, g, a, h) in enumerate(zip(params, grads, anchors, importances)):
         _ref.inner_meta_step_(p, g, a, h, _meta_lr_of(meta_lrs, i), importance_kind=importance,
                               grad_scale=grad_scale, found_inf=found_inf, **hp)
+
+
+__all__ = ["step", "check_finite", "hyper_dict", "inner_step", "meta_step", "inner_meta_step",
+           "HYPER"]

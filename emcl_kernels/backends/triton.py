@@ -175,10 +175,11 @@ def _hyper(device, values):
     return t
 
 
-def _hyper_values(*, inner_lr=0.0, reg=0.0, gamma=0.0, meta_lr=0.0, decay=0.0, lr_scale=0.0,
-                  lr_min=0.0, lr_max=float("inf"), eps=1e-8):
+def _hyper_values(max_finite, *, inner_lr=0.0, reg=0.0, gamma=0.0, meta_lr=0.0, decay=0.0,
+                  lr_scale=0.0, lr_min=0.0, lr_max=float("inf"), eps=1e-8):
+    # the upper clip of α is at most the compute dtype's largest finite value (as in reference)
     return (inner_lr, reg, gamma * reg, decay, 1.0 - decay, lr_scale, meta_lr * lr_scale,
-            meta_lr * reg, lr_min, lr_max, eps)
+            meta_lr, lr_min, min(lr_max, max_finite), eps, max_finite)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,7 +195,8 @@ def _launch(params, grads, anchors, importances, meta_lrs, *, do_inner, do_meta,
     if plan is None:
         return
     device = params[0].device
-    hyper_t = _hyper(device, _hyper_values(**hyper))
+    max_finite = torch.finfo(anchors[0].dtype).max
+    hyper_t = _hyper(device, _hyper_values(max_finite, **hyper))
     code = _kernels.PARAM_CODES[str(params[0].dtype).replace("torch.", "")]
     args = (plan.chunks, plan.tensors, plan.grads, hyper_t,
             hyper_t if grad_scale is None else grad_scale,   # placeholders are never read

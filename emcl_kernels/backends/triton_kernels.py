@@ -51,10 +51,11 @@ HYPER_FIELDS = (
     "one_minus_decay",  # 1 − η
     "lr_scale",        # r                       (recurrent)
     "base_rate",       # α₀·r                    (inverse)
-    "meta_lr_reg",     # α₀·λ                    (constant)
+    "meta_lr",         # α₀                      (constant)
     "lr_min",
     "lr_max",
     "eps",             # ε
+    "max_finite",      # the largest finite value of the compute dtype
 )
 TENSOR_COLUMNS = 5  # param, anchor, importance, meta_lr, numel
 CHUNK_COLUMNS = 2   # tensor index, start
@@ -84,8 +85,10 @@ def _update(p_ptr, g_ptr, a_ptr, h_ptr, lr_ptr, mask, hyper, grad_scale, ok,
         inner_lr = tl.load(hyper + 0).to(cdt)
         if PROX:
             theta_hat = theta - inner_lr * g                      # eq. 14
-            c = tl.load(hyper + 2).to(cdt) * h                    # γ·λ·h
-            theta = (theta_hat + c * theta0) / (1 + c)            # eq. 19
+            c = tl.load(hyper + 2).to(cdt) * h                    # γ·λ·h (overflow: the max)
+            c = tl.minimum(c, tl.load(hyper + 11).to(cdt), propagate_nan=tl.PropagateNan.ALL)
+            w = c / (1 + c)                                       # eq. 19, (θ̂ + c·θ₀)/(1 + c)
+            theta = theta_hat - w * (theta_hat - theta0)          #   as θ̂ − w·(θ̂ − θ₀)
         else:
             theta = theta - inner_lr * (g + reg * h * (theta - theta0))
 
@@ -99,7 +102,7 @@ def _update(p_ptr, g_ptr, a_ptr, h_ptr, lr_ptr, mask, hyper, grad_scale, ok,
         h = decay * h + one_minus_decay * omega                   # eq. 7
         tl.store(h_ptr, h, mask=mask)
         if LR_MODE == 2:                                          # constant: α = α₀
-            theta0 = theta0 - tl.load(hyper + 7).to(cdt) * h * (theta0 - theta)
+            theta0 = theta0 - (tl.load(hyper + 7).to(cdt) * h) * reg * (theta0 - theta)
         else:
             lr_min = tl.load(hyper + 8).to(cdt)
             lr_max = tl.load(hyper + 9).to(cdt)
@@ -114,7 +117,7 @@ def _update(p_ptr, g_ptr, a_ptr, h_ptr, lr_ptr, mask, hyper, grad_scale, ok,
                               lr_max, propagate_nan=tl.PropagateNan.ALL)
             if LR_MODE == 0:
                 tl.store(lr_ptr, rate, mask=mask)
-            theta0 = theta0 - rate * reg * h * (theta0 - theta)   # eq. 10
+            theta0 = theta0 - (rate * h) * reg * (theta0 - theta)  # eq. 10
         tl.store(a_ptr, theta0, mask=mask)
         theta = theta0                                            # θ ← θ₀
 
