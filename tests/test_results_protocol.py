@@ -385,3 +385,20 @@ def test_readme_blocks_and_legacy_metrics(tmp_path):
     (d / "results.json").write_text(json.dumps({"runs": [run, dict(run, seed=1)]}))
     page = tables.legacy_table(str(tmp_path / "results"))
     assert "`results/old/results.json` | emcl | permuted-mnist | 0,1 | 73.33 ± 0.00 | -17.50 ± 0.00 | -11.67 ± 0.00" in page
+
+
+def test_partial_selection_keeps_what_it_cannot_decide_yet(monkeypatch):
+    monkeypatch.setattr(presets, "VALIDATION_SEEDS", (100, 101))
+    rows = selection.validation_rows_a("permuted-mnist", ("sgd", "er"))
+    runs = []
+    for row in rows:
+        if row["method"] != "sgd":
+            continue
+        for s in row["seeds"]:
+            acc = 50.0 + row["index"] + (s - 100) * 0.5  # grid point 3 best
+            runs.append({"key": selection.run_key("sgd", row["overrides"], s, "validation"), "seed": s, "acc": acc})
+    previous = {"methods": {"er": {"overrides": {"lr": 0.3}, "chosen": {}, "scores": []}}}
+    sel = selection.select_a("permuted-mnist", rows, runs, previous=previous)
+    assert sel["pending"] == ["grid:er"] and sel["methods"]["er"]["overrides"] == {"lr": 0.3}
+    assert sel["methods"]["sgd"]["overrides"] == presets.grid("sgd", "permuted-mnist")[3]
+    assert sel["methods"]["sgd"]["chosen"]["acc_mean"] == pytest.approx(53.25)

@@ -1,9 +1,10 @@
 """What a run records about the code and the command that produced it.
 
-:func:`code_version` gives the git commit, the *code tree* (a hash of the git trees of
-``python/``, ``emcl_kernels/``, ``csrc/`` and ``setup.py`` at that commit: it changes when code
-changes, not when results files are committed), whether the working tree differed from the
-commit outside ``results/`` and ``runs/`` (``dirty``), and a hash of the compiled extension in
+:func:`code_version` gives the git commit, the *code tree* (a hash of the blobs of
+``python/``, ``emcl_kernels/``, ``csrc/`` and ``setup.py`` at that commit, leaving out the modules
+that only read and write result files (:data:`OUTPUT_ONLY`): it changes when code a run executes
+changes, not when results, tables or docs are committed), whether the working tree differed from
+the commit outside ``results/`` and ``runs/`` (``dirty``), and a hash of the compiled extension in
 use. A sweep whose runs share one ``code_tree``, none ``dirty``, ran on one code version.
 :func:`command_line` is the command that started this process, as one can type it again.
 """
@@ -22,6 +23,9 @@ __all__ = ["code_version", "command_line", "CODE_PATHS"]
 CODE_PATHS = ("python", "emcl_kernels", "csrc", "setup.py")
 # Paths whose changes do not make a run "dirty": results and scratch outputs.
 OUTPUT_PATHS = ("results", "runs")
+# Modules no training run executes (tables and plots from result files): not part of the code tree.
+OUTPUT_ONLY = ("python/emcl_continual/tables.py", "python/emcl_continual/plots.py",
+               "python/emcl_continual/report.py")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -58,13 +62,9 @@ def code_version() -> dict:
     try:
         root = _git(_HERE, "rev-parse", "--show-toplevel")
         out["commit"] = _git(root, "rev-parse", "HEAD")
-        trees = []
-        for path in CODE_PATHS:
-            try:
-                trees.append(f"{path}:{_git(root, 'rev-parse', f'HEAD:{path}')}")
-            except RuntimeError:
-                trees.append(f"{path}:-")
-        out["code_tree"] = hashlib.sha256("\n".join(trees).encode()).hexdigest()[:16]
+        listing = _git(root, "ls-tree", "-r", "HEAD", "--", *CODE_PATHS, strip=False)
+        blobs = [line for line in listing.splitlines() if line.split("\t", 1)[-1] not in OUTPUT_ONLY]
+        out["code_tree"] = hashlib.sha256("\n".join(blobs).encode()).hexdigest()[:16]
         status = _git(root, "status", "--porcelain", "--untracked-files=normal", "--", ".",
                       *[f":(exclude){p}" for p in OUTPUT_PATHS], strip=False)
         paths = [line[3:] for line in status.splitlines() if line.strip()]

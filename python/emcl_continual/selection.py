@@ -166,22 +166,34 @@ def _choose(rows: list, runs_by_key: dict, split: str, data_root) -> dict:
     return {"chosen": scores[best], "scores": scores}
 
 
-def select_a(stream: str, rows: list, runs: list, data_root=None) -> dict:
-    """Per method (and for Algorithm 1) the grid configuration with the best mean validation ACC."""
+def select_a(stream: str, rows: list, runs: list, data_root=None, previous: dict | None = None) -> dict:
+    """Per method (and for Algorithm 1) the grid configuration with the best mean validation ACC.
+
+    Groups whose validation runs are not all done are left out (a partial sweep selects what it
+    can); decisions in ``previous`` for groups not in ``rows`` are kept.
+    """
     by_key = _by_key(runs)
     groups: dict = {}
     for row in rows:
         groups.setdefault(row["group"], []).append(row)
+    previous = previous or {}
     out = {"stream": stream, "rule": "highest mean ACC over the validation seeds (validation split); ties: first "
                                      "in grid order", "validation_seeds": list(presets.VALIDATION_SEEDS),
-           "methods": {}, "algorithm-1": None}
+           "methods": dict(previous.get("methods", {})), "algorithm-1": previous.get("algorithm-1"),
+           "pending": []}
     for group, members in groups.items():
-        decision = _choose(members, by_key, "validation", data_root)
+        try:
+            decision = _choose(members, by_key, "validation", data_root)
+        except RuntimeError:
+            out["pending"].append(group)
+            continue
         decision["overrides"] = decision["chosen"]["overrides"]
         if group == "grid:algorithm-1":
             out["algorithm-1"] = decision
         else:
             out["methods"][group.split(":", 1)[1]] = decision
+    if previous.get("importance") and previous.get("methods", {}).get("emcl") == out["methods"].get("emcl"):
+        out["importance"] = previous["importance"]
     return out
 
 
@@ -405,21 +417,15 @@ def main(argv: list | None = None) -> int:
     if args.until == "validate-a":
         return 0
     runs = load_runs(vpath)
-    try:
-        selected = select_a(args.stream, rows_a, runs, args.data_root)
-    except RuntimeError as exc:
-        if args.plan:
-            print(f"(selection not possible yet: {exc})")
-            return 0
-        raise SystemExit(f"error: {exc}")
     old_sel = json.load(open(spath)) if os.path.exists(spath) else {}
+    selected = select_a(args.stream, rows_a, runs, args.data_root, previous=old_sel)
+    if selected["pending"]:
+        print(f"selection pending for {', '.join(selected['pending'])}: their validation runs are not all done")
     if not args.plan:
-        if "importance" in old_sel and old_sel.get("methods") == selected["methods"]:
-            selected["importance"] = old_sel["importance"]
         _write_json(spath, selected)
     if args.until == "select-a":
         return 0
-    if "emcl" not in selected["methods"]:
+    if "emcl" not in selected["methods"] or "emcl" not in args.methods:
         rows_b = []
     else:
         rows_b = validation_rows_b(args.stream, selected)
@@ -434,12 +440,10 @@ def main(argv: list | None = None) -> int:
         try:
             selected = select_b(selected, rows_b, load_runs(vpath), args.data_root)
         except RuntimeError as exc:
-            if args.plan:
-                print(f"(importance selection not possible yet: {exc})")
-                return 0
-            raise SystemExit(f"error: {exc}")
-        if not args.plan:
-            _write_json(spath, selected)
+            print(f"(importance selection not possible yet: {exc})")
+        else:
+            if not args.plan:
+                _write_json(spath, selected)
     if args.until == "select-b":
         return 0
     rows_r = report_rows(args.stream, selected, args.methods)
