@@ -245,6 +245,11 @@ def report_rows(stream: str, selected: dict, methods=ALL_METHODS) -> list:
             if spec is None:
                 continue
             add(f"emcl/{v}", "emcl", _resolve("emcl", stream, emcl, spec["overrides"]), spec["what"], kind="ablation")
+        if selected.get("algorithm-1"):
+            clip = {k: selected["algorithm-1"]["overrides"][k] for k in ("lr_scale", "lr_max")}
+            add("emcl/recurrent", "emcl", dict(emcl, lr_mode="recurrent", **clip),
+                "eq. 8's recurrent meta learning rate alone, with Algorithm 1's (r, lr_max) chosen on validation: "
+                + json.dumps(clip), kind="ablation")
         imp = selected.get("importance")
         if imp is not None:
             cand = imp["overrides"]
@@ -310,9 +315,13 @@ def _check_version(path: str, allow_dirty: bool, allow_mixed: bool) -> dict:
     return cv
 
 
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
 def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int = 1, threads: int = 1,
              data_root: str | None = None, n_tasks: int | None = None, samples_per_task: int | None = None,
-             log=print) -> list:
+             log=_log) -> list:
     """Run every (row, seed) not in ``path`` yet, ``jobs`` at a time, appending each record to
     ``path`` as it finishes (flushed and synced). Returns every record of ``path``."""
     done = {r["key"] for r in load_runs(path)}
@@ -336,7 +345,7 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int = 1, t
             fh.write(json.dumps(rec) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
-        log(f"  {rec['method']:7s} seed {rec['seed']:3d} {json.dumps(rec['overrides'], sort_keys=True)[:90]}: "
+        log(f"  {time.strftime('%H:%M:%S')} {rec['method']:7s} seed {rec['seed']:3d} {json.dumps(rec['overrides'], sort_keys=True)[:90]}: "
             f"ACC {rec['acc']:.2f} (train {rec['train_time_s']:.0f}s, wall {rec['wall_time_s']:.0f}s)")
 
     if jobs <= 1:
