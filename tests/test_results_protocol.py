@@ -402,3 +402,16 @@ def test_partial_selection_keeps_what_it_cannot_decide_yet(monkeypatch):
     assert sel["pending"] == ["grid:er"] and sel["methods"]["er"]["overrides"] == {"lr": 0.3}
     assert sel["methods"]["sgd"]["overrides"] == presets.grid("sgd", "permuted-mnist")[3]
     assert sel["methods"]["sgd"]["chosen"]["acc_mean"] == pytest.approx(53.25)
+
+
+def test_stages_and_rows_choose_what_runs(tmp_path, tiny_protocol, monkeypatch):
+    out = str(tmp_path / "heldout" / "permuted-mnist")
+    args = ["--out", out] + tiny_protocol
+    # validation of the grids, then the report rows asked for, in that order, without the importance search
+    assert selection.main(args + ["--stages", "validate-a", "report", "--rows", "emcl/no-replay", "emcl",
+                                  "emcl/importance-best"]) == 0
+    val = selection.load_runs(os.path.join(out, "validation.jsonl"))
+    rep = selection.load_runs(os.path.join(out, "report.jsonl"))
+    assert not any(r["overrides"].get("fixed_importance") or r["overrides"].get("importance_norm") for r in val)
+    assert [r["overrides"].get("memory") for r in rep[:2]] == [0, 0]  # emcl/no-replay first, as asked
+    assert len(rep) == 4 and not any(r["overrides"].get("importance_norm") for r in rep)

@@ -47,10 +47,11 @@ import time
 from . import presets
 from .metrics import mean_std
 
-__all__ = ["STAGES", "Row", "run_key", "load_runs", "validation_rows_a", "validation_rows_b", "select_a",
+__all__ = ["STAGES", "RUN_STAGES", "Row", "run_key", "load_runs", "validation_rows_a", "validation_rows_b", "select_a",
            "select_b", "report_rows", "run_rows", "main"]
 
 STAGES = ("validate-a", "select-a", "validate-b", "select-b", "report")
+RUN_STAGES = ("validate-a", "validate-b", "report")
 ALL_METHODS = ("sgd", "ewc", "agem", "er", "gem", "emcl", "lamaml", "mer")
 DEFAULT_OUT = os.path.join("results", "heldout")
 # The importance-off row of stage validate-b (the report stage has its own "emcl/importance-off").
@@ -377,7 +378,11 @@ def main(argv: list | None = None) -> int:
     p.add_argument("--out", default=None, help=f"folder of this stream's files (default {DEFAULT_OUT}/STREAM)")
     p.add_argument("--methods", nargs="+", default=list(ALL_METHODS), choices=list(ALL_METHODS))
     p.add_argument("--until", default="report", choices=STAGES, help="stop after this stage")
-    p.add_argument("--rows", nargs="+", default=None, help="report stage: run only these rows (names as in --plan)")
+    p.add_argument("--stages", nargs="+", default=list(RUN_STAGES), choices=list(RUN_STAGES),
+                   help="the stages that run training (default all); the selections are made whenever their "
+                        "runs are all done, so e.g. '--stages validate-a report' skips the importance search")
+    p.add_argument("--rows", nargs="+", default=None, help="report stage: run only these rows (names as in --plan), "
+                                                           "in this order")
     p.add_argument("--jobs", type=int, default=1, help="training processes at a time")
     p.add_argument("--threads", type=int, default=1, help="torch threads per training process")
     p.add_argument("--data-root", default=None)
@@ -419,7 +424,7 @@ def main(argv: list | None = None) -> int:
     rows_a = validation_rows_a(args.stream, args.methods)
     if args.plan:
         show(rows_a, vpath, "validation")
-    else:
+    elif "validate-a" in args.stages:
         _check_version(vpath, args.allow_dirty, args.allow_mixed_versions)
         remember(rows_a)
         runs = run_rows(rows_a, vpath, args.stream, "validation", **common)
@@ -440,7 +445,8 @@ def main(argv: list | None = None) -> int:
         rows_b = validation_rows_b(args.stream, selected)
         if args.plan:
             show(rows_b, vpath, "validation")
-        else:
+        elif "validate-b" in args.stages:
+            _check_version(vpath, args.allow_dirty, args.allow_mixed_versions)
             remember(rows_b)
             run_rows(rows_b, vpath, args.stream, "validation", **common)
     if args.until == "validate-b":
@@ -457,12 +463,15 @@ def main(argv: list | None = None) -> int:
         return 0
     rows_r = report_rows(args.stream, selected, args.methods)
     if args.rows:
-        unknown = set(args.rows) - {r["name"] for r in rows_r}
-        if unknown:
-            raise SystemExit(f"error: unknown row(s) {sorted(unknown)}; see --plan")
-        rows_r = [r for r in rows_r if r["name"] in args.rows]
+        by_name = {r["name"]: r for r in rows_r}
+        missing = [n for n in args.rows if n not in by_name]
+        if missing:
+            print(f"rows not available (unknown, or waiting for a selection): {', '.join(missing)}")
+        rows_r = [by_name[n] for n in args.rows if n in by_name]
     if args.plan:
         show(rows_r, rpath, "test")
+        return 0
+    if "report" not in args.stages:
         return 0
     _check_version(rpath, args.allow_dirty, args.allow_mixed_versions)
     remember(rows_r)
