@@ -77,7 +77,7 @@ ABLATION_DEFAULTS = {"lr_mode": "inverse", "lr_scale": None, "decay": 0.9}
 IMPORTANCE_NORMS = (None, "global", "tensor")
 
 # β on MNIST Permutations / Rotated MNIST. Set to the candidate the selection on validation data
-# chose once it has run (a test checks it against results/selection/); until then SPEC section
+# chose once it has run (a test checks it against results/heldout/); until then SPEC section
 # 6's 0.03 (Table II's 0.15 diverges from one-sample inner steps there).
 SELECTED_INNER_LR = 0.03
 
@@ -92,7 +92,7 @@ class EMCL(Method):
         cfg = presets.paper_values("emcl", stream)  # Table II: meta_lr, inner_lr, reg, gamma; memory
         if presets.table_ii_stream(stream) == "permuted-mnist":
             # Table II's β = 0.15 is one of the four candidates of the selection on validation data
-            # (presets.GRIDS, results/selection/); SELECTED_INNER_LR is the one it chose.
+            # (presets.GRIDS, results/heldout/); SELECTED_INNER_LR is the one it chose.
             cfg["inner_lr"] = SELECTED_INNER_LR
         glances = 1  # Algorithm 1: one inner loop and one meta step per incoming batch
         cfg.update(ABLATION_DEFAULTS)
@@ -159,8 +159,9 @@ class EMCL(Method):
     # ------------------------------------------------------------------------------------
     @torch.no_grad()
     def _fix_importance(self, value: float) -> None:
-        """Create the optimizer's state with an inner step on zero gradients (θ = θ₀, so the step
-        writes θ₀ + 0/(1 + c) = θ: nothing changes) and set every importance to ``value``."""
+        """Create the optimizer's state with an inner step on zero gradients (g = 0 and θ = θ₀, so
+        the proximal step θ̂ − w·(θ̂ − θ₀) with θ̂ = θ leaves θ where it is, as does the plain one)
+        and set every importance to ``value``."""
         params = [p for g in self.opt.param_groups for p in g["params"]]
         for p in params:
             p.grad = torch.zeros_like(p)
