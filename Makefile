@@ -28,7 +28,7 @@ $(VENV)/.installed: requirements.txt setup.py $(wildcard csrc/*)
 	touch $@
 
 demo: setup
-	$(PY) -m emcl_continual --method emcl --stream permuted-mnist --seeds 0 --out runs/demo
+	$(PY) -m emcl_continual --method emcl --stream permuted-mnist --seeds 0 --out runs/demo --force
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -1,29 +1,51 @@
-"""End-to-end benchmark: wall time of continual-learning training per method and backend, the
-shape of the paper's training-time figure (Figure 2).
+"""End-to-end benchmark: wall time of continual-learning training per method, backend and device,
+the shape of the paper's training-time figure (Figure 2), on the CPU and on a GPU.
 
-    python benchmarks/bench_training.py                 # permuted MNIST, 5 tasks x 200 samples
-    python benchmarks/bench_training.py --quick         # 2 tasks x 50 samples
-    python benchmarks/bench_training.py --n-tasks 20 --samples-per-task 1000 --seeds 0 1 2
+    python benchmarks/bench_training.py                      # permuted MNIST, 5 tasks x 200, CPU
+    python benchmarks/bench_training.py --quick              # 2 tasks x 50 samples
+    python benchmarks/bench_training.py --device auto        # CPU, and the GPU when there is one
+    python benchmarks/bench_training.py --device auto --streams permuted-mnist split-cifar100 split-miniimagenet
+    python benchmarks/bench_training.py --device auto --methods emcl --backends auto --n-tasks 20 --samples-per-task 1000
+    python benchmarks/bench_training.py --table benchmarks/results/training_*.json   # README tables
 
-EMCL (``emcl_continual.methods.emcl``, driven by ``FusedEMCLOptimizer``) is trained once per
+**Devices.** ``--device cpu`` (default), ``cuda`` (a one-line error without a GPU) or ``auto``
+(the CPU, plus the GPU when torch sees one; says which). Every method runs on each device with
+the same stream and seed, its data moved to the device once per task.
+
+**Runs.** EMCL (``emcl_continual.methods.emcl``, driven by ``FusedEMCLOptimizer``) once per
 backend available for the device (Triton on CPU tensors runs only through its interpreter and
-is left out unless ``--cpu-triton``), and every baseline method whose module is present
-(``emcl_continual.methods.METHODS``) once, all on the same stream built from the same seed.
-The time is ``emcl_continual.train.run``'s ``train_time_s``: the method's ``observe`` on every
-incoming batch, evaluation excluded (its time is recorded apart). Each (method, backend) is
-warmed up on a one-task stream first, so lazy imports and compilation are not timed.
+is left out unless ``--cpu-triton``; ``--backends`` chooses); on a GPU each backend twice, its
+glances replayed from CUDA graphs (``graph``, the default there) and eagerly (``eager``;
+``--emcl-graph on|off|both``). Every baseline whose module is present once. On the
+permutation streams the time is ``emcl_continual.train.run``'s ``train_time_s`` (the
+``observe`` calls, evaluation excluded and recorded apart) with ACC and BWT. Each run is
+warmed up first on a two-batch stream (lazy imports, compilation, allocator), so only
+training is timed; a graphed EMCL run still captures its own graphs, inside its time.
 
-Writes ``benchmarks/results/training_<stamp>_<device>.json`` and a PNG bar chart (training
-time per method / backend), and prints a table. Needs the ``emcl_continual`` package
-(``python/`` in this repository); without it the script stops and says so.
+**Image streams** (``split-cifar100``, ``split-miniimagenet``: the reduced ResNet-18 on
+3x32x32 / 3x84x84 inputs) report the time per batch: each ``observe`` is timed alone (device
+synchronized around it) over ``--image-batches`` batches of one task; ``ms_per_batch`` is the
+mean, ``ms_per_batch_steady`` the median after the first ``STEADY_SKIP`` batches (the ones
+that warm up and capture EMCL's graphs). Without ``--data-root`` the data files are written
+in their real formats (CIFAR-100 python pickles, miniImageNet cache pickles) with random
+pixels into a temporary folder and read back through ``emcl_continual.data``; their ACC
+means nothing and is not tabulated. ``--image-methods`` picks the methods (default: the ones
+whose batch costs seconds, not minutes, on a CPU).
+
+Writes ``benchmarks/results/training_<stamp>_<devices>.json`` and a PNG bar chart (training
+time per method, backend and device; one panel per stream), and prints the tables.
+``--table FILE...`` prints the README's markdown tables from results files (several files
+are merged, e.g. a CPU run and a GPU run) without running anything.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import pickle
 import statistics
 import sys
+import tempfile
 import time
 from typing import Optional
 
@@ -31,7 +53,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common  # noqa: E402  (puts the repository on sys.path)
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+DEVICE_CHOICES = ("cpu", "cuda", "auto")
+IMAGE_STREAMS = ("split-cifar100", "split-miniimagenet")
+# image streams: methods timed by default (La-MAML's 10 second-order glances and MER's ~2,600
+# one-sample steps per batch take minutes per batch of the ResNet on a 2-core CPU)
+IMAGE_METHODS = ("emcl", "sgd", "ewc", "agem", "gem", "er")
+STEADY_SKIP = 4  # image streams: batches before the steady per-batch median (EMCL's graphs
+                 # are captured at the 4th batch: 1 without replay, 2 warm-up, 1 capture)
 
 
 def _import_continual():
@@ -73,123 +104,384 @@ def plan_runs(methods: list, emcl_backends: list) -> list:
     return out
 
 
-def label(method: str, backend: Optional[str]) -> str:
-    return method if backend is None else f"{method} ({backend})"
+def graph_modes(device: torch.device, choice: str) -> list:
+    """EMCL's ``cuda_graph`` settings to time on ``device``: None (its default) on the CPU;
+    on a GPU True (glances replayed from CUDA graphs) and/or False (eager), by ``choice``."""
+    if choice not in ("on", "off", "both"):
+        raise ValueError(f"--emcl-graph must be on, off or both, got {choice!r}")
+    if device.type != "cuda":
+        return [None]
+    return {"on": [True], "off": [False], "both": [True, False]}[choice]
+
+
+def label(method: str, backend: Optional[str], graph: Optional[bool] = None) -> str:
+    if backend is None:
+        return method
+    if graph is None:
+        return f"{method} ({backend})"
+    return f"{method} ({backend}, {'graph' if graph else 'eager'})"
+
+
+def devices_for(choice: str) -> tuple[list, Optional[str]]:
+    """The devices ``--device`` asks for, and a note when ``auto`` found no GPU. ``cuda``
+    without a GPU stops with one line."""
+    if choice not in DEVICE_CHOICES:
+        raise SystemExit(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {choice!r}")
+    has_gpu = torch.cuda.is_available()
+    if choice == "cuda" and not has_gpu:
+        raise SystemExit("--device cuda: torch sees no CUDA device here "
+                         f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}); "
+                         "use --device cpu, or --device auto to time the GPU only where there is one")
+    if choice == "cpu":
+        return [torch.device("cpu")], None
+    if choice == "cuda":
+        return [torch.device("cuda")], None
+    if has_gpu:
+        return [torch.device("cpu"), torch.device("cuda")], None
+    return [torch.device("cpu")], "--device auto: no GPU here, timing the CPU only"
+
+
+# ---------------------------------------------------------------------------------------------
+# Image data files in their real formats
+# ---------------------------------------------------------------------------------------------
+
+def write_image_files(root: str, stream: str, samples_per_task: int, seed: int = 0) -> str:
+    """Write ``stream``'s data files under ``root`` in the formats ``emcl_continual.data``
+    reads, with random pixels and enough images per class for ``samples_per_task`` samples in
+    each task: ``cifar-100-python/{train,test}`` (pickled dicts with ``data`` uint8 (n, 3072)
+    and ``fine_labels``) or ``miniimagenet/mini-imagenet-cache-{train,val,test}.pkl`` (dicts
+    with ``image_data`` uint8 (n, 84, 84, 3) and ``class_dict``). Returns a description."""
+    rng = np.random.default_rng(seed)
+    per_class = -(-samples_per_task // 5)  # 5 classes per task
+    if stream == "split-cifar100":
+        folder = os.path.join(root, "cifar-100-python")
+        os.makedirs(folder, exist_ok=True)
+        for split, k in (("train", per_class), ("test", 2)):
+            labels = np.repeat(np.arange(100), k)
+            rng.shuffle(labels)
+            entry = {"batch_label": split, "filenames": [f"img{i}.png" for i in range(len(labels))],
+                     "fine_labels": labels.tolist(), "coarse_labels": (labels // 5).tolist(),
+                     "data": rng.integers(0, 256, size=(len(labels), 3072), dtype=np.uint8)}
+            with open(os.path.join(folder, split), "wb") as fh:
+                pickle.dump(entry, fh)
+        return (f"CIFAR-100 python pickles with random pixels ({per_class} training images per "
+                "class), written by bench_training.py")
+    if stream == "split-miniimagenet":
+        folder = os.path.join(root, "miniimagenet")
+        os.makedirs(folder, exist_ok=True)
+        n_img = -(-per_class * 6 // 5) + 1  # the stream keeps 5/6 of each class for training
+        for split, n_cls in (("train", 64), ("val", 16), ("test", 20)):
+            images = rng.integers(0, 256, size=(n_cls * n_img, 84, 84, 3), dtype=np.uint8)
+            classes = {f"n{split}{c:04d}": list(range(c * n_img, (c + 1) * n_img)) for c in range(n_cls)}
+            with open(os.path.join(folder, f"mini-imagenet-cache-{split}.pkl"), "wb") as fh:
+                pickle.dump({"image_data": images, "class_dict": classes}, fh)
+        return (f"miniImageNet cache pickles with random pixels ({n_img} images per class), "
+                "written by bench_training.py")
+    raise ValueError(f"no image files to write for stream {stream!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+
+def time_batches(train, get_method, method: str, stream, seed: int, overrides: dict,
+                 device: torch.device, batch_size: int) -> list:
+    """Seconds of each ``observe`` of ``method`` over ``stream``'s first task (device
+    synchronized around each), set up as ``emcl_continual.train.run`` sets it up."""
+    from emcl_continual.models import build_model
+
+    info = stream.info
+    config = train.build_config(method, info.name, seed, overrides)
+    torch.manual_seed(int(seed))
+    model = build_model(info).to(device)
+    learner = get_method(method)(model, info, config, device)
+    out = []
+    for x, y in stream.batches(0, batch_size, device=device):
+        common.synchronize(device)
+        start = time.perf_counter()
+        learner.observe(x, y, 0)
+        common.synchronize(device)
+        out.append(time.perf_counter() - start)
+    return out
 
 
 def summarize(records: list) -> list:
-    """Mean and spread of the training time (and ACC / BWT) per (method, backend)."""
+    """Mean and spread of the training time (and ACC / BWT) per (stream, device, method,
+    backend, graph), in the order first seen."""
     groups = {}
     for r in records:
-        groups.setdefault((r["method"], r["backend"]), []).append(r)
+        key = (r.get("stream"), r.get("device"), r["method"], r["backend"], r.get("graph"))
+        groups.setdefault(key, []).append(r)
     out = []
-    for (method, backend), rs in groups.items():
+    for (stream, device, method, backend, graph), rs in groups.items():
         times = [r["train_time_s"] for r in rs]
-        out.append({
-            "method": method, "backend": backend, "label": label(method, backend),
+        row = {
+            "stream": stream, "device": device, "method": method, "backend": backend,
+            "graph": graph, "label": label(method, backend, graph),
             "seeds": [r["seed"] for r in rs],
             "train_time_s": statistics.mean(times),
             "train_time_s_std": statistics.stdev(times) if len(times) > 1 else 0.0,
             "ms_per_batch": statistics.mean(r["ms_per_batch"] for r in rs),
-            "acc": statistics.mean(r["acc"] for r in rs),
-            "bwt": statistics.mean(r["bwt"] for r in rs),
-        })
+            "acc": statistics.mean(r["acc"] for r in rs) if all(r.get("acc") is not None for r in rs) else None,
+            "bwt": statistics.mean(r["bwt"] for r in rs) if all(r.get("bwt") is not None for r in rs) else None,
+        }
+        steady = [r["ms_per_batch_steady"] for r in rs if r.get("ms_per_batch_steady") is not None]
+        row["ms_per_batch_steady"] = statistics.mean(steady) if steady else None
+        out.append(row)
     return out
 
 
+def _fmt(v, spec=".2f", none="-"):
+    return none if v is None else format(v, spec)
+
+
+def _num(v: float) -> str:
+    """Three significant digits without exponents: 0.736, 19.8, 456, 3,280."""
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
 def format_table(result: dict) -> str:
+    """The run's summary as a plain-text table per stream and device."""
     s = result["settings"]
-    lines = [f"\n{result['device_name']}, {s['stream']}: {s['n_tasks']} tasks x "
-             f"{s['samples_per_task']} samples, batch {s['batch_size']}, seeds {s['seeds']}, "
-             f"{result['machine']['torch_threads']} torch thread(s)"]
-    head = f"{'method (backend)':<22} {'train s':>9} {'+-':>6} {'ms/batch':>9} {'ACC':>6} {'BWT':>7}"
-    lines += [head, "-" * len(head)]
-    for r in result["summary"]:
-        lines.append(f"{r['label']:<22} {r['train_time_s']:>9.2f} {r['train_time_s_std']:>6.2f} "
-                     f"{r['ms_per_batch']:>9.2f} {r['acc']:>6.2f} {r['bwt']:>7.2f}")
+    lines = []
+    names = result.get("device_names", {})
+    for stream in s.get("streams", [s["stream"]]):
+        ss = s.get("per_stream", {}).get(stream, {"n_tasks": s["n_tasks"],
+                                                  "samples_per_task": s["samples_per_task"]})
+        for dev in s.get("devices", [s["device"]]):
+            rows = [r for r in result["summary"] if r.get("stream", stream) == stream
+                    and r.get("device", dev) == dev]
+            if not rows:
+                continue
+            lines.append(f"\n{names.get(dev, result.get('device_name', dev))}, {stream}: "
+                         f"{ss['n_tasks']} tasks x {ss['samples_per_task']} samples, batch "
+                         f"{s['batch_size']}, seeds {s['seeds']}, "
+                         f"{result['machine']['torch_threads']} torch thread(s)")
+            head = (f"{'method (backend)':<26} {'train s':>9} {'+-':>6} {'ms/batch':>9} "
+                    f"{'steady':>8} {'ACC':>6} {'BWT':>7}")
+            lines += [head, "-" * len(head)]
+            for r in rows:
+                lines.append(f"{r['label']:<26} {r['train_time_s']:>9.2f} {r['train_time_s_std']:>6.2f} "
+                             f"{r['ms_per_batch']:>9.2f} {_fmt(r.get('ms_per_batch_steady')):>8} "
+                             f"{_fmt(r['acc']):>6} {_fmt(r['bwt']):>7}")
     for name, why in result["skipped_methods"].items():
         lines.append(f"not run: {name}: {why}")
     for name, why in result["skipped_backends"].items():
         lines.append(f"emcl backend not run: {name}: {why}")
+    for note in result.get("notes", []):
+        lines.append(f"note: {note}")
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------
+# README tables (Figure 2 on both devices) from one or more results files
+# ---------------------------------------------------------------------------------------------
+
+def _headline(rows: list, method: str, device: str, auto: dict) -> Optional[dict]:
+    """The row that stands for ``method`` on ``device``: for EMCL the backend ``auto`` picks
+    there (what ``python -m emcl_continual`` runs), graphed on a GPU; for a baseline its row."""
+    mine = [r for r in rows if r["method"] == method and r.get("device") == device]
+    if method != "emcl" or not mine:
+        return mine[0] if mine else None
+    want_backend = auto.get(device)
+    for r in mine:
+        if r["backend"] == want_backend and r.get("graph") in (None, True):
+            return r
+    return None
+
+
+def readme_tables(results: list) -> str:
+    """Markdown: per stream, the training time of every method on each device (the paper's
+    Figure 2) with the GPU's speed-up, then every row with its backend; captions name the
+    machines and the files the numbers come from."""
+    rows, auto, notes, sources = [], {}, [], []
+    for res in results:
+        for r in res["summary"]:
+            rows.append(dict(r, stream=r.get("stream", res["settings"]["stream"]),
+                             device=r.get("device", res["settings"]["device"]),
+                             _file=res.get("_path", "?"), _res=res))
+        auto.update(res.get("auto_backend", {}))
+        names = res.get("device_names", {res["settings"]["device"]: res.get("device_name", "?")})
+        load = res["machine"].get("load_average_at_start")
+        end = res["machine"].get("load_average_at_end")
+        sources.append(f"`{res.get('_path', '?')}`: {', '.join(f'{d}: {n}' for d, n in names.items())}; "
+                       f"torch {res['machine']['torch']}, {res['machine']['torch_threads']} CPU thread(s), "
+                       f"load average at start {load}" + (f", at end {end}" if end else "") +
+                       f", commit {res['machine'].get('git_commit')}, "
+                       f"created {res.get('created_utc')}")
+        notes += res.get("notes", [])
+    out = []
+    streams = list(dict.fromkeys(r["stream"] for r in rows))
+    for stream in streams:
+        srows = [r for r in rows if r["stream"] == stream]
+        image = stream in IMAGE_STREAMS
+        res0 = srows[0]["_res"]
+        ss = res0["settings"].get("per_stream", {}).get(stream, {"n_tasks": res0["settings"]["n_tasks"],
+                                                                 "samples_per_task": res0["settings"]["samples_per_task"]})
+        devices = list(dict.fromkeys(r["device"] for r in srows))
+        methods = list(dict.fromkeys(r["method"] for r in srows))
+        unit = "ms per batch (steady)" if image else "training time, s"
+        out.append(f"**{stream}**, {ss['n_tasks']} task(s) x {ss['samples_per_task']} samples, batch "
+                   f"{res0['settings']['batch_size']}: {unit}" + (" (random-pixel files; ACC not meaningful)" if image else ""))
+        out.append("")
+        head = ["method"] + [f"{d.upper() if d == 'cpu' else 'GPU'}" for d in devices]
+        if "cpu" in devices and "cuda" in devices:
+            head.append("GPU speed-up")
+        if not image:
+            head += [f"ACC {d.upper() if d == 'cpu' else 'GPU'}" for d in devices]
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "---|" + "--:|" * (len(head) - 1))
+        for m in methods:
+            cells, vals, accs = [m], {}, []
+            for d in devices:
+                r = _headline(srows, m, d, auto)
+                if r is None:
+                    cells.append("-")
+                    accs.append("-")
+                    continue
+                v = (r.get("ms_per_batch_steady") or r["ms_per_batch"]) if image else r["train_time_s"]
+                vals[d] = v
+                tag = "" if m != "emcl" else f" ({r['backend']}{', graph' if r.get('graph') else ''})"
+                cells.append(f"{_num(v)}{tag}")
+                accs.append(_fmt(r.get("acc")))
+            if "cpu" in devices and "cuda" in devices:
+                cells.append(f"{vals['cpu'] / vals['cuda']:.1f}x" if "cpu" in vals and "cuda" in vals else "-")
+            if not image:
+                cells += accs
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+        out.append("<details><summary>every row</summary>\n")
+        out.append("| device | method (backend) | train s | ms/batch | steady ms/batch | ACC | BWT |")
+        out.append("|---|---|--:|--:|--:|--:|--:|")
+        for r in srows:
+            out.append(f"| {r['device']} | {r['label']} | {r['train_time_s']:.2f} | {r['ms_per_batch']:.2f} | "
+                       f"{_fmt(r.get('ms_per_batch_steady'))} | {'-' if image else _fmt(r.get('acc'))} | "
+                       f"{'-' if image else _fmt(r.get('bwt'))} |")
+        out.append("\n</details>\n")
+    out.append("From " + "; ".join(sources) + ".")
+    for n in dict.fromkeys(notes):
+        out.append(f"Note: {n}")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plot
+# ---------------------------------------------------------------------------------------------
+
 def plot(result: dict, path: str) -> None:
-    """Training time per method / backend as horizontal bars (the paper's Figure 2 shape)."""
+    """Training time (image streams: steady ms per batch) per method / backend and device as
+    horizontal bars on a log scale, one panel per stream (the paper's Figure 2 shape)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["summary"]
-    fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.6))
-    ys = range(len(rows))
-    colors = ["C0" if r["method"] == "emcl" else "C7" for r in rows]
-    ax.barh(list(ys), [r["train_time_s"] for r in rows], xerr=[r["train_time_s_std"] for r in rows],
-            color=colors)
-    for y, r in zip(ys, rows):
-        ax.text(r["train_time_s"], y, f"  {r['train_time_s']:.3g} s", va="center", fontsize=8)
-    ax.set_yticks(list(ys))
-    ax.set_yticklabels([r["label"] for r in rows])
-    ax.invert_yaxis()
-    ax.set_xlabel("training time, s (evaluation excluded)")
-    s = result["settings"]
-    ax.set_title(f"{s['stream']}, {s['n_tasks']} tasks x {s['samples_per_task']} samples, "
-                 f"{result['device_name']}", fontsize=9)
-    ax.margins(x=0.2)
+    summary = result["summary"]
+    streams = list(dict.fromkeys(r.get("stream", result["settings"]["stream"]) for r in summary))
+    heights = [sum(1 for r in summary if r.get("stream", streams[0]) == s) for s in streams]
+    fig, axes = plt.subplots(len(streams), 1, figsize=(7.5, 0.42 * sum(heights) + 1.6 * len(streams)),
+                             squeeze=False, gridspec_kw={"height_ratios": heights})
+    colors = {"cpu": "C7", "cuda": "C2"}
+    for ax, stream in zip(axes[:, 0], streams):
+        rows = [r for r in summary if r.get("stream", stream) == stream]
+        image = stream in IMAGE_STREAMS
+        vals = [(r.get("ms_per_batch_steady") or r["ms_per_batch"]) if image else r["train_time_s"] for r in rows]
+        ys = list(range(len(rows)))
+        ax.barh(ys, vals, color=[colors.get(r.get("device", "cpu"), "C0") for r in rows],
+                edgecolor=["C0" if r["method"] == "emcl" else "none" for r in rows], linewidth=1.5)
+        for y, v in zip(ys, vals):
+            ax.text(v, y, f"  {_num(v)}", va="center", fontsize=8)
+        ax.set_yticks(ys)
+        ax.set_yticklabels([f"{r['label']} [{r.get('device', 'cpu')}]" for r in rows], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        ax.set_xlabel("ms per batch (steady)" if image else "training time, s (evaluation excluded)")
+        ss = result["settings"].get("per_stream", {}).get(stream, {})
+        ax.set_title(f"{stream}, {ss.get('n_tasks', '?')} task(s) x {ss.get('samples_per_task', '?')} samples "
+                     f"(grey: CPU, green: GPU)", fontsize=9)
+        ax.margins(x=0.25)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+# ---------------------------------------------------------------------------------------------
+# The command line
+# ---------------------------------------------------------------------------------------------
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python benchmarks/bench_training.py",
-                                description="Training time of EMCL per backend and of the baselines.")
-    p.add_argument("--quick", action="store_true", help="2 tasks x 50 samples")
-    p.add_argument("--stream", default="permuted-mnist")
-    p.add_argument("--n-tasks", type=int, default=None, help="default 5 (quick 2)")
-    p.add_argument("--samples-per-task", type=int, default=None, help="default 200 (quick 50)")
+                                description="Training time of EMCL per backend and of the baselines, "
+                                            "on the CPU and the GPU.")
+    p.add_argument("--quick", action="store_true", help="2 tasks x 50 samples; 3 image batches")
+    p.add_argument("--streams", "--stream", dest="streams", nargs="+", default=["permuted-mnist"],
+                   help="streams to time (default permuted-mnist)")
+    p.add_argument("--n-tasks", type=int, default=None, help="permutation streams: default 5 (quick 2)")
+    p.add_argument("--samples-per-task", type=int, default=None,
+                   help="permutation streams: default 200 (quick 50)")
+    p.add_argument("--image-batches", type=int, default=None,
+                   help="image streams: batches of one task, each timed alone (default 8, quick 3)")
+    p.add_argument("--image-methods", nargs="+", default=None,
+                   help=f"methods timed on the image streams (default {' '.join(IMAGE_METHODS)})")
     p.add_argument("--batch-size", type=int, default=10)
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--methods", nargs="+", default=None,
                    help="default: emcl and every baseline whose module is present")
     p.add_argument("--backends", nargs="+", default=None,
-                   help="EMCL backends (default: every one available on the device)")
+                   help="EMCL backends (default: every one available on the device; 'auto': the one "
+                        "FusedEMCLOptimizer picks there, as python -m emcl_continual runs)")
+    p.add_argument("--emcl-graph", choices=("on", "off", "both"), default="both",
+                   help="on a GPU: EMCL's glances from CUDA graphs (on), eagerly (off) or both")
     p.add_argument("--cpu-triton", action="store_true", help="also time interpreted Triton on CPU")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto (the CPU, and the GPU if any)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1, as training runs on a shared machine)")
-    p.add_argument("--data-root", default=None, help="data sets on disk (see emcl_continual)")
+    p.add_argument("--data-root", default=None,
+                   help="data sets on disk (see emcl_continual); without it the image streams' "
+                        "files are generated (random pixels)")
     p.add_argument("--out-dir", default=common.RESULTS_DIR)
-    p.add_argument("--name", default=None, help="file stem (default training_<UTC stamp>_<device>)")
+    p.add_argument("--name", default=None, help="file stem (default training_<UTC stamp>_<devices>)")
     p.add_argument("--note", default=None, help="free text stored with the results")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--table", nargs="+", metavar="RESULTS_JSON", default=None,
+                   help="print the README tables from these results files and exit")
     return p
 
 
 def main(argv: Optional[list] = None) -> dict:
     args = build_parser().parse_args(argv)
+    if args.table:
+        results = []
+        for path in args.table:
+            with open(path) as f:
+                res = json.load(f)
+            res["_path"] = os.path.relpath(path, common.REPO) if os.path.isabs(path) else path
+            results.append(res)
+        text = readme_tables(results)
+        print(text)
+        return {"table": text}
+    devices, device_note = devices_for(args.device)
     if args.cpu_triton:
-        if args.device != "cpu":
+        if any(d.type != "cpu" for d in devices):
             raise SystemExit("--cpu-triton runs Triton through its interpreter; use it with --device cpu")
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton backend is imported
     train, METHODS, get_method, STREAMS, make_stream = _import_continual()
-    if args.stream not in STREAMS:
-        raise SystemExit(f"unknown stream {args.stream!r}; choose one of {', '.join(STREAMS)}")
-    n_tasks = args.n_tasks or (2 if args.quick else 5)
-    per_task = args.samples_per_task or (50 if args.quick else 200)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch sees no CUDA device here")
+    for stream in args.streams:
+        if stream not in STREAMS:
+            raise SystemExit(f"unknown stream {stream!r}; choose one of {', '.join(STREAMS)}")
+    if args.emcl_graph not in ("on", "off", "both"):
+        raise SystemExit("--emcl-graph must be on, off or both")
+    if device_note:
+        print(device_note, flush=True)
     threads_before = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        return _main(args, argv, train, METHODS, get_method, make_stream, n_tasks, per_task, device)
+        return _main(args, argv, train, METHODS, get_method, make_stream, devices, device_note)
     finally:
         torch.set_num_threads(threads_before)
 
 
-def _main(args, argv, train, METHODS, get_method, make_stream, n_tasks, per_task, device) -> dict:
+def _methods(args, METHODS, get_method) -> tuple[list, dict]:
     present, skipped_methods = available_methods(METHODS, get_method)
     if args.methods:
         unknown = [m for m in args.methods if m not in METHODS]
@@ -199,54 +491,101 @@ def _main(args, argv, train, METHODS, get_method, make_stream, n_tasks, per_task
         if missing:
             raise SystemExit("method(s) not present: " +
                              "; ".join(f"{m}: {skipped_methods[m]}" for m in missing))
-        methods = list(args.methods)
-        skipped_methods = {m: "not asked for (--methods)" for m in present if m not in methods}
-    else:
-        methods = present
-    backends, skipped_backends = common.backends_for(device, include_cpu_triton=args.cpu_triton,
-                                                     only=args.backends)
-    if "emcl" in methods and not backends:
-        raise SystemExit(f"no EMCL backend available on {device}: {skipped_backends}")
-    runs = plan_runs(methods, backends)
+        skipped_methods = {m: "not asked for (--methods)" for m in present if m not in args.methods}
+        return list(args.methods), skipped_methods
+    return present, skipped_methods
 
+
+def _main(args, argv, train, METHODS, get_method, make_stream, devices, device_note) -> dict:
+    from emcl_kernels.backends import auto_backend
+
+    methods, skipped_methods = _methods(args, METHODS, get_method)
+    image_methods = list(args.image_methods or [m for m in IMAGE_METHODS if m in methods])
+    bad = [m for m in image_methods if m not in METHODS]
+    if bad:
+        raise SystemExit(f"unknown --image-methods {bad}; registered: {', '.join(METHODS)}")
+    n_tasks = args.n_tasks or (2 if args.quick else 5)
+    per_task = args.samples_per_task or (50 if args.quick else 200)
+    image_batches = args.image_batches or (3 if args.quick else 8)
+    notes = [device_note] if device_note else []
+
+    plans, skipped_backends = {}, {}
+    for device in devices:
+        only = None if not args.backends else \
+            list(dict.fromkeys(auto_backend(device) if b == "auto" else b for b in args.backends))
+        backends, skipped = common.backends_for(device, include_cpu_triton=args.cpu_triton, only=only)
+        if "emcl" in methods and not backends:
+            raise SystemExit(f"no EMCL backend available on {device}: {skipped}")
+        for name, why in skipped.items():
+            skipped_backends[f"{name} on {device.type}" if len(devices) > 1 else name] = why
+        plans[device.type] = backends
+
+    tmp = None
+    machine = common.machine_info()  # before the runs: its load average is the one at the start
     started = time.perf_counter()
-    records = []
-    for seed in args.seeds:
-        stream = make_stream(args.stream, seed, data_root=args.data_root, n_tasks=n_tasks,
-                             samples_per_task=per_task)
-        warm = make_stream(args.stream, seed, data_root=args.data_root, n_tasks=1,
-                           samples_per_task=2 * args.batch_size)
-        n_batches = stream.n_batches(args.batch_size)
-        for method, backend in runs:
-            overrides = {"backend": backend} if backend is not None else {}
-            if seed == args.seeds[0]:       # lazy imports, compilation, allocator warm-up
-                train.run(method, warm, seed, overrides=overrides, batch_size=args.batch_size,
-                          device=device, progress=False)
-            t0 = time.perf_counter()
-            r = train.run(method, stream, seed, overrides=overrides, batch_size=args.batch_size,
-                          device=device, progress=False)
-            wall = time.perf_counter() - t0
-            rec = {"method": method, "backend": backend, "label": label(method, backend),
-                   "seed": seed, "stream": r["stream"], "n_tasks": r["n_tasks"],
-                   "samples_per_task": per_task, "batch_size": args.batch_size,
-                   "n_batches": n_batches, "train_time_s": r["train_time_s"],
-                   "eval_time_s": r["eval_time_s"], "wall_time_s": wall,
-                   "ms_per_batch": 1e3 * r["train_time_s"] / max(1, n_batches),
-                   "acc": r["acc"], "bwt": r["bwt"], "device": device.type,
-                   "data_source": r.get("data_source")}
-            records.append(rec)
-            print(f"{rec['label']:<22} seed {seed}: train {rec['train_time_s']:.2f} s "
-                  f"({rec['ms_per_batch']:.2f} ms/batch), ACC {rec['acc']:.2f}", flush=True)
+    records, per_stream = [], {}
+    try:
+        for stream_name in args.streams:
+            image = stream_name in IMAGE_STREAMS
+            root = args.data_root
+            source_note = None
+            if image and root is None:
+                tmp = tmp or tempfile.TemporaryDirectory(prefix="emcl_bench_images_")
+                root = tmp.name
+                source_note = write_image_files(root, stream_name, image_batches * args.batch_size)
+            st_tasks = 1 if image else n_tasks
+            st_per_task = image_batches * args.batch_size if image else per_task
+            per_stream[stream_name] = {"n_tasks": st_tasks, "samples_per_task": st_per_task,
+                                       "timing": "per batch" if image else "train.run",
+                                       "data_source": source_note}
+            stream_methods = image_methods if image else methods
+            for seed in args.seeds:
+                stream = make_stream(stream_name, seed, data_root=root, n_tasks=st_tasks,
+                                     samples_per_task=st_per_task)
+                per_stream[stream_name]["data_source"] = source_note or stream.info.source
+                warm = make_stream(stream_name, seed, data_root=root, n_tasks=1,
+                                   samples_per_task=2 * args.batch_size)
+                n_batches = stream.n_batches(args.batch_size)
+                for device in devices:
+                    backends = plans[device.type]
+                    if image and not args.backends:  # the image streams: EMCL's default backend only
+                        backends = [auto_backend(device)]
+                    for method, backend in plan_runs(stream_methods, backends):
+                        graphs = graph_modes(device, args.emcl_graph) if method == "emcl" else [None]
+                        for graph in graphs:
+                            rec = _one_run(train, get_method, method, backend, graph, stream, warm, seed,
+                                           device, args, n_batches, image, first=seed == args.seeds[0])
+                            rec["samples_per_task"] = st_per_task
+                            records.append(rec)
+                            steady = rec.get("ms_per_batch_steady")
+                            print(f"{stream_name:<18} {device.type:<4} {rec['label']:<26} seed {seed}: "
+                                  f"train {rec['train_time_s']:.2f} s ({rec['ms_per_batch']:.2f} ms/batch"
+                                  + (f", steady {steady:.2f}" if steady is not None else "")
+                                  + (f"), ACC {rec['acc']:.2f}" if rec["acc"] is not None else ")"), flush=True)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
 
+    first = args.streams[0]
+    device_names = {d.type: common.device_name(d) for d in devices}
     result = {
-        "schema": "emcl-kernels/bench_training/1",
+        "schema": "emcl-kernels/bench_training/2",
         "created_utc": common.utc_now(),
         "command": "python benchmarks/bench_training.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": common.machine_info(),
-        "device_name": common.device_name(device),
+        "machine": dict(machine, load_average_at_end=[round(x, 2) for x in os.getloadavg()]
+                        if hasattr(os, "getloadavg") else None),
+        "device_name": device_names[devices[0].type],
+        "device_names": device_names,
+        "auto_backend": {d.type: auto_backend(d) for d in devices},
         "note": args.note,
-        "settings": {"stream": args.stream, "n_tasks": n_tasks, "samples_per_task": per_task,
-                     "batch_size": args.batch_size, "seeds": args.seeds, "device": device.type,
+        "notes": notes,
+        "settings": {"stream": first, "streams": list(args.streams),
+                     "n_tasks": per_stream[first]["n_tasks"],
+                     "samples_per_task": per_stream[first]["samples_per_task"], "per_stream": per_stream,
+                     "batch_size": args.batch_size, "seeds": args.seeds,
+                     "device": devices[0].type if len(devices) == 1 else "auto",
+                     "devices": [d.type for d in devices], "emcl_graph": args.emcl_graph,
+                     "image_batches": image_batches, "steady_skip": STEADY_SKIP,
                      "threads": torch.get_num_threads(), "mode": "quick" if args.quick else "full"},
         "skipped_methods": skipped_methods,
         "skipped_backends": skipped_backends,
@@ -255,7 +594,7 @@ def _main(args, argv, train, METHODS, get_method, make_stream, n_tasks, per_task
         "wall_time_s": time.perf_counter() - started,
     }
     os.makedirs(args.out_dir, exist_ok=True)
-    stem = args.name or f"training_{common.utc_stamp()}_{device.type}"
+    stem = args.name or f"training_{common.utc_stamp()}_{'-'.join(d.type for d in devices)}"
     path = os.path.join(args.out_dir, stem + ".json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
@@ -267,6 +606,38 @@ def _main(args, argv, train, METHODS, get_method, make_stream, n_tasks, per_task
     print(format_table(result))
     print(f"\nwall time {result['wall_time_s']:.1f} s; wrote " + ", ".join(result["paths"].values()))
     return result
+
+
+def _one_run(train, get_method, method, backend, graph, stream, warm, seed, device, args, n_batches,
+             image, first) -> dict:
+    overrides = {}
+    if backend is not None:
+        overrides["backend"] = backend
+    if graph is not None:
+        overrides["cuda_graph"] = graph
+    rec = {"method": method, "backend": backend, "graph": graph, "label": label(method, backend, graph),
+           "seed": seed, "stream": stream.info.name, "n_tasks": stream.info.n_tasks,
+           "batch_size": args.batch_size, "n_batches": n_batches, "device": device.type,
+           "data_source": stream.info.source}
+    if first:  # lazy imports, compilation, allocator and cuDNN warm-up
+        train.run(method, warm, seed, overrides=overrides, batch_size=args.batch_size, device=device,
+                  progress=False)
+    t0 = time.perf_counter()
+    if image:
+        secs = time_batches(train, get_method, method, stream, seed, overrides, device, args.batch_size)
+        steady = secs[STEADY_SKIP:] if len(secs) > STEADY_SKIP else secs[-1:]
+        rec.update(train_time_s=sum(secs), eval_time_s=None, n_batches=len(secs),
+                   ms_per_batch=1e3 * sum(secs) / len(secs),
+                   ms_per_batch_steady=1e3 * statistics.median(steady),
+                   batch_ms=[round(1e3 * s, 3) for s in secs], acc=None, bwt=None)
+    else:
+        r = train.run(method, stream, seed, overrides=overrides, batch_size=args.batch_size, device=device,
+                      progress=False)
+        rec.update(train_time_s=r["train_time_s"], eval_time_s=r["eval_time_s"],
+                   ms_per_batch=1e3 * r["train_time_s"] / max(1, n_batches), ms_per_batch_steady=None,
+                   acc=r["acc"], bwt=r["bwt"])
+    rec["wall_time_s"] = time.perf_counter() - t0
+    return rec
 
 
 if __name__ == "__main__":

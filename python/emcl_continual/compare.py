@@ -6,15 +6,17 @@ Usage::
     python -m emcl_continual.compare --stream permuted-mnist --seeds 0 1 2 3 4 --out results/permuted-mnist
     python -m emcl_continual.compare --out results/permuted-mnist --table-only   # rebuild table / plot
 
-Runs are appended one per line to ``OUT/runs.jsonl`` as they finish, so an interrupted sweep
-resumes where it stopped (finished (method, seed) pairs are skipped). At the end the folder
-holds ``results.json`` / ``results.csv`` / the core's plots (via :mod:`.report`),
-``comparison.md`` (ours beside Table III) and ``training_time.png`` (Figure 2: every method,
-same machine, same stream). The CLI's ``--method all`` calls :func:`write_comparison` on its runs.
+The folder follows the protocol of :mod:`.rundir` (the main CLI's): runs are appended one
+per line to ``OUT/runs.jsonl`` as they finish and the summaries are rewritten after every seed,
+so an interrupted sweep resumes where it stopped (finished (method, seed) pairs are skipped;
+unlike the main CLI, resuming is the default here: ``--force`` starts over). A folder written
+with another configuration is refused. The folder holds ``results.json`` / ``results.csv`` /
+the core's plots (via :mod:`.report`), ``comparison.md`` (ours beside Table III) and
+``training_time.png`` (Figure 2: every method, same machine, same stream). The CLI's
+``--method all`` writes the same two files through :func:`write_comparison`.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -22,6 +24,7 @@ import sys
 import time
 
 from .metrics import mean_std
+from .rundir import load_runs
 
 __all__ = ["ALL_METHODS", "PAPER_TABLE_III", "PAPER_NAMES", "comparison_table", "plot_training_time",
            "write_comparison", "run_all", "load_runs", "main"]
@@ -134,9 +137,9 @@ def plot_training_time(runs: list, stream: str, path: str) -> str:
     ax.grid(axis="x", alpha=0.3)
     ax.set_xlim(0, max(mu) * 1.18 if mu else 1)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    from .plots import save_figure
+
+    return save_figure(fig, path)
 
 
 def write_comparison(runs: list, out_dir: str, stream: str | None = None) -> dict:
@@ -146,83 +149,146 @@ def write_comparison(runs: list, out_dir: str, stream: str | None = None) -> dic
         if len(streams) != 1:
             raise ValueError(f"runs cover streams {streams}; name one")
         stream = streams[0]
+    from .report import write_atomic
+
     os.makedirs(out_dir, exist_ok=True)
     table = comparison_table(runs, stream)
-    with open(os.path.join(out_dir, "comparison.md"), "w") as fh:
-        fh.write(table + "\n")
+    write_atomic(os.path.join(out_dir, "comparison.md"), lambda fh: fh.write(table + "\n"))
     fig = plot_training_time(runs, stream, os.path.join(out_dir, "training_time.png"))
     return {"table": table, "figure": fig}
 
 
-def load_runs(out_dir: str) -> list:
-    """The runs recorded in ``OUT/runs.jsonl`` (one JSON object per line)."""
-    path = os.path.join(out_dir, "runs.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+def _identity(stream: str, methods: list, overrides: dict, batch_size: int) -> dict:
+    from .train import build_config
+
+    configs = {}
+    for m in methods:
+        config = build_config(m, stream, 0, (overrides or {}).get(m))
+        config.pop("seed")
+        configs[m] = config
+    return {"stream": stream, "configs": configs,
+            "data": {"data_root": None, "task_file": None, "n_tasks": None, "samples_per_task": None,
+                     "batch_size": batch_size}}
 
 
 def run_all(stream: str, seeds: list, out_dir: str, methods: list | None = None, *, overrides: dict | None = None,
-            log=print, **run_kwargs) -> list:
+            log=print, force: bool = False, command: str | None = None, **run_kwargs) -> list:
     """Run every method (default :data:`ALL_METHODS`) for every seed on ``stream``, resumably.
 
     Seeds are the outer loop so that a cut-off sweep leaves complete seeds. ``overrides`` maps a
-    method name to its hyper-parameter overrides.
+    method name to its hyper-parameter overrides. ``out_dir`` follows :mod:`.rundir`: finished
+    (method, seed) pairs in it are skipped (``force``: deleted first), a folder of another
+    configuration is refused (:class:`~.rundir.OutputError`). Returns every run in the folder.
     """
-    from . import report
+    from .config import check_seeds
+    from .presets import BATCH_SIZE
+    from .rundir import RunDir, execute
     from .streams import make_stream
     from .train import run
 
     methods = list(methods or ALL_METHODS)
-    os.makedirs(out_dir, exist_ok=True)
-    done = {(r["method"], r["seed"]) for r in load_runs(out_dir) if r["stream"] == stream}
-    for seed in seeds:
-        todo = [m for m in methods if (m, seed) not in done]
-        if not todo:
-            continue
-        built = make_stream(stream, seed)
-        for m in todo:
-            r = run(m, built, seed, overrides=(overrides or {}).get(m), progress=False, **run_kwargs)
-            with open(os.path.join(out_dir, "runs.jsonl"), "a") as fh:
-                fh.write(json.dumps(r) + "\n")
-            if log is not None:
-                log(f"{stream} {m} seed {seed}: ACC {r['acc']:.2f} BWT {r['bwt']:.2f} "
-                    f"train {r['train_time_s']:.1f}s eval {r['eval_time_s']:.1f}s")
-    runs = [r for r in load_runs(out_dir) if r["stream"] == stream and r["method"] in methods]
-    report.write_results(runs, out_dir)
-    write_comparison(runs, out_dir, stream)
-    return runs
+    seeds = check_seeds(list(seeds))
+    identity = _identity(stream, methods, overrides, run_kwargs.get("batch_size", BATCH_SIZE))
+    command = command or f"python -m emcl_continual.compare --stream {stream} --seeds {' '.join(map(str, seeds))} " \
+                         f"--methods {' '.join(methods)} --out {out_dir}"
+    out = RunDir(out_dir, identity=identity, plan=[(m, s) for s in seeds for m in methods], command=command,
+                 force=force, resume=not force, comparison=stream, resume_command=command)
+    out.open()
+
+    def on_run(r):
+        if log is not None:
+            log(f"{stream} {r['method']} seed {r['seed']}: ACC {r['acc']:.2f} BWT {r['bwt']:.2f} "
+                f"train {r['train_time_s']:.1f}s eval {r['eval_time_s']:.1f}s")
+
+    execute(seeds, methods, lambda seed: make_stream(stream, seed),
+            lambda m, built, seed: run(m, built, seed, overrides=(overrides or {}).get(m), progress=False,
+                                       **run_kwargs),
+            out, on_run)
+    if out.stale and log is not None:
+        log(f"could not write {', '.join(sorted(out.stale))}: {'; '.join(out.stale.values())}")
+    return list(out.runs)
 
 
 def main(argv: list | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m emcl_continual.compare", description=__doc__.split("\n\n")[0])
-    p.add_argument("--stream", default="permuted-mnist")
+    """``python -m emcl_continual.compare``; errors are one line on stderr (see :mod:`.cli`)."""
+    from .cli import guarded
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return guarded(lambda: _main(argv), "--debug" in argv)
+
+
+def _main(argv: list) -> int:
+    from .cli import make_parser
+    from .streams import STREAMS
+
+    p = make_parser(prog="python -m emcl_continual.compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--stream", default="permuted-mnist", choices=list(STREAMS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
-    p.add_argument("--methods", nargs="+", default=None, help=f"default: {' '.join(ALL_METHODS)}")
+    p.add_argument("--methods", nargs="+", default=None, choices=ALL_METHODS, metavar="METHOD",
+                   help=f"default: {' '.join(ALL_METHODS)}")
     p.add_argument("--out", required=True)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--force", action="store_true", help="delete the earlier results in --out instead of resuming")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("--table-only", action="store_true", help="only rebuild the outputs from OUT/runs.jsonl")
     args = p.parse_args(argv)
     import torch
 
-    torch.set_num_threads(args.threads)
+    if args.threads < 0:
+        p.error("argument --threads: must be >= 0 (0: torch's choice)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.table_only:
-        from . import report
+        from .report import write_results
+        from .rundir import OutputError
 
         runs = load_runs(args.out)
         if not runs:
-            raise SystemExit(f"error: no runs in {args.out}/runs.jsonl")
+            raise OutputError(f"no runs in {args.out}/runs.jsonl")
+        try:
+            with open(os.path.join(args.out, "results.json"), encoding="utf-8") as fh:
+                earlier = json.load(fh)
+        except (OSError, ValueError):
+            earlier = {}
+        keep = {k: earlier[k] for k in ("status", "command", "identity", "seeds_done", "seeds_pending", "runs_done",
+                                        "runs_pending", "resume_command") if k in earlier}
         streams = sorted({r["stream"] for r in runs})
-        report.write_results(runs, args.out)
+        stale = {}
         for s in streams:
-            print(write_comparison(runs, args.out, s)["table"])
-        return 0
+            try:
+                print(write_comparison(runs, args.out, s)["table"])
+            except Exception as exc:
+                stale["training_time.png"] = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        obj = write_results(runs, args.out, extra=keep, stale=stale)
+        return _stale_exit(obj["plot_errors"], args.out)
     started = time.perf_counter()
-    runs = run_all(args.stream, args.seeds, args.out, args.methods)
+    import shlex
+
+    from .cli import _Interrupted
+    from .rundir import Interrupted, interrupts
+
+    command = shlex.join(["python", "-m", "emcl_continual.compare"] + [a for a in argv if a != "--force"])
+    try:
+        with interrupts():
+            runs = run_all(args.stream, args.seeds, args.out, args.methods, force=args.force, command=command)
+    except Interrupted as exc:
+        n = len(load_runs(args.out)) if os.path.isdir(args.out) else 0
+        raise _Interrupted(f"{exc.name}: {n} run(s) are saved in {args.out} (results.json status 'partial'); "
+                           f"run the same command again to resume: {command}") from None
     print(comparison_table(runs, args.stream))
     print(f"wall time {time.perf_counter() - started:.0f}s on {platform.machine()}")
-    return 0
+    with open(os.path.join(args.out, "results.json"), encoding="utf-8") as fh:
+        return _stale_exit(json.load(fh).get("plot_errors", {}), args.out)
+
+
+def _stale_exit(errors: dict, out: str) -> int:
+    """0, or 1 after one line on stderr naming the figures that could not be written."""
+    if not errors:
+        return 0
+    from .cli import PlotError
+
+    raise PlotError(f"could not write {', '.join(sorted(errors))} in {out} ({'; '.join(errors.values())}); "
+                    f"results.json and results.csv are up to date and list them under stale_plots")
 
 
 if __name__ == "__main__":

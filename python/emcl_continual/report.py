@@ -1,13 +1,24 @@
-"""Aggregate runs over seeds and write results.json, results.csv and the plots."""
+"""Aggregate runs over seeds and write results.json, results.csv and the plots.
+
+Every file is written atomically (a temporary file in the same folder, flushed to disk, then
+renamed over the old one), so a reader, or a run cut off mid-write, sees either the old file
+or the new one, never half of one. A plot that cannot be drawn does not stop the others or the
+JSON/CSV: it is listed in ``"stale_plots"`` (file names) with the reason in ``"plot_errors"``.
+"""
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
+import tempfile
 
 from .metrics import mean_std
 
-__all__ = ["summarize", "write_results", "format_table"]
+__all__ = ["summarize", "write_results", "format_table", "write_atomic", "PLOT_FILES"]
+
+# The plots write_results draws, by file name.
+PLOT_FILES = ("avg_accuracy.png", "acc_bwt.png")
 
 
 def summarize(runs: list) -> list:
@@ -36,24 +47,68 @@ def format_table(summary: list) -> str:
     return "\n".join(lines)
 
 
-def write_results(runs: list, out_dir: str, extra: dict | None = None, plots: bool = True) -> dict:
-    """Write ``results.json`` (runs and summary), ``results.csv`` (one row per run) and the PNG
-    plots into ``out_dir``. Returns the JSON object."""
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_FILE_MODE = 0o666 & ~_umask()  # what open() would give a new file
+
+
+def write_atomic(path: str, write, binary: bool = False) -> str:
+    """Call ``write(fh)`` on a temporary file beside ``path`` (text in UTF-8, or ``binary``),
+    flush it to disk, then rename it over ``path``. On any error, or an interrupt, the
+    temporary file is removed and ``path`` is left as it was."""
+    folder, name = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    try:
+        os.fchmod(fd, _FILE_MODE)
+        with (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8", newline="")) as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def _csv_text(runs: list) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["method", "stream", "seed", "acc", "bwt", "train_time_s", "eval_time_s", "final_accuracies"])
+    for r in runs:
+        w.writerow([r["method"], r["stream"], r["seed"], f"{r['acc']:.4f}", f"{r['bwt']:.4f}",
+                    f"{r['train_time_s']:.3f}", f"{r['eval_time_s']:.3f}",
+                    " ".join(f"{a:.2f}" for a in r["acc_matrix"][-1])])
+    return buf.getvalue()
+
+
+def write_results(runs: list, out_dir: str, extra: dict | None = None, plots: bool = True,
+                  stale: dict | None = None) -> dict:
+    """Write ``results.csv`` (one row per run), the PNG plots and ``results.json`` (runs,
+    summary, ``extra``) into ``out_dir``, each atomically. ``results.json`` lists the plots that
+    could not be drawn in ``"stale_plots"`` (file names; with ``"plot_errors"``: file -> reason),
+    those of ``stale`` (other figures the caller failed to write) included. Returns the JSON
+    object."""
     os.makedirs(out_dir, exist_ok=True)
-    summary = summarize(runs)
-    obj = {"summary": summary, "runs": runs}
-    if extra:
-        obj.update(extra)
-    with open(os.path.join(out_dir, "results.json"), "w") as fh:
-        json.dump(obj, fh, indent=1)
-    with open(os.path.join(out_dir, "results.csv"), "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["method", "stream", "seed", "acc", "bwt", "train_time_s", "eval_time_s", "final_accuracies"])
-        for r in runs:
-            w.writerow([r["method"], r["stream"], r["seed"], f"{r['acc']:.4f}", f"{r['bwt']:.4f}",
-                        f"{r['train_time_s']:.3f}", f"{r['eval_time_s']:.3f}",
-                        " ".join(f"{a:.2f}" for a in r["acc_matrix"][-1])])
+    obj = dict(extra or {})
+    obj["summary"] = summarize(runs)
+    errors = dict(stale or {})
+    write_atomic(os.path.join(out_dir, "results.csv"), lambda fh: fh.write(_csv_text(runs)))
     if plots and runs:
         from .plots import write_plots
-        obj["plots"] = write_plots(runs, out_dir)
+
+        written, plot_errors = write_plots(runs, out_dir)
+        obj["plots"] = written
+        errors.update(plot_errors)
+    obj["stale_plots"], obj["plot_errors"] = sorted(errors), errors
+    obj["runs"] = runs
+    text = json.dumps(obj, indent=1)
+    write_atomic(os.path.join(out_dir, "results.json"), lambda fh: fh.write(text))
     return obj

@@ -89,16 +89,24 @@ class Stream:
     seed: int = 0
     meta: dict = field(default_factory=dict)
 
-    def batches(self, task: int, batch_size: int = 10) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self, task: int, batch_size: int = 10, device: torch.device | str | None = None
+                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Yield task ``task``'s training samples once, ``batch_size`` at a time, in the stream's
-        fixed order (shuffled once from the seed when the stream was built)."""
+        fixed order (shuffled once from the seed when the stream was built).
+
+        ``device``: the task's samples are copied there once, before the first batch, and the
+        batches are slices of that copy (on a GPU: one transfer per task, none per batch).
+        """
         if not 0 <= task < len(self.train):
             raise IndexError(f"task {task} is outside [0, {len(self.train)})")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         td = self.train[task]
+        x, y = td.x, td.y
+        if device is not None:
+            x, y = x.to(device), y.to(device)
         for start in range(0, len(td), batch_size):
-            yield td.x[start:start + batch_size], td.y[start:start + batch_size]
+            yield x[start:start + batch_size], y[start:start + batch_size]
 
     def n_batches(self, batch_size: int = 10) -> int:
         return sum((len(t) + batch_size - 1) // batch_size for t in self.train)

@@ -15,6 +15,7 @@ import time
 import torch
 
 from . import metrics
+from .config import validate_config
 from .methods import get_method
 from .models import build_model
 from .presets import BATCH_SIZE
@@ -30,12 +31,14 @@ RUN_DEFAULTS = {"init": "torch"}
 
 def build_config(method: str, stream: str, seed: int, overrides: dict | None = None) -> dict:
     """:data:`RUN_DEFAULTS` and ``defaults(stream)`` of ``method``, updated with ``overrides``,
-    plus ``seed``."""
+    plus ``seed``; checked by :func:`.config.validate_config` (unknown keys and bad values raise
+    ``ConfigError``)."""
     cls = get_method(method)
     config = dict(RUN_DEFAULTS)
     config.update(cls.defaults(stream))
     for key, value in (overrides or {}).items():
         config[key] = value
+    config = validate_config(method, stream, config, overrides)
     config["seed"] = int(seed)
     return config
 
@@ -92,9 +95,7 @@ def run(method: str, stream: str | Stream, seed: int = 0, *, overrides: dict | N
     try:
         for t in range(T):
             task_loss, n = 0.0, 0
-            for x, y in stream.batches(t, batch_size):
-                x = x.to(device, non_blocking=True)
-                y = y.to(device, non_blocking=True)
+            for x, y in stream.batches(t, batch_size, device=device):  # one copy per task
                 _sync(device)
                 start = time.perf_counter()
                 loss = learner.observe(x, y, t)

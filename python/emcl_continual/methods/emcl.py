@@ -31,6 +31,12 @@ Ablation (paper Table IV, third column) ``inner_lr_modulation=True``: no regular
 the inner loop; each inner step is θ ← θ − α ⊙ g with α the per-element meta learning
 rates the optimizer holds (La-MAML style), clipped to ``[0, modulation_lr_max]``.
 
+On a GPU (``cuda_graph="auto"``, the default) each glance is captured in a CUDA graph and
+replayed (:mod:`emcl_continual.graphed`: static input buffers, one graph per shape, the
+optimizer built with ``capturable=True``); ``cuda_graph=False`` keeps the eager loop below,
+``cuda_graph=True`` also runs the static-buffer routine on the CPU (eagerly, bit for bit the
+eager loop).
+
 Controls of what the Taylor importance h does (README, "Deviations from the paper"):
 
 * ``fixed_importance=h̄`` (with ``decay=1``): h is held at the constant h̄ in every element for
@@ -48,18 +54,22 @@ Controls of what the Taylor importance h does (README, "Deviations from the pape
   by setting each param group's γ to γ/mean(h) after every meta step (one group per tensor for
   ``"tensor"``); the meta step does not read γ, and with r = 1/λ it does not depend on the scale
   of h either, so this changes the inner step only. With ``fixed_importance`` it gives the
-  *uniform pull* control: c = γλ in every element.
+  *uniform pull* control: c = γλ in every element. Both run eagerly (no CUDA graph): the pull
+  changes γ between glances.
 
 :meth:`EMCL.diagnostics` (recorded after every task) gives quantiles of h and of the pull c,
 and the share of elements where the pull or the importance term of the meta step acts.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import presets
+from ..graphed import GlanceRoutine, graph_plan
 from ..replay import ReservoirBuffer
 from ..streams import StreamInfo
 from .base import Method
@@ -97,7 +107,6 @@ class EMCL(Method):
         glances = 1  # Algorithm 1: one inner loop and one meta step per incoming batch
         cfg.update(ABLATION_DEFAULTS)
         cfg.update({
-            "lr_min": 0.0, "lr_max": None, "eps": 1e-8,  # clip of α (None: no upper clip) and ε of h + ε
             "importance": "taylor",
             "prox": True,
             "replay": presets.BATCH_SIZE,  # replayed samples per incoming batch
@@ -110,6 +119,7 @@ class EMCL(Method):
             "fixed_importance": None,      # control: h held at this constant (needs decay=1)
             "importance_norm": None,       # pull c = γλh/mean(h): "global" or "tensor" (None: γλh)
             "backend": "auto",
+            "cuda_graph": "auto",          # glances replayed from CUDA graphs on a GPU (graphed.py)
         })
         return cfg
 
@@ -132,11 +142,16 @@ class EMCL(Method):
         self.importance_norm = cfg.get("importance_norm")
         if self.importance_norm not in IMPORTANCE_NORMS:
             raise ValueError(f"emcl: importance_norm must be one of {IMPORTANCE_NORMS}, got {self.importance_norm!r}")
+        use_routine, capture, why_not = graph_plan(cfg, self.device)
+        if self.importance_norm is not None and use_routine:
+            # the normalised pull sets γ on the host after every meta step: not in a captured graph
+            use_routine, capture = False, False
+            why_not = why_not or "importance_norm changes gamma between glances"
         if self.importance_norm == "tensor":
             params = [{"params": [p]} for p in model.parameters()]
         else:
             params = list(model.parameters())
-        self.opt = FusedEMCLOptimizer(params, backend=cfg.get("backend", "auto"), **hyper)
+        self.opt = FusedEMCLOptimizer(params, backend=cfg.get("backend", "auto"), capturable=capture, **hyper)
         self.base_gamma = float(hyper.get("gamma", 0.0))
         if self.fixed_importance is not None:
             self._fix_importance(float(self.fixed_importance))
@@ -155,6 +170,10 @@ class EMCL(Method):
         self.gen = self._generator(1)
         self.buffer = ReservoirBuffer(self.memory, info.input_shape, self.gen, device=self.device) \
             if self.memory > 0 else None
+        self.routine = GlanceRoutine(self, capture=capture) if use_routine else None
+        if why_not is not None:
+            warnings.warn(f"emcl: no CUDA graphs on {self.device}: {why_not}; the glances run eagerly",
+                          RuntimeWarning, stacklevel=2)
 
     # ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -249,10 +268,13 @@ class EMCL(Method):
             loss = self._glance(x, y, tb)
         if self.buffer is not None:
             self.buffer.add(x, y, task)
-        return loss
+        return float(loss)  # the routine's loss is a device tensor: one read per batch
 
-    def _glance(self, x: torch.Tensor, y: torch.Tensor, tb: torch.Tensor) -> float:
-        """One inner loop over the batch (and replayed samples) and one meta step."""
+    def _glance(self, x: torch.Tensor, y: torch.Tensor, tb: torch.Tensor) -> float | torch.Tensor:
+        """One inner loop over the batch (and replayed samples) and one meta step; the meta-loss
+        (a device tensor from the static-buffer routine)."""
+        if self.routine is not None:
+            return self.routine.glance(x, y, tb)
         opt = self.opt
         if self.buffer is not None and len(self.buffer) > 0 and self.n_replay > 0:
             xr, yr, tr = self.buffer.sample(self.n_replay)

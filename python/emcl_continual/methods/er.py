@@ -44,7 +44,8 @@ class ER(Method):
         self.model, self.info, self.config, self.device = model, info, dict(config), device
         self.opt = torch.optim.SGD(model.parameters(), lr=float(config["lr"]))
         self.generator = make_generator(config)
-        self.buffer = ReservoirBuffer(int(config["memory"]), tuple(info.input_shape), self.generator)
+        self.buffer = ReservoirBuffer(int(config["memory"]), tuple(info.input_shape), self.generator,
+                                      device=device)  # on the model's device: no host round trips
         self.replay_batch = int(config["replay_batch"])
 
     def observe(self, x: Tensor, y: Tensor, task: int) -> float:
@@ -52,7 +53,6 @@ class ER(Method):
         self.opt.zero_grad(set_to_none=True)
         if len(self.buffer) > 0:
             mx, my, mt = self.buffer.sample(self.replay_batch)
-            mx, my, mt = mx.to(x.device), my.to(x.device), mt.to(x.device)
             bx = torch.cat((x, mx))
             by = torch.cat((y, my))
             bt = torch.cat((torch.full((x.shape[0],), task, dtype=torch.long, device=x.device), mt.long()))
@@ -61,5 +61,5 @@ class ER(Method):
             loss = F.cross_entropy(self.model(x, task), y)
         loss.backward()
         self.opt.step()
-        self.buffer.add(x.detach().cpu(), y.detach().cpu(), task)
+        self.buffer.add(x.detach(), y.detach(), task)
         return float(loss.detach())

@@ -88,7 +88,8 @@ class LaMAML(Method):
         self.learn_lr = bool(config["learn_lr"])
         self.grad_clip = float(config["grad_clip"])
         self.generator = make_generator(config)
-        self.buffer = ReservoirBuffer(int(config["memory"]), tuple(info.input_shape), self.generator)
+        self.buffer = ReservoirBuffer(int(config["memory"]), tuple(info.input_shape), self.generator,
+                                      device=device)  # on the model's device: no host round trips
 
     def _forward(self, weights: list[Tensor]):
         mapping = dict(zip(self.names, weights))
@@ -138,7 +139,7 @@ class LaMAML(Method):
                     if p.grad is not None:
                         p.sub_(p.grad * torch.relu(a))
             if glance == 0:
-                self.buffer.add(x.detach().cpu(), y.detach().cpu(), task)
+                self.buffer.add(x.detach(), y.detach(), task)
         for p in self.params:
             p.grad = None
         return float(meta.detach())

@@ -170,7 +170,8 @@ class MER(Method):
         self.steps = int(config["batches_per_example"])
         self.replay_batch = int(config["replay_batch"])
         self.generator = make_generator(config)
-        self.buffer = ReservoirBuffer(int(config["memory"]), tuple(info.input_shape), self.generator)
+        self.buffer = ReservoirBuffer(int(config["memory"]), tuple(info.input_shape), self.generator,
+                                      device=device)  # on the model's device: no host round trips
         self._snap = [torch.empty_like(p) for p in self.params]   # theta_{W_i,0}
         self._start = [torch.empty_like(p) for p in self.params]  # theta_{A_0}
         use_fast = bool(config.get("fast_mlp", True))
@@ -181,7 +182,7 @@ class MER(Method):
         """Whether the hand-written ReLU-MLP per-sample step is in use."""
         return self._stepper is not None
 
-    def _sgd_step_autograd(self, x: Tensor, y: Tensor, task: int) -> float:
+    def _sgd_step_autograd(self, x: Tensor, y: Tensor, task: Tensor | int) -> float:
         self.model.zero_grad(set_to_none=True)
         loss = F.cross_entropy(self.model(x, task), y)
         loss.backward()
@@ -193,14 +194,14 @@ class MER(Method):
                     p.add_(p.grad, alpha=-self.lr)
         return float(loss.detach())
 
-    def _batch(self, x: Tensor, y: Tensor, task: int) -> tuple[Tensor, Tensor, list[int]]:
-        """The current example followed by ``replay_batch`` memories (as in the MER code)."""
+    def _batch(self, x: Tensor, y: Tensor, task: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The current example followed by ``replay_batch`` memories (as in the MER code), and
+        their task ids (a tensor on the buffer's device: no read on the host)."""
+        tx = torch.full((x.shape[0],), task, dtype=torch.long, device=x.device)
         if len(self.buffer) == 0:
-            return x, y, [task]
+            return x, y, tx
         mx, my, mt = self.buffer.sample(self.replay_batch)
-        bx = torch.cat((x, mx.to(x.device)))
-        by = torch.cat((y, my.to(x.device)))
-        return bx, by, [task] + [int(t) for t in mt.tolist()]
+        return torch.cat((x, mx)), torch.cat((y, my)), torch.cat((tx, mt))
 
     def observe(self, x: Tensor, y: Tensor, task: int) -> float:
         if self._stepper is not None:
@@ -230,12 +231,12 @@ class MER(Method):
                     else:
                         with torch.enable_grad():
                             for j in range(bx.shape[0]):
-                                total += self._sgd_step_autograd(bx[j : j + 1], by[j : j + 1], bt[j])
+                                total += self._sgd_step_autograd(bx[j : j + 1], by[j : j + 1], bt[j : j + 1])
                     count += bx.shape[0]
                     for p, w0 in zip(self.params, self._snap):  # within-batch Reptile
                         p.sub_(w0).mul_(self.beta).add_(w0)
                 if self.gamma != 1.0:
                     for p, a0 in zip(self.params, self._start):  # across-batch Reptile
                         p.sub_(a0).mul_(self.gamma).add_(a0)
-                self.buffer.add(xi.detach().cpu(), yi.detach().cpu(), task)
+                self.buffer.add(xi.detach(), yi.detach(), task)
         return total / max(count, 1)

@@ -1,0 +1,175 @@
+"""benchmarks/bench_training.py on the CPU: devices (cpu | cuda | auto), every method, the image
+streams from generated files in their real formats, the JSON, the plot and the README tables.
+The GPU half of ``--device auto`` runs where there is a GPU (``make gpu-check``)."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import bench_training  # noqa: E402
+
+from emcl_continual import data, streams  # noqa: E402
+from emcl_continual.methods import METHODS  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    """Every method once (EMCL on two backends) on one short permuted-MNIST task, on the CPU."""
+    out = tmp_path_factory.mktemp("bench")
+    result = bench_training.main(["--device", "cpu", "--n-tasks", "1", "--samples-per-task", "20",
+                                  "--backends", "foreach", "cpu", "--out-dir", str(out), "--name", "run"])
+    return result, out
+
+
+def test_every_method_is_timed_on_the_cpu(cpu_run):
+    result, out = cpu_run
+    assert [r["label"] for r in result["records"]] == \
+        ["emcl (foreach)", "emcl (cpu)"] + [m for m in METHODS if m != "emcl"]
+    for r in result["records"]:
+        assert r["device"] == "cpu" and r["stream"] == "permuted-mnist" and r["graph"] is None
+        assert r["train_time_s"] > 0 and r["n_batches"] == 2
+        assert r["ms_per_batch"] == pytest.approx(1e3 * r["train_time_s"] / 2)
+        assert 0.0 <= r["acc"] <= 100.0 and r["ms_per_batch_steady"] is None
+    with open(out / "run.json") as f:
+        saved = json.load(f)
+    assert saved["schema"] == "emcl-kernels/bench_training/2"
+    assert saved["settings"]["devices"] == ["cpu"] and saved["settings"]["device"] == "cpu"
+    assert saved["auto_backend"]["cpu"] in ("cpu", "foreach")
+    assert saved["machine"]["load_average_at_start"] is not None
+    assert saved["machine"]["load_average_at_end"] is not None
+    assert (out / "run.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_readme_tables_from_the_results_file(cpu_run, capsys):
+    result, out = cpu_run
+    text = bench_training.main(["--table", str(out / "run.json")])["table"]
+    assert text == capsys.readouterr().out.strip("\n")
+    assert "**permuted-mnist**, 1 task(s) x 20 samples, batch 10: training time, s" in text
+    auto = result["auto_backend"]["cpu"]
+    emcl = next(r for r in result["summary"] if r["label"] == f"emcl ({auto})")
+    first = next(line for line in text.splitlines() if line.startswith("| emcl |"))
+    assert first == f"| emcl | {bench_training._num(emcl['train_time_s'])} ({auto}) | {emcl['acc']:.2f} |"
+    for m in METHODS:
+        assert any(line.startswith(f"| {m} |") for line in text.splitlines()), m
+    assert str(out / "run.json") in text and "load average at start" in text
+
+
+def test_readme_tables_merge_a_cpu_and_a_gpu_file_with_the_speed_up(cpu_run, tmp_path):
+    """A GPU file (here the CPU file relabelled, with halved times) merges into the same rows."""
+    result, out = cpu_run
+    with open(out / "run.json") as f:
+        cpu = json.load(f)
+    gpu = copy.deepcopy(cpu)
+    gpu["settings"]["device"] = "cuda"
+    gpu["device_names"] = {"cuda": "some GPU"}
+    gpu["auto_backend"] = {"cuda": "foreach"}
+    for r in gpu["summary"]:
+        r["device"] = "cuda"
+        r["graph"] = True if r["method"] == "emcl" else None
+        r["train_time_s"] /= 2
+    gpu_path = tmp_path / "gpu.json"
+    gpu_path.write_text(json.dumps(gpu))
+    text = bench_training.main(["--table", str(out / "run.json"), str(gpu_path)])["table"]
+    head = next(line for line in text.splitlines() if line.startswith("| method |"))
+    assert head == "| method | CPU | GPU | GPU speed-up | ACC CPU | ACC GPU |"
+    sgd = next(line for line in text.splitlines() if line.startswith("| sgd |")).split(" | ")
+    assert sgd[3] == "2.0x"
+    emcl = next(line for line in text.splitlines() if line.startswith("| emcl |"))
+    assert "(foreach, graph)" in emcl and "some GPU" in text
+
+
+def test_auto_times_the_gpu_only_where_there_is_one(tmp_path):
+    """--device auto: the CPU, and the GPU where there is one; --backends auto: EMCL on the
+    backend FusedEMCLOptimizer picks on each device (graphed and eager on a GPU)."""
+    result = bench_training.main(["--device", "auto", "--quick", "--n-tasks", "1", "--samples-per-task", "10",
+                                  "--methods", "emcl", "sgd", "--backends", "auto", "--out-dir", str(tmp_path),
+                                  "--no-plot"])
+    devices = ["cpu", "cuda"] if CUDA else ["cpu"]
+    assert result["settings"]["devices"] == devices
+    auto = result["auto_backend"]
+    expected = []
+    for d in devices:
+        expected += [(d, "emcl", auto[d], g) for g in ([True, False] if d == "cuda" else [None])]
+        expected.append((d, "sgd", None, None))
+    assert [(r["device"], r["method"], r["backend"], r["graph"]) for r in result["records"]] == expected
+    if not CUDA:
+        assert result["notes"] == ["--device auto: no GPU here, timing the CPU only"]
+
+
+@pytest.mark.skipif(CUDA, reason="needs a machine without a GPU")
+def test_cuda_without_a_gpu_is_one_line(tmp_path):
+    with pytest.raises(SystemExit) as err:
+        bench_training.main(["--device", "cuda", "--quick", "--out-dir", str(tmp_path)])
+    message = str(err.value)
+    assert "--device cuda: torch sees no CUDA device here" in message and "\n" not in message
+    assert not list(tmp_path.iterdir())
+
+
+def test_bad_device_and_stream_are_clear():
+    with pytest.raises(SystemExit, match="--device must be one of cpu, cuda, auto"):
+        bench_training.main(["--device", "tpu", "--no-plot"])
+    with pytest.raises(SystemExit, match="unknown stream"):
+        bench_training.main(["--streams", "nope", "--no-plot"])
+    with pytest.raises(SystemExit, match="unknown --image-methods"):
+        bench_training.main(["--streams", "split-cifar100", "--image-methods", "nope", "--no-plot"])
+
+
+def test_table_numbers_have_three_digits_and_no_exponent():
+    assert [bench_training._num(v) for v in (0.7364, 19.77, 455.6, 3279.6, 14755.3)] == \
+        ["0.736", "19.8", "456", "3,280", "14,755"]
+
+
+def test_graph_modes_and_labels():
+    assert bench_training.graph_modes(torch.device("cpu"), "both") == [None]
+    assert bench_training.graph_modes(torch.device("cuda"), "both") == [True, False]
+    assert bench_training.graph_modes(torch.device("cuda"), "on") == [True]
+    assert bench_training.graph_modes(torch.device("cuda"), "off") == [False]
+    with pytest.raises(ValueError):
+        bench_training.graph_modes(torch.device("cuda"), "sometimes")
+    assert bench_training.label("emcl", "cuda", True) == "emcl (cuda, graph)"
+    assert bench_training.label("emcl", "cuda", False) == "emcl (cuda, eager)"
+    assert bench_training.label("emcl", "cpu") == "emcl (cpu)" and bench_training.label("er", None) == "er"
+
+
+# --------------------------------------------------------------------------- image streams
+@pytest.mark.parametrize("stream, shape", [("split-cifar100", (3, 32, 32)), ("split-miniimagenet", (3, 84, 84))])
+def test_generated_image_files_are_read_by_the_real_loaders(tmp_path, stream, shape):
+    note = bench_training.write_image_files(str(tmp_path), stream, samples_per_task=20)
+    assert "random pixels" in note
+    if stream == "split-cifar100":
+        tr = data.load_cifar100(str(tmp_path), "train")
+        assert tr.x.shape == (400, 3, 32, 32) and sorted(set(tr.y.tolist())) == list(range(100))
+    else:
+        per_class, names = data.load_miniimagenet(str(tmp_path))
+        assert len(per_class) == 100 and len(set(names)) == 100 and per_class[0].shape[1:] == (84, 84, 3)
+    s = streams.make_stream(stream, 0, data_root=str(tmp_path), n_tasks=3, samples_per_task=20)
+    assert [len(t) for t in s.train] == [20, 20, 20] and s.info.input_shape == shape
+    assert float(s.train[0].x.std()) > 0.2  # random pixels, not a constant image
+
+
+def test_image_stream_reports_time_per_batch(tmp_path):
+    result = bench_training.main(["--streams", "split-cifar100", "--image-batches", "2",
+                                  "--image-methods", "emcl", "sgd", "--out-dir", str(tmp_path),
+                                  "--name", "img"])
+    recs = result["records"]
+    assert [r["label"] for r in recs] == [f"emcl ({result['auto_backend']['cpu']})", "sgd"]
+    for r in recs:
+        assert r["stream"] == "split-cifar100" and r["n_batches"] == 2 and len(r["batch_ms"]) == 2
+        assert r["acc"] is None and r["ms_per_batch"] == pytest.approx(sum(r["batch_ms"]) / 2, rel=1e-3)
+        assert r["ms_per_batch_steady"] == pytest.approx(r["batch_ms"][-1], rel=1e-3)  # 2 batches: the last
+    ps = result["settings"]["per_stream"]["split-cifar100"]
+    assert ps["n_tasks"] == 1 and ps["samples_per_task"] == 20 and "random pixels" in ps["data_source"]
+    assert (tmp_path / "img.png").read_bytes()[:8] == PNG_MAGIC
+    table = bench_training.readme_tables([json.loads((tmp_path / "img.json").read_text())])
+    assert "ms per batch (steady)" in table and "ACC not meaningful" in table
