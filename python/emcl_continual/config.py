@@ -41,7 +41,8 @@ class Rule:
 
     ``type`` is int, float, bool or str; numbers must be finite (unless ``finite=False``) and
     within ``[low, high]`` (``low_open``: ``low`` itself excluded); strings one of ``choices``
-    (when given); ``none``: None is accepted too. ``note`` says what the value means.
+    (when given; a bool rule with ``choices`` takes those strings too, e.g. cuda_graph's
+    "auto"); ``none``: None is accepted too. ``note`` says what the value means.
     """
 
     type: type
@@ -56,7 +57,7 @@ class Rule:
     def describe(self) -> str:
         """``"an integer >= 1"``, ``"a number in [0, 1]"``, ``"True or False"``, ..."""
         if self.type is bool:
-            text = "True or False"
+            text = "True or False" + "".join(f" or {c!r}" for c in self.choices)
         elif self.type is str:
             text = "one of " + ", ".join(map(repr, self.choices)) if self.choices else "a string"
         else:
@@ -102,6 +103,7 @@ RULES: dict[str, Rule] = {
     "prox": _BOOL, "inner_replay": _BOOL, "meta_replay": _BOOL, "shuffle_inner": _BOOL,
     "inner_lr_modulation": _BOOL, "second_order": _BOOL, "learn_lr": _BOOL,
     "batched_memory_grads": _BOOL, "fast_mlp": _BOOL,
+    "cuda_graph": Rule(bool, choices=("auto",), note="'auto': capture on a GPU, eager on a CPU"),
     # run-level (train.RUN_DEFAULTS) and EMCL's importance controls
     "init": Rule(str, choices=("torch", "xavier", "kaiming"), note="the linear layers' init"),
     "fixed_importance": _float(open_=True, none=True, note="None: h is the Taylor moving average"),
@@ -204,7 +206,7 @@ def check_value(key: str, value, rule: Rule | None):
     bad = ConfigError(f"{key} must be {rule.describe()}, got {value!r}"
                       + (f" ({rule.note})" if rule.note else ""))
     if rule.type is bool:
-        if isinstance(value, bool):
+        if isinstance(value, bool) or (isinstance(value, str) and value in rule.choices):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
