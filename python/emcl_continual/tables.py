@@ -1,7 +1,7 @@
 """Every results table and README snippet, rebuilt from the committed files with one command.
 
-    python -m emcl_continual.tables            # rewrite results/heldout/*/tables.md, results/legacy_metrics.md
-                                               # and the generated blocks of README.md
+    python -m emcl_continual.tables            # rewrite results/heldout/*/tables.md (and its two figures),
+                                               # results/legacy_metrics.md and the generated blocks of README.md
     python -m emcl_continual.tables --check    # exit 1 if any of them would change
 
 Inputs: per stream ``results/heldout/STREAM/{plan.json, selected.json, validation.jsonl,
@@ -28,7 +28,7 @@ import sys
 from . import metrics as M
 from .selection import VALIDATION_OFF, load_runs, run_key
 
-__all__ = ["build_stream_blocks", "legacy_table", "write_all", "main"]
+__all__ = ["build_stream_blocks", "legacy_table", "write_figures", "write_all", "main"]
 
 METHOD_NAMES = {"sgd": "Fine-tune (SGD)", "ewc": "EWC", "gem": "GEM", "agem": "A-GEM", "er": "ER", "mer": "MER",
                 "lamaml": "La-MAML", "emcl": "EMCL"}
@@ -321,6 +321,22 @@ def build_stream_blocks(folder: str) -> dict:
     return blocks
 
 
+def write_figures(folder: str) -> list:
+    """``avg_accuracy.png`` of the headline rows and ``acc_bwt.png`` of EMCL's controls (report
+    seeds); returns the paths written."""
+    from .plots import plot_acc_bwt, plot_avg_accuracy
+
+    sr = StreamResults(folder)
+    head = [n for n in ("sgd", "ewc", "agem", "er", "gem", "mer", "lamaml/own-script", "emcl") if sr.runs(n)]
+    ctrl = ["emcl"] + [r["name"] for r in sr.report_rows(("control", "ablation", "importance"))]
+    out = []
+    for names, fname, plot in ((head, "avg_accuracy.png", plot_avg_accuracy), (ctrl, "acc_bwt.png", plot_acc_bwt)):
+        runs = [dict(r, method=n) for n in names for r in sr.runs(n)]
+        if runs:
+            out.append(plot(runs, os.path.join(folder, fname)))
+    return out
+
+
 def _stream_page(folder: str, blocks: dict) -> str:
     sr_stream = json.load(open(os.path.join(folder, "plan.json")))["stream"]
     titles = {"headline": "Every method at its selected configuration (report seeds, test split)",
@@ -335,6 +351,10 @@ def _stream_page(folder: str, blocks: dict) -> str:
              "(`emcl_continual/metrics.py`).", ""]
     for key, title in titles.items():
         parts += [f"## {title}", "", blocks[f"{sr_stream}/{key}"] or "(no runs yet)", ""]
+        if key == "headline" and os.path.exists(os.path.join(folder, "avg_accuracy.png")):
+            parts += ["![average accuracy as tasks are learned](avg_accuracy.png)", ""]
+        if key == "controls" and os.path.exists(os.path.join(folder, "acc_bwt.png")):
+            parts += ["![ACC and BWT of EMCL's rows](acc_bwt.png)", ""]
     return "\n".join(parts)
 
 
@@ -401,6 +421,8 @@ def write_all(results_dir: str = "results", readme: str | None = "README.md", ch
     for folder in sorted(glob.glob(os.path.join(results_dir, "heldout", "*"))):
         if not os.path.exists(os.path.join(folder, "plan.json")):
             continue
+        if not check:
+            write_figures(folder)
         b = build_stream_blocks(folder)
         blocks.update(b)
         outputs[os.path.join(folder, "tables.md")] = _stream_page(folder, b)
