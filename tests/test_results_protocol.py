@@ -419,3 +419,11 @@ def test_stages_and_rows_choose_what_runs(tmp_path, tiny_protocol, monkeypatch):
     assert not any(r["overrides"].get("fixed_importance") or r["overrides"].get("importance_norm") for r in val)
     assert [r["overrides"].get("memory") for r in rep[:2]] == [0, 0]  # emcl/no-replay first, as asked
     assert len(rep) == 4 and not any(r["overrides"].get("importance_norm") for r in rep)
+
+
+def test_a_selection_equal_to_the_defaults_adds_no_second_row():
+    def rows(lamaml):
+        sel = {"methods": {"lamaml": {"overrides": lamaml}}}
+        return [r["name"] for r in selection.report_rows("permuted-mnist", sel, ("lamaml",))]
+    assert rows({"alpha_init": 0.15, "eta": 0.3}) == ["lamaml/own-script", "lamaml/glances=1"]
+    assert rows({"alpha_init": 0.1, "eta": 0.1}) == ["lamaml/own-script", "lamaml", "lamaml/glances=1"]

@@ -261,6 +261,8 @@ def report_rows(stream: str, selected: dict, methods=ALL_METHODS) -> list:
                 kind="importance")
     for m in ("sgd", "ewc", "agem", "er", "gem", "mer", "lamaml"):
         if m in methods and m in sel:
+            if m == "lamaml" and _same_config(m, stream, sel[m], {}):
+                continue  # La-MAML's selection is its own script's values: the row above has its runs
             add(m, m, sel[m], f"{m}, selected on validation", kind="method")
     if emcl is not None and "emcl" in methods:
         for v in ("glances=2", "glances=5", "init=xavier"):
@@ -273,6 +275,13 @@ def report_rows(stream: str, selected: dict, methods=ALL_METHODS) -> list:
         add("lamaml/glances=1", "lamaml", {"glances": 1}, "La-MAML (own script) visiting each batch once, as EMCL",
             kind="visits")
     return rows
+
+
+def _same_config(method: str, stream: str, a: dict, b: dict) -> bool:
+    """Whether two override sets give ``method`` the same configuration on ``stream``."""
+    from .train import build_config
+
+    return build_config(method, stream, 0, a) == build_config(method, stream, 0, b)
 
 
 # --------------------------------------------------------------------------- running

@@ -121,6 +121,12 @@ def _config_cell(overrides: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(overrides.items())) or "defaults"
 
 
+def _selected_is(sr: StreamResults, method: str, config: dict) -> bool:
+    """Whether the configuration selected for ``method`` is ``config`` (a run's full config)."""
+    chosen = sr.selected.get("methods", {}).get(method, {}).get("overrides")
+    return chosen is not None and all(config.get(k) == v for k, v in chosen.items())
+
+
 def headline(sr: StreamResults) -> str:
     from .compare import PAPER_TABLE_III
 
@@ -132,13 +138,16 @@ def headline(sr: StreamResults) -> str:
     for name in order:
         if name not in sr.rows or not sr.runs(name):
             continue
-        if name == "lamaml" and sr.rows["lamaml"]["overrides"] == sr.rows.get("lamaml/own-script", {}).get("overrides"):
+        own = sr.runs("lamaml/own-script")
+        if name == "lamaml" and own and _selected_is(sr, "lamaml", own[0]["config"]):
             continue  # the selected La-MAML is its own script's values: one row
         row, rs = sr.rows[name], sr.runs(name)
         st = _stats(rs)
         method = row["method"]
         label = METHOD_NAMES[method] + (" (own script)" if name == "lamaml/own-script" else
                                         " (selected)" if name == "lamaml" else "")
+        if name == "lamaml/own-script" and _selected_is(sr, "lamaml", rs[0]["config"]):
+            label = METHOD_NAMES[method] + " (own script, also the one selected)"
         if method in paper and name != "lamaml":
             pa, psd, pb, pbsd, dag = paper[method]
             mark = " †" if dag else ""
