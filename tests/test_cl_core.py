@@ -152,7 +152,8 @@ def test_emcl_observe_follows_algorithm_1():
     twin = models.build_model(info)
     twin.load_state_dict(model.state_dict())
     cfg = get_method("emcl").defaults("permuted-mnist")
-    cfg.update(seed=0, backend="reference", memory=5, replay=3, decay=0.5)
+    assert cfg["glances"] == 1  # Algorithm 1: one visit of each incoming batch by default
+    cfg.update(seed=0, backend="reference", memory=5, replay=3, decay=0.5, glances=2)
     method = get_method("emcl")(model, info, cfg, torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
     batches = [(torch.rand(4, 784, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(3)]
@@ -166,7 +167,6 @@ def test_emcl_observe_follows_algorithm_1():
     hp_inner = dict(inner_lr=cfg["inner_lr"], reg=cfg["reg"], gamma=cfg["gamma"], prox=True)
     hp_meta = dict(meta_lr=cfg["meta_lr"], reg=cfg["reg"], decay=0.5, lr_scale=1 / cfg["reg"], lr_mode="inverse",
                    lr_min=0.0, lr_max=float("inf"), eps=1e-8, importance="taylor")
-    assert cfg["glances"] == 2  # the MNIST default: each batch visited twice
     for x, y in batches:
         loss = method.observe(x, y, 0)
         for _ in range(cfg["glances"]):  # a fresh replay draw per glance

@@ -219,7 +219,7 @@ def test_stream_batches_single_pass_in_order():
     with pytest.raises(IndexError):
         next(s.batches(2))
     with pytest.raises(ValueError, match="unknown stream"):
-        streams.make_stream("rotated-mnist", 0)
+        streams.make_stream("rotated-cifar100", 0)
 
 
 # --------------------------------------------------------------------------- defective files (issue 15)

@@ -245,9 +245,11 @@ def _main(argv: list) -> int:
     methods, run_all = _methods(args.method)
     overrides, origins = _overrides(args, argv)
     per_method, notes = split_overrides(methods, args.stream, overrides, origins)
+    from .train import RUN_DEFAULTS
+
     configs = {}
     for m in methods:
-        merged = dict(get_method(m).defaults(args.stream), **per_method[m])
+        merged = {**RUN_DEFAULTS, **get_method(m).defaults(args.stream), **per_method[m]}
         configs[m] = validate_config(m, args.stream, merged, per_method[m], origins)
     for line in notes:
         print(f"note: {line}", file=sys.stderr, flush=True)

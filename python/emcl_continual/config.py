@@ -4,7 +4,8 @@ Every check here raises :class:`ConfigError` with one line that names the option
 and what would be accepted, before any data is read or any run starts.
 
 **Keys.** A method's keys are those of its ``defaults(stream)`` plus the few it reads with a
-fallback (:data:`OPTIONAL_KEYS`). An override no method of the run knows is refused with the
+fallback (:data:`OPTIONAL_KEYS`) and the run-level ones every method takes
+(``train.RUN_DEFAULTS``: ``init``). An override no method of the run knows is refused with the
 closest known key ("did you mean 'glances'?"); ``seed`` is refused (``--seeds`` sets it).
 
 **Values.** One schema, :data:`RULES` (per key name) and :data:`METHOD_RULES` (where one
@@ -103,6 +104,10 @@ RULES: dict[str, Rule] = {
     "inner_lr_modulation": _BOOL, "second_order": _BOOL, "learn_lr": _BOOL,
     "batched_memory_grads": _BOOL, "fast_mlp": _BOOL,
     "cuda_graph": Rule(bool, choices=("auto",), note="'auto': capture on a GPU, eager on a CPU"),
+    # run-level (train.RUN_DEFAULTS) and EMCL's importance controls
+    "init": Rule(str, choices=("torch", "xavier", "kaiming"), note="the linear layers' init"),
+    "fixed_importance": _float(open_=True, none=True, note="None: h is the Taylor moving average"),
+    "importance_norm": Rule(str, choices=("global", "tensor"), none=True, note="None: the pull is gamma*reg*h"),
 }
 
 # The same key name with another domain for one method (what the method itself requires).
@@ -167,8 +172,10 @@ def parse_overrides(items: list, option: str = "--set") -> tuple[dict, dict]:
 def known_keys(method: str, stream: str) -> dict:
     """Every key ``method`` reads on ``stream``, with its default value."""
     from .methods import get_method
+    from .train import RUN_DEFAULTS
 
-    keys = dict(OPTIONAL_KEYS.get(method, {}))
+    keys = dict(RUN_DEFAULTS)
+    keys.update(OPTIONAL_KEYS.get(method, {}))
     keys.update(get_method(method).defaults(stream))
     return keys
 

@@ -8,6 +8,17 @@ On a multi-head stream the logits of classes outside the task's ``[start, end)``
 filled with a large negative number, so ``F.cross_entropy(model(x, t), y)`` is the task
 loss and ``argmax`` only picks the task's own classes. ``task`` may be an int or a
 tensor of per-sample task ids (for replayed samples from several tasks).
+
+``build_model(info, init=...)`` chooses the initialisation of the linear layers:
+
+* ``"torch"`` (default): PyTorch's own ``nn.Linear`` init (Kaiming-uniform weights with
+  a = sqrt(5), uniform biases in ±1/sqrt(fan_in)).
+* ``"xavier"``: Xavier-uniform weights (gain 1, ±sqrt(6/(fan_in + fan_out))) and zero biases,
+  GEM's ``model/common.py`` ``Xavier`` that the MER code reuses for the MNIST MLP.
+* ``"kaiming"``: Kaiming-normal weights (fan_in, ReLU gain) and zero biases, La-MAML's
+  ``model/meta/learner.py`` for its MNIST MLP (without ``--xav_init``).
+
+The convolutions and batch norms of the ResNet keep PyTorch's init under every choice.
 """
 from __future__ import annotations
 
@@ -17,9 +28,11 @@ import torch.nn.functional as F
 
 from .streams import StreamInfo
 
-__all__ = ["MLP", "ReducedResNet18", "TaskMasked", "build_model"]
+__all__ = ["MLP", "ReducedResNet18", "TaskMasked", "build_model", "init_linear_", "INITS"]
 
 MASK_VALUE = -1e9
+
+INITS = ("torch", "xavier", "kaiming")
 
 
 class TaskMasked(nn.Module):
@@ -121,9 +134,28 @@ class ReducedResNet18(TaskMasked):
         return self.mask_logits(self.linear(self._features(x)), task)
 
 
-def build_model(info: StreamInfo) -> nn.Module:
+@torch.no_grad()
+def init_linear_(model: nn.Module, init: str) -> nn.Module:
+    """Re-initialise every ``nn.Linear`` of ``model`` in place by ``init`` (see the module docstring)."""
+    if init not in INITS:
+        raise ValueError(f"unknown init {init!r}; choose one of {', '.join(INITS)}")
+    if init == "torch":
+        return model
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            if init == "xavier":
+                nn.init.xavier_uniform_(m.weight, gain=1.0)
+            else:
+                nn.init.kaiming_normal_(m.weight, mode="fan_in", nonlinearity="relu")
+            if m.bias is not None:
+                m.bias.zero_()
+    return model
+
+
+def build_model(info: StreamInfo, init: str = "torch") -> nn.Module:
     """The paper's network for ``info``: the MLP for flat 784-feature inputs, the reduced
-    ResNet-18 for images."""
-    if len(info.input_shape) == 1:
-        return MLP(info)
-    return ReducedResNet18(info)
+    ResNet-18 for images; its linear layers initialised by ``init`` (module docstring)."""
+    if init not in INITS:
+        raise ValueError(f"unknown init {init!r}; choose one of {', '.join(INITS)}")
+    model = MLP(info) if len(info.input_shape) == 1 else ReducedResNet18(info)
+    return init_linear_(model, init)

@@ -1,7 +1,10 @@
 """One continual-learning run: a method on a stream for one seed.
 
-The loop only calls ``method.observe`` per batch and times it; after each task it
-evaluates every task's test set (timed apart), giving the accuracy matrix.
+The loop only calls ``method.observe`` per batch and times it. Before the first batch it
+evaluates the untrained model on every task (``acc_before``, the ``b`` of forward transfer), and
+after each task every task's evaluation set, giving the accuracy matrix; both are timed apart
+from training. The result records every metric of :mod:`.metrics`, the full configuration, the
+data source and evaluation split, and the code version and command (:mod:`.provenance`).
 """
 from __future__ import annotations
 
@@ -16,16 +19,23 @@ from .config import validate_config
 from .methods import get_method
 from .models import build_model
 from .presets import BATCH_SIZE
+from .provenance import code_version, command_line
 from .streams import Stream, make_stream
 
-__all__ = ["run", "build_config"]
+__all__ = ["run", "build_config", "RUN_DEFAULTS"]
+
+# Run-level options every method accepts (``--set init=xavier``): the linear layers' init
+# (:func:`emcl_continual.models.build_model`).
+RUN_DEFAULTS = {"init": "torch"}
 
 
 def build_config(method: str, stream: str, seed: int, overrides: dict | None = None) -> dict:
-    """``defaults(stream)`` of ``method`` updated with ``overrides``, plus ``seed``; checked by
-    :func:`.config.validate_config` (unknown keys and bad values raise ``ConfigError``)."""
+    """:data:`RUN_DEFAULTS` and ``defaults(stream)`` of ``method``, updated with ``overrides``,
+    plus ``seed``; checked by :func:`.config.validate_config` (unknown keys and bad values raise
+    ``ConfigError``)."""
     cls = get_method(method)
-    config = dict(cls.defaults(stream))
+    config = dict(RUN_DEFAULTS)
+    config.update(cls.defaults(stream))
     for key, value in (overrides or {}).items():
         config[key] = value
     config = validate_config(method, stream, config, overrides)
@@ -45,9 +55,12 @@ def run(method: str, stream: str | Stream, seed: int = 0, *, overrides: dict | N
     """Train ``method`` on ``stream`` (a name or a built :class:`Stream`) for ``seed``.
 
     Returns a dict with method, stream, seed, acc, bwt, acc_matrix (``R[i][j]``: accuracy
-    on task j after task i, %), avg_acc_curve (mean accuracy over the tasks seen so far,
-    after each task), train_time_s (only ``observe``), eval_time_s, losses per task,
-    the config used, and where the data came from.
+    on task j after task i, %), acc_before (the untrained model's accuracy on every task),
+    metrics (every metric of :mod:`.metrics`), avg_acc_curve (mean accuracy over the tasks
+    seen so far, after each task), train_time_s (only ``observe``), eval_time_s (after each
+    task), eval_before_time_s, losses per task, the config used, the data source, the
+    evaluation split and its size, per-task diagnostics of methods that offer them, and
+    provenance (git commit, code tree, dirty flag, extension hash, command line).
     """
     device = torch.device(device)
     if isinstance(stream, str):
@@ -58,8 +71,14 @@ def run(method: str, stream: str | Stream, seed: int = 0, *, overrides: dict | N
     config = build_config(method, info.name, seed, overrides)
 
     torch.manual_seed(int(seed))
-    model = build_model(info).to(device)
+    model = build_model(info, init=config.get("init", RUN_DEFAULTS["init"])).to(device)
+    start = time.perf_counter()
+    acc_before = metrics.evaluate(model, stream.test, device)
+    _sync(device)
+    eval_before_time = time.perf_counter() - start
     learner = cls(model, info, config, device)
+    diagnose = getattr(learner, "diagnostics", None)
+    diagnostics: list = []
 
     T = info.n_tasks
     matrix: list[list[float]] = []
@@ -92,6 +111,8 @@ def run(method: str, stream: str | Stream, seed: int = 0, *, overrides: dict | N
             _sync(device)
             eval_time += time.perf_counter() - start
             matrix.append(row)
+            if diagnose is not None:
+                diagnostics.append(diagnose())
             if bar is not None:
                 bar.set_postfix(task=f"{t + 1}/{T}", avg_acc=f"{sum(row[:t + 1]) / (t + 1):.1f}")
             if log is not None:
@@ -105,18 +126,27 @@ def run(method: str, stream: str | Stream, seed: int = 0, *, overrides: dict | N
         "seed": int(seed),
         "acc": metrics.acc(matrix),
         "bwt": metrics.bwt(matrix),
+        "metrics": metrics.all_metrics(matrix, acc_before),
         "acc_matrix": matrix,
+        "acc_before": acc_before,
         "avg_acc_curve": [sum(matrix[t][:t + 1]) / (t + 1) for t in range(T)],
         "train_time_s": train_time,
         "eval_time_s": eval_time,
+        "eval_before_time_s": eval_before_time,
         "task_losses": losses,
         "config": {k: v for k, v in config.items()},
         "n_tasks": T,
         "samples_per_task": [len(td) for td in stream.train][:1][0] if stream.train else 0,
         "batch_size": batch_size,
         "data_source": info.source,
+        "split": stream.meta.get("split", "test"),
+        "eval_size": stream.meta.get("eval_size"),
+        "stream_meta": {k: v for k, v in stream.meta.items() if k not in ("split", "eval_size")},
         "device": str(device),
         "torch": torch.__version__,
         "machine": f"{platform.machine()} {platform.system()}, {torch.get_num_threads()} torch threads",
+        "provenance": dict(code_version(), command=command_line()),
     }
+    if diagnostics:
+        result["diagnostics"] = diagnostics
     return result

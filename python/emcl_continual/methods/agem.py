@@ -23,6 +23,7 @@ from .base import Method
 
 _DEFAULTS = {
     "permuted-mnist": {"lr": 0.03, "memory": 200, "ref_batch": 256},
+    "rotated-mnist": {"lr": 0.03, "memory": 200, "ref_batch": 256},
     "many-permutations": {"lr": 0.03, "memory": 500, "ref_batch": 256},
     "split-cifar100": {"lr": 0.03, "memory": 200, "ref_batch": 256},
     "split-miniimagenet": {"lr": 0.03, "memory": 200, "ref_batch": 256},

@@ -22,6 +22,7 @@ from .base import Method
 
 _DEFAULTS = {
     "permuted-mnist": {"lr": 0.1, "memory": 200, "replay_batch": 10},
+    "rotated-mnist": {"lr": 0.1, "memory": 200, "replay_batch": 10},
     "many-permutations": {"lr": 0.1, "memory": 500, "replay_batch": 25},
     "split-cifar100": {"lr": 0.03, "memory": 200, "replay_batch": 10},
     "split-miniimagenet": {"lr": 0.03, "memory": 200, "replay_batch": 10},

@@ -37,6 +37,7 @@ from .base import Method
 
 _DEFAULTS = {
     "permuted-mnist": {"lr": 0.1, "reg": 10.0, "n_memories": 10},
+    "rotated-mnist": {"lr": 0.1, "reg": 10.0, "n_memories": 10},
     "many-permutations": {"lr": 0.1, "reg": 1.0, "n_memories": 10},
     "split-cifar100": {"lr": 0.03, "reg": 100.0, "n_memories": 10},
     "split-miniimagenet": {"lr": 0.03, "reg": 100.0, "n_memories": 10},

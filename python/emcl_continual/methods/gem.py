@@ -37,6 +37,7 @@ from .base import Method
 
 _DEFAULTS = {
     "permuted-mnist": {"lr": 0.03, "memory": 200, "margin": 0.0, "eps": 1e-3},
+    "rotated-mnist": {"lr": 0.03, "memory": 200, "margin": 0.0, "eps": 1e-3},
     "many-permutations": {"lr": 0.03, "memory": 500, "margin": 0.1, "eps": 1e-3},
     "split-cifar100": {"lr": 0.03, "memory": 200, "margin": 0.5, "eps": 1e-3},
     "split-miniimagenet": {"lr": 0.03, "memory": 200, "margin": 0.5, "eps": 1e-3},

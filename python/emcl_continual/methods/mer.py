@@ -46,6 +46,8 @@ from .base import Method
 _DEFAULTS = {
     "permuted-mnist": {"lr": 0.03, "beta": 0.03, "gamma": 1.0, "memory": 200, "replay_batch": 10,
                        "batches_per_example": 10, "grad_clip": 0.0},
+    "rotated-mnist": {"lr": 0.03, "beta": 0.03, "gamma": 1.0, "memory": 200, "replay_batch": 10,
+                      "batches_per_example": 10, "grad_clip": 0.0},
     "many-permutations": {"lr": 0.03, "beta": 0.03, "gamma": 1.0, "memory": 500, "replay_batch": 5,
                           "batches_per_example": 10, "grad_clip": 0.0},
     "split-cifar100": {"lr": 0.1, "beta": 0.1, "gamma": 1.0, "memory": 200, "replay_batch": 25,

@@ -1,0 +1,493 @@
+"""Held-out selection and the reported sweeps: every choice on validation data, every reported
+number from seeds and images no choice ever saw.
+
+    python -m emcl_continual.selection --stream permuted-mnist --jobs 2            # everything, resumable
+    python -m emcl_continual.selection --stream permuted-mnist --until select-a    # stop after a stage
+    python -m emcl_continual.selection --stream permuted-mnist --plan              # print the plan and what is done
+
+The protocol (numbers from :mod:`emcl_continual.presets`):
+
+1. ``validate-a``: every method × each of its 4 grid configurations (:data:`presets.GRIDS`, the
+   same budget for every method, over the learning-rate hyper-parameters) on the validation
+   seeds (:data:`presets.VALIDATION_SEEDS`) with the validation split (images held out of the
+   training images, :mod:`emcl_continual.streams`); also the 4 (r, lr_max) cells of EMCL's
+   "Algorithm 1 as written" (:data:`presets.ALGORITHM_1_GRID`).
+2. ``select-a``: per method the configuration with the highest mean validation ACC (ties: the
+   first in grid order) -> ``selected.json``.
+3. ``validate-b``: on the selected EMCL, the importance-off variant and the 6 normalised-pull
+   candidates of :data:`presets.IMPORTANCE_SEARCH`, same validation seeds and split.
+4. ``select-b``: the candidate with the highest mean validation ACC, and whether it beats
+   importance-off there -> ``selected.json``.
+5. ``report``: on the report seeds (:data:`presets.REPORT_SEEDS`) with the test split: every
+   method at its selected configuration, La-MAML at its own script's values (its headline),
+   EMCL's variants (:data:`presets.EMCL_VARIANTS`: controls, ablations, equal-visit rows), the
+   chosen importance candidate and the same pull with h held constant, La-MAML at EMCL's
+   visits per batch. Rows are run in order of importance, whole rows at a time.
+
+Runs are stored one JSON object per line in ``OUT/validation.jsonl`` / ``OUT/report.jsonl``
+(``OUT`` = ``results/heldout/STREAM``), each with the full run record of
+:func:`emcl_continual.train.run` (config, data source, split, git commit, code tree, command)
+and its ``role``. A run is identified by (method, overrides, seed, split, data root): two rows
+with the same configuration share their runs, and a finished run is never run again, so the
+command resumes where it stopped. ``OUT/plan.json`` holds every row as run, so that
+:mod:`emcl_continual.tables` rebuilds every table from the committed files alone.
+
+One code version: a stage refuses to start on a working tree that differs from its commit
+(``dirty``), or when the file already holds runs of another code tree (the hash of the code
+directories at the commit, :mod:`emcl_continual.provenance`), unless told otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from . import presets
+from .metrics import mean_std
+
+__all__ = ["STAGES", "RUN_STAGES", "Row", "run_key", "load_runs", "validation_rows_a", "validation_rows_b", "select_a",
+           "select_b", "report_rows", "run_rows", "main"]
+
+STAGES = ("validate-a", "select-a", "validate-b", "select-b", "report")
+RUN_STAGES = ("validate-a", "validate-b", "report")
+ALL_METHODS = ("sgd", "ewc", "agem", "er", "gem", "emcl", "lamaml", "mer")
+DEFAULT_OUT = os.path.join("results", "heldout")
+# The importance-off row of stage validate-b (the report stage has its own "emcl/importance-off").
+VALIDATION_OFF = "emcl/importance-off (validation)"
+
+
+class Row(dict):
+    """One row of a table: ``name``, ``method``, ``overrides`` (the full change of the method's
+    defaults that was run), ``role`` ("validation" or "report"), ``what`` (one line), ``seeds``."""
+
+    def __init__(self, name: str, method: str, overrides: dict, role: str, what: str, seeds, **extra):
+        super().__init__(name=name, method=method, overrides=_canonical(overrides), role=role, what=what,
+                         seeds=[int(s) for s in seeds], **extra)
+
+
+def _canonical(overrides: dict) -> dict:
+    return json.loads(json.dumps(overrides, sort_keys=True))
+
+
+def run_key(method: str, overrides: dict, seed: int, split: str, data_root: str | None = None) -> str:
+    """The identity of one run: two rows with the same configuration share it."""
+    return "|".join([method, json.dumps(_canonical(overrides), sort_keys=True), str(int(seed)), split,
+                     data_root or "embedded"])
+
+
+def load_runs(path: str) -> list:
+    """The run records of a JSON-lines file (empty when it does not exist; a torn last line from
+    an interrupted write is skipped)."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as fh:
+        for line in fh:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def _resolve(method: str, stream: str, base: dict, extra: dict) -> dict:
+    """``base`` updated by ``extra``; the pseudo-key ``lr_scale_times_inv_reg`` becomes lr_scale."""
+    from .train import build_config
+
+    ov = dict(base)
+    ov.update({k: v for k, v in extra.items() if k != "lr_scale_times_inv_reg"})
+    if "lr_scale_times_inv_reg" in extra:
+        reg = float(build_config(method, stream, 0, ov)["reg"])
+        ov["lr_scale"] = float(extra["lr_scale_times_inv_reg"]) / reg
+    return ov
+
+
+# --------------------------------------------------------------------------- the plan
+def validation_rows_a(stream: str, methods=ALL_METHODS) -> list:
+    """Stage validate-a: each method's grid, and EMCL's Algorithm-1 cells, on the validation seeds."""
+    seeds = presets.VALIDATION_SEEDS
+    rows = []
+    for m in methods:
+        for i, cfg in enumerate(presets.grid(m, stream)):
+            rows.append(Row(f"{m}/grid{i}", m, cfg, "validation", f"{m} grid point {i}: {json.dumps(cfg)}", seeds,
+                            group=f"grid:{m}", index=i))
+    if "emcl" in methods:
+        alg1 = presets.EMCL_VARIANTS["algorithm-1"]["overrides"]
+        for i, cell in enumerate(presets.ALGORITHM_1_GRID):
+            rows.append(Row(f"emcl/algorithm-1/grid{i}", "emcl", dict(alg1, **cell), "validation",
+                            f"Algorithm 1 as written, {json.dumps(cell)}", seeds, group="grid:algorithm-1", index=i))
+    return rows
+
+
+def validation_rows_b(stream: str, selected: dict) -> list:
+    """Stage validate-b: importance-off and the normalised-pull candidates on the selected EMCL."""
+    seeds = presets.VALIDATION_SEEDS
+    base = selected["methods"]["emcl"]["overrides"]
+    rows = [Row(VALIDATION_OFF, "emcl", _resolve("emcl", stream, base,
+                                                        presets.EMCL_VARIANTS["importance-off"]["overrides"]),
+                "validation", presets.EMCL_VARIANTS["importance-off"]["what"], seeds, group="importance", index=-1)]
+    for i, cand in enumerate(presets.IMPORTANCE_SEARCH):
+        rows.append(Row(f"emcl/importance/{cand['importance_norm']}-gamma{cand['gamma']:g}", "emcl",
+                        _resolve("emcl", stream, base, cand), "validation",
+                        f"pull c = gamma*reg*h/mean(h), mean over {'all parameters' if cand['importance_norm'] == 'global' else 'each tensor'}, gamma = {cand['gamma']:g}",
+                        seeds, group="importance", index=i))
+    return rows
+
+
+def _by_key(runs: list) -> dict:
+    return {r["key"]: r for r in runs}
+
+
+def _row_runs(row: dict, runs_by_key: dict, split: str, data_root: str | None) -> list:
+    out = []
+    for s in row["seeds"]:
+        r = runs_by_key.get(run_key(row["method"], row["overrides"], s, split, data_root))
+        if r is not None:
+            out.append(r)
+    return out
+
+
+def _choose(rows: list, runs_by_key: dict, split: str, data_root) -> dict:
+    """The row with the highest mean ACC over all its seeds (ties: the first); every row's score."""
+    scores = []
+    for row in rows:
+        rs = _row_runs(row, runs_by_key, split, data_root)
+        if len(rs) != len(row["seeds"]):
+            raise RuntimeError(f"row {row['name']} has {len(rs)} of its {len(row['seeds'])} validation runs; "
+                               "run the validation stage to the end first")
+        mu, sd = mean_std([r["acc"] for r in rs])
+        scores.append({"row": row["name"], "overrides": row["overrides"], "acc_mean": mu, "acc_std": sd,
+                       "accs": {str(r["seed"]): r["acc"] for r in rs}})
+    best = max(range(len(scores)), key=lambda i: (scores[i]["acc_mean"], -i))
+    return {"chosen": scores[best], "scores": scores}
+
+
+def select_a(stream: str, rows: list, runs: list, data_root=None, previous: dict | None = None) -> dict:
+    """Per method (and for Algorithm 1) the grid configuration with the best mean validation ACC.
+
+    Groups whose validation runs are not all done are left out (a partial sweep selects what it
+    can); decisions in ``previous`` for groups not in ``rows`` are kept.
+    """
+    by_key = _by_key(runs)
+    groups: dict = {}
+    for row in rows:
+        groups.setdefault(row["group"], []).append(row)
+    previous = previous or {}
+    out = {"stream": stream, "rule": "highest mean ACC over the validation seeds (validation split); ties: first "
+                                     "in grid order", "validation_seeds": list(presets.VALIDATION_SEEDS),
+           "methods": dict(previous.get("methods", {})), "algorithm-1": previous.get("algorithm-1"),
+           "pending": []}
+    for group, members in groups.items():
+        try:
+            decision = _choose(members, by_key, "validation", data_root)
+        except RuntimeError:
+            out["pending"].append(group)
+            continue
+        decision["overrides"] = decision["chosen"]["overrides"]
+        if group == "grid:algorithm-1":
+            out["algorithm-1"] = decision
+        else:
+            out["methods"][group.split(":", 1)[1]] = decision
+    if previous.get("importance") and previous.get("methods", {}).get("emcl") == out["methods"].get("emcl"):
+        out["importance"] = previous["importance"]
+    return out
+
+
+def select_b(selected: dict, rows: list, runs: list, data_root=None) -> dict:
+    """The importance candidate with the best mean validation ACC, and its paired difference to
+    importance-off on the validation seeds."""
+    by_key = _by_key(runs)
+    off = [r for r in rows if r["name"] == VALIDATION_OFF]
+    cands = [r for r in rows if r["name"] != VALIDATION_OFF]
+    decision = _choose(cands, by_key, "validation", data_root)
+    off_score = _choose(off, by_key, "validation", data_root)["chosen"]
+    diffs = [decision["chosen"]["accs"][s] - off_score["accs"][s] for s in decision["chosen"]["accs"]]
+    decision["importance_off"] = off_score
+    decision["minus_importance_off"] = {"mean": mean_std(diffs)[0], "per_seed": diffs}
+    decision["beats_importance_off"] = decision["chosen"]["acc_mean"] > off_score["acc_mean"]
+    decision["overrides"] = decision["chosen"]["overrides"]
+    out = dict(selected)
+    out["importance"] = decision
+    return out
+
+
+def report_rows(stream: str, selected: dict, methods=ALL_METHODS) -> list:
+    """The reported rows on the report seeds, most important first."""
+    seeds = presets.REPORT_SEEDS
+    sel = {m: d["overrides"] for m, d in selected["methods"].items()}
+    rows = []
+
+    def add(name, method, overrides, what, **extra):
+        rows.append(Row(name, method, overrides, "report", what, seeds, **extra))
+
+    emcl = sel.get("emcl")
+    if emcl is not None and "emcl" in methods:
+        add("emcl", "emcl", emcl, "EMCL, selected on validation", kind="method")
+        for v in ("importance-off", "no-replay"):
+            spec = presets.EMCL_VARIANTS.get(v)
+            if spec is None:
+                continue
+            add(f"emcl/{v}", "emcl", _resolve("emcl", stream, emcl, spec["overrides"]), spec["what"], kind="control")
+        if selected.get("algorithm-1") and "algorithm-1" in presets.EMCL_VARIANTS:
+            spec = presets.EMCL_VARIANTS["algorithm-1"]
+            add("emcl/algorithm-1", "emcl", selected["algorithm-1"]["overrides"], spec["what"]
+                + f" (r, lr_max chosen on validation: {json.dumps({k: selected['algorithm-1']['overrides'][k] for k in ('lr_scale', 'lr_max')})})",
+                kind="control")
+    if "lamaml" in methods:
+        add("lamaml/own-script", "lamaml", {}, "La-MAML at its own run_experiments.sh values (headline)", kind="method")
+    if emcl is not None and "emcl" in methods:
+        for v in ("table-ii-beta", "no-inner-replay", "decay=0.5", "lr_scale=0.5/reg"):
+            spec = presets.EMCL_VARIANTS.get(v)
+            if spec is None:
+                continue
+            add(f"emcl/{v}", "emcl", _resolve("emcl", stream, emcl, spec["overrides"]), spec["what"], kind="ablation")
+        if selected.get("algorithm-1"):
+            clip = {k: selected["algorithm-1"]["overrides"][k] for k in ("lr_scale", "lr_max")}
+            add("emcl/recurrent", "emcl", dict(emcl, lr_mode="recurrent", **clip),
+                "eq. 8's recurrent meta learning rate alone, with Algorithm 1's (r, lr_max) chosen on validation: "
+                + json.dumps(clip), kind="ablation")
+        imp = selected.get("importance")
+        if imp is not None:
+            cand = imp["overrides"]
+            add("emcl/importance-best", "emcl", cand, "the normalised-pull candidate chosen on validation: "
+                + json.dumps({k: cand[k] for k in ("importance_norm", "gamma")}), kind="importance")
+            add("emcl/uniform-pull", "emcl", dict(cand, fixed_importance=1e-4, decay=1.0),
+                "the same pull with h held constant (c = gamma*reg everywhere): the pull without the importance",
+                kind="importance")
+    for m in ("sgd", "ewc", "agem", "er", "gem", "mer", "lamaml"):
+        if m in methods and m in sel:
+            if m == "lamaml" and _same_config(m, stream, sel[m], {}):
+                continue  # La-MAML's selection is its own script's values: the row above has its runs
+            add(m, m, sel[m], f"{m}, selected on validation", kind="method")
+    if emcl is not None and "emcl" in methods:
+        for v in ("glances=2", "glances=5", "init=xavier"):
+            spec = presets.EMCL_VARIANTS.get(v)
+            if spec is None:
+                continue
+            add(f"emcl/{v}", "emcl", _resolve("emcl", stream, emcl, spec["overrides"]), spec["what"], kind="visits"
+                if v.startswith("glances") else "ablation")
+    if "lamaml" in methods:
+        add("lamaml/glances=1", "lamaml", {"glances": 1}, "La-MAML (own script) visiting each batch once, as EMCL",
+            kind="visits")
+    return rows
+
+
+def _same_config(method: str, stream: str, a: dict, b: dict) -> bool:
+    """Whether two override sets give ``method`` the same configuration on ``stream``."""
+    from .train import build_config
+
+    return build_config(method, stream, 0, a) == build_config(method, stream, 0, b)
+
+
+# --------------------------------------------------------------------------- running
+def _init_worker(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _run_task(task: dict) -> dict:
+    """One run in a worker process: build the stream, train, return the record."""
+    from .streams import make_stream
+    from .train import run
+
+    started = time.perf_counter()
+    stream = make_stream(task["stream"], task["seed"], data_root=task["data_root"], split=task["split"],
+                         n_tasks=task.get("n_tasks"), samples_per_task=task.get("samples_per_task"))
+    r = run(task["method"], stream, task["seed"], overrides=task["overrides"], progress=False)
+    r.update(key=task["key"], role=task["role"], overrides=task["overrides"], data_root=task["data_root"],
+             wall_time_s=time.perf_counter() - started)
+    try:
+        r["load_avg"] = os.getloadavg()
+    except OSError:
+        pass
+    return r
+
+
+def _check_version(path: str, allow_dirty: bool, allow_mixed: bool) -> dict:
+    from .provenance import code_version
+
+    cv = code_version()
+    if cv.get("dirty") and not allow_dirty:
+        raise SystemExit("error: the working tree differs from its commit outside results/ "
+                         f"({', '.join(cv['dirty_paths'][:5])}): commit first, so that every run records the "
+                         "code it ran, or pass --allow-dirty for a screen")
+    trees = {r.get("provenance", {}).get("code_tree") for r in load_runs(path)} - {None}
+    if trees - {cv.get("code_tree")} and not allow_mixed:
+        raise SystemExit(f"error: {path} holds runs of code tree(s) {sorted(trees)}, this checkout is "
+                         f"{cv.get('code_tree')}: one sweep, one code version. Move the file away to start "
+                         "over, or pass --allow-mixed-versions")
+    return cv
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int = 1, threads: int = 1,
+             data_root: str | None = None, n_tasks: int | None = None, samples_per_task: int | None = None,
+             log=_log) -> list:
+    """Run every (row, seed) not in ``path`` yet, ``jobs`` at a time, appending each record to
+    ``path`` as it finishes (flushed and synced). Returns every record of ``path``."""
+    done = {r["key"] for r in load_runs(path)}
+    tasks, seen = [], set()
+    for row in rows:
+        for seed in row["seeds"]:
+            key = run_key(row["method"], row["overrides"], seed, split, data_root)
+            if key in done or key in seen:
+                continue
+            seen.add(key)
+            tasks.append({"key": key, "method": row["method"], "overrides": row["overrides"], "seed": seed,
+                          "split": split, "stream": stream, "data_root": data_root, "role": row["role"],
+                          "row": row["name"], "n_tasks": n_tasks, "samples_per_task": samples_per_task})
+    if not tasks:
+        return load_runs(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    log(f"{len(tasks)} run(s) to do into {path} ({jobs} at a time)")
+
+    def write(rec):
+        with open(path, "a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        log(f"  {time.strftime('%H:%M:%S')} {rec['method']:7s} seed {rec['seed']:3d} {json.dumps(rec['overrides'], sort_keys=True)[:90]}: "
+            f"ACC {rec['acc']:.2f} (train {rec['train_time_s']:.0f}s, wall {rec['wall_time_s']:.0f}s)")
+
+    if jobs <= 1:
+        _init_worker(threads)
+        for t in tasks:
+            write(_run_task(t))
+    else:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        with ctx.Pool(jobs, initializer=_init_worker, initargs=(threads,)) as pool:
+            for rec in pool.imap_unordered(_run_task, tasks):
+                write(rec)
+    return load_runs(path)
+
+
+# --------------------------------------------------------------------------- the command
+def _write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=1, sort_keys=True)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m emcl_continual.selection", description=__doc__.split("\n\n")[0])
+    p.add_argument("--stream", default="permuted-mnist", choices=sorted(presets.GRIDS))
+    p.add_argument("--out", default=None, help=f"folder of this stream's files (default {DEFAULT_OUT}/STREAM)")
+    p.add_argument("--methods", nargs="+", default=list(ALL_METHODS), choices=list(ALL_METHODS))
+    p.add_argument("--until", default="report", choices=STAGES, help="stop after this stage")
+    p.add_argument("--stages", nargs="+", default=list(RUN_STAGES), choices=list(RUN_STAGES),
+                   help="the stages that run training (default all); the selections are made whenever their "
+                        "runs are all done, so e.g. '--stages validate-a report' skips the importance search")
+    p.add_argument("--rows", nargs="+", default=None, help="report stage: run only these rows (names as in --plan), "
+                                                           "in this order")
+    p.add_argument("--jobs", type=int, default=1, help="training processes at a time")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per training process")
+    p.add_argument("--data-root", default=None)
+    p.add_argument("--n-tasks", type=int, default=None, help="shrink the stream (tests and screens only)")
+    p.add_argument("--samples-per-task", type=int, default=None)
+    p.add_argument("--plan", action="store_true", help="print every row and how many of its runs are done, then exit")
+    p.add_argument("--allow-dirty", action="store_true", help="run on a working tree that differs from its commit")
+    p.add_argument("--allow-mixed-versions", action="store_true",
+                   help="append to files that hold runs of another code version")
+    args = p.parse_args(argv)
+    out = args.out or os.path.join(DEFAULT_OUT, args.stream)
+    os.makedirs(out, exist_ok=True)
+    vpath, rpath = os.path.join(out, "validation.jsonl"), os.path.join(out, "report.jsonl")
+    spath, ppath = os.path.join(out, "selected.json"), os.path.join(out, "plan.json")
+    common = dict(jobs=args.jobs, threads=args.threads, data_root=args.data_root, n_tasks=args.n_tasks,
+                  samples_per_task=args.samples_per_task)
+    plan = {"stream": args.stream, "data_root": args.data_root, "n_tasks": args.n_tasks,
+            "samples_per_task": args.samples_per_task, "validation_seeds": list(presets.VALIDATION_SEEDS),
+            "report_seeds": list(presets.REPORT_SEEDS), "rows": []}
+    if os.path.exists(ppath):
+        old = json.load(open(ppath))
+        plan["rows"] = old.get("rows", [])
+
+    def remember(rows):
+        names = {r["name"]: i for i, r in enumerate(plan["rows"])}
+        for row in rows:
+            if row["name"] in names:
+                plan["rows"][names[row["name"]]] = dict(row)
+            else:
+                plan["rows"].append(dict(row))
+        _write_json(ppath, plan)
+
+    def show(rows, path, split):
+        done = {r["key"] for r in load_runs(path)}
+        for row in rows:
+            n = sum(run_key(row["method"], row["overrides"], s, split, args.data_root) in done for s in row["seeds"])
+            print(f"{row['role']:10s} {row['name']:34s} {n}/{len(row['seeds'])}  {json.dumps(row['overrides'], sort_keys=True)}")
+
+    rows_a = validation_rows_a(args.stream, args.methods)
+    if args.plan:
+        show(rows_a, vpath, "validation")
+    elif "validate-a" in args.stages:
+        _check_version(vpath, args.allow_dirty, args.allow_mixed_versions)
+        remember(rows_a)
+        runs = run_rows(rows_a, vpath, args.stream, "validation", **common)
+    if args.until == "validate-a":
+        return 0
+    runs = load_runs(vpath)
+    old_sel = json.load(open(spath)) if os.path.exists(spath) else {}
+    selected = select_a(args.stream, rows_a, runs, args.data_root, previous=old_sel)
+    if selected["pending"]:
+        print(f"selection pending for {', '.join(selected['pending'])}: their validation runs are not all done")
+    if not args.plan:
+        _write_json(spath, selected)
+    if args.until == "select-a":
+        return 0
+    if "emcl" not in selected["methods"] or "emcl" not in args.methods:
+        rows_b = []
+    else:
+        rows_b = validation_rows_b(args.stream, selected)
+        if args.plan:
+            show(rows_b, vpath, "validation")
+        elif "validate-b" in args.stages:
+            _check_version(vpath, args.allow_dirty, args.allow_mixed_versions)
+            remember(rows_b)
+            run_rows(rows_b, vpath, args.stream, "validation", **common)
+    if args.until == "validate-b":
+        return 0
+    if rows_b:
+        try:
+            selected = select_b(selected, rows_b, load_runs(vpath), args.data_root)
+        except RuntimeError as exc:
+            print(f"(importance selection not possible yet: {exc})")
+        else:
+            if not args.plan:
+                _write_json(spath, selected)
+    if args.until == "select-b":
+        return 0
+    rows_r = report_rows(args.stream, selected, args.methods)
+    if args.rows:
+        by_name = {r["name"]: r for r in rows_r}
+        missing = [n for n in args.rows if n not in by_name]
+        if missing:
+            print(f"rows not available (unknown, or waiting for a selection): {', '.join(missing)}")
+        rows_r = [by_name[n] for n in args.rows if n in by_name]
+    if args.plan:
+        show(rows_r, rpath, "test")
+        return 0
+    if "report" not in args.stages:
+        return 0
+    _check_version(rpath, args.allow_dirty, args.allow_mixed_versions)
+    remember(rows_r)
+    run_rows(rows_r, rpath, args.stream, "test", **common)
+    print(f"done; tables: python -m emcl_continual.tables")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
