@@ -29,7 +29,7 @@ from emcl_kernels.interface import COUNTER, OP
 from emcl_kernels.plan import Plan, agree_on_found, new_counters, pack_hyper, run
 from emcl_kernels.validation import (IMPORTANCE_KINDS, LR_MODES, PARAM_DTYPES,
                                      check_flag, check_hyperparameters, check_no_overlap,
-                                     check_param, check_tensor, state_dtype)
+                                     check_param, check_tensor, plainly_valid, state_dtype)
 
 __all__ = ["inner_step_", "meta_step_", "inner_meta_step_", "check_hyperparameters",
            "found_non_finite", "resolve_backend", "PARAM_DTYPES", "LR_MODES",
@@ -78,17 +78,20 @@ def check_lists(params, grads, anchors, importances, meta_lrs, *, need_meta_lrs:
     for name, lst in lists.items():
         if len(lst) != len(params):
             raise ValueError(f"{name} has {len(lst)} tensors but params has {len(params)}")
+    state_roles = [name for name in ("anchors", "importances", "meta_lrs") if name in lists]
     named = []
     for i, p in enumerate(params):
-        check_param(f"params[{i}]", p)
-        check_tensor("grads", i, lists["grads"][i], p, p.dtype)
-        sdt = state_dtype(p.dtype)
-        named.append((f"params[{i}]", p))
-        named.append((f"grads[{i}]", lists["grads"][i]))
-        for name in ("anchors", "importances", "meta_lrs"):
-            if name in lists:
-                check_tensor(name, i, lists[name][i], p, sdt)
-                named.append((f"{name}[{i}]", lists[name][i]))
+        g = lists["grads"][i]
+        states = [lists[name][i] for name in state_roles]
+        sdt = state_dtype(p.dtype) if isinstance(p, Tensor) else None
+        if not plainly_valid(p, [g, *states], [p.dtype] + [sdt] * len(states)):
+            check_param(f"params[{i}]", p)
+            check_tensor("grads", i, g, p, p.dtype)
+            for name, t in zip(state_roles, states):
+                check_tensor(name, i, t, p, sdt)
+        named.append((("params", i), p))
+        named.append((("grads", i), g))
+        named.extend(((name, i), t) for name, t in zip(state_roles, states))
     if not torch.compiler.is_compiling():  # addresses cannot be traced
         check_no_overlap(named)
     return params, lists["grads"], lists["anchors"], lists["importances"], lists.get("meta_lrs")

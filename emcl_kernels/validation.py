@@ -28,7 +28,7 @@ from emcl_kernels.integration import capturing, is_dtensor, local
 
 __all__ = ["FLT_MAX", "FLT_TINY", "PARAM_DTYPES", "LR_MODES", "IMPORTANCE_KINDS",
            "INNER_KEYS", "META_KEYS", "NUMERIC_KEYS", "check_hyperparameters", "check_flag",
-           "check_param", "check_tensor", "check_like", "check_no_overlap", "same_layout", "is_dense", "resolve_lr_scale",
+           "check_param", "check_tensor", "check_like", "check_no_overlap", "plainly_valid", "same_layout", "is_dense", "resolve_lr_scale",
            "state_dtype"]
 
 FLT_MAX = float(torch.finfo(torch.float32).max)
@@ -261,6 +261,24 @@ def check_param(where: str, p) -> None:
                            "or channels_last): pass .contiguous() copies")
 
 
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def plainly_valid(p, others, dtypes) -> bool:
+    """A quick sufficient test of ``check_param(p)`` and ``check_tensor`` for each of ``others``
+    (with its dtype in ``dtypes``), for the common case: plain contiguous tensors with data.
+    False means "run the full checks" (they raise, with a message, or pass)."""
+    if (type(p) not in _PLAIN or p.dtype not in PARAM_DTYPES or p.layout != torch.strided
+            or not p.is_contiguous() or p.device.type == "meta"):
+        return False
+    device, shape, stride = p.device, p.shape, p.stride()
+    for t, dtype in zip(others, dtypes):
+        if (type(t) not in _PLAIN or t.dtype != dtype or t.layout != torch.strided
+                or t.device != device or t.shape != shape or t.stride() != stride):
+            return False
+    return True
+
+
 def check_tensor(role: str, i: int, t, p: Tensor, dtype: torch.dtype) -> None:
     """Tensor ``role[i]`` belongs to ``params[i]``: same shape, strides and device, ``dtype``."""
     check_like(f"{role}[{i}]", f"params[{i}]", t, p, dtype, state=role != "grads")
@@ -301,22 +319,22 @@ def check_like(where: str, owner: str, t, p: Tensor, dtype: torch.dtype, *,
                               "follow the parameter's memory format)"))
 
 
-def _extent(t: Tensor):
-    lt = local(t)
-    start = lt.data_ptr()
-    return (lt.device.type, lt.device.index), start, start + lt.numel() * lt.element_size()
-
-
 def check_no_overlap(named) -> None:
-    """``named``: (name, tensor) pairs. Raises a ``ValueError`` naming two tensors whose memory
+    """``named``: (name, tensor) pairs; a name may be a (role, index) pair, formatted
+    ``role[index]`` only for the message. Raises a ``ValueError`` naming two tensors whose memory
     overlaps: one tensor in two roles (a param passed as its anchor), the same tensor twice, or
     overlapping views of one storage. Empty tensors hold no memory and are skipped."""
     spans = []
     for order, (name, t) in enumerate(named):
-        if t is None or local(t).numel() == 0 or t.device.type == "meta":
+        if t is None:
             continue
-        device, start, end = _extent(t)
-        spans.append((device, start, end, order, name))
+        lt = local(t)
+        numel, device = lt.numel(), lt.device
+        if numel == 0 or device.type == "meta":
+            continue
+        start = lt.data_ptr()
+        spans.append(((device.type, device.index), start, start + numel * lt.element_size(),
+                      order, name))
     spans.sort()
     last = None
     for span in spans:
@@ -324,9 +342,14 @@ def check_no_overlap(named) -> None:
             same = span[1] == last[1] and span[2] == last[2]
             first, second = sorted((last, span), key=lambda x: x[3])  # in the order given
             raise ValueError(
-                f"{first[4]} and {second[4]} "
+                f"{_name(first[4])} and {_name(second[4])} "
                 f"{'are the same memory' if same else 'overlap in memory'}; every tensor of a "
                 "step must be its own memory (a tensor may not play two roles, or appear "
                 "twice, and views of one storage may not overlap)")
         if last is None or span[0] != last[0] or span[2] > last[2]:
             last = span
+
+
+def _name(name) -> str:
+    return name if isinstance(name, str) else f"{name[0]}[{name[1]}]"
+
