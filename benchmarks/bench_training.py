@@ -447,6 +447,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _shown_path(path: str) -> str:
+    """A results file as the tables name it: relative to the repository when it lies inside
+    it, else as given."""
+    if os.path.isabs(path):
+        rel = os.path.relpath(path, common.REPO)
+        if not rel.startswith(".."):
+            return rel
+    return path
+
+
 def main(argv: Optional[list] = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.table:
@@ -454,7 +464,7 @@ def main(argv: Optional[list] = None) -> dict:
         for path in args.table:
             with open(path) as f:
                 res = json.load(f)
-            res["_path"] = os.path.relpath(path, common.REPO) if os.path.isabs(path) else path
+            res["_path"] = _shown_path(path)
             results.append(res)
         text = readme_tables(results)
         print(text)
