@@ -83,10 +83,10 @@ def check_lists(params, grads, anchors, importances, meta_lrs, *, need_meta_lrs:
     for i, p in enumerate(params):
         g = lists["grads"][i]
         states = [lists[name][i] for name in state_roles]
-        sdt = state_dtype(p.dtype) if isinstance(p, Tensor) else None
-        if not plainly_valid(p, [g, *states], [p.dtype] + [sdt] * len(states)):
+        if not plainly_valid(p, g, states):
             check_param(f"params[{i}]", p)
             check_tensor("grads", i, g, p, p.dtype)
+            sdt = state_dtype(p.dtype)
             for name, t in zip(state_roles, states):
                 check_tensor(name, i, t, p, sdt)
         named.append((("params", i), p))

@@ -264,15 +264,16 @@ def check_param(where: str, p) -> None:
 _PLAIN = (Tensor, torch.nn.Parameter)
 
 
-def plainly_valid(p, others, dtypes) -> bool:
-    """A quick sufficient test of ``check_param(p)`` and ``check_tensor`` for each of ``others``
-    (with its dtype in ``dtypes``), for the common case: plain contiguous tensors with data.
-    False means "run the full checks" (they raise, with a message, or pass)."""
+def plainly_valid(p, grad, states) -> bool:
+    """A quick sufficient test of ``check_param(p)``, ``check_tensor`` of ``grad`` (the
+    parameter's dtype) and of each of ``states`` (the state dtype), for the common case: plain
+    contiguous tensors with data. False means "run the full checks" (they raise, with a
+    message, or pass)."""
     if (type(p) not in _PLAIN or p.dtype not in PARAM_DTYPES or p.layout != torch.strided
             or not p.is_contiguous() or p.device.type == "meta"):
         return False
-    device, shape, stride = p.device, p.shape, p.stride()
-    for t, dtype in zip(others, dtypes):
+    device, shape, stride, sdt = p.device, p.shape, p.stride(), state_dtype(p.dtype)
+    for t, dtype in ((grad, p.dtype), *((t, sdt) for t in states)):
         if (type(t) not in _PLAIN or t.dtype != dtype or t.layout != torch.strided
                 or t.device != device or t.shape != shape or t.stride() != stride):
             return False

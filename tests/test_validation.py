@@ -196,6 +196,10 @@ def test_not_a_list():
         F.inner_step_(case.params[0], case.grads, case.anchors, case.importances, **INNER)
     with pytest.raises(TypeError, match=r"grads\[0\] must be a tensor"):
         F.inner_step_(case.params, [1.0], case.anchors, case.importances, **INNER)
+    with pytest.raises(TypeError, match=r"params\[0\] must be a tensor"):
+        F.inner_step_([1.0], case.grads, case.anchors, case.importances, **INNER)
+    with pytest.raises(TypeError, match=r"anchors\[0\] must be a tensor"):
+        F.inner_step_(case.params, case.grads, ["anchor"], case.importances, **INNER)
 
 
 def test_unknown_and_unavailable_backends():
