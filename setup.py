@@ -121,6 +121,16 @@ def _cuda_home(torch, cpp_extension):
     return home, None
 
 
+def _openmp_flag(torch):
+    """("-fopenmp", None) when the CPU kernels can share torch's OpenMP threads ([note: OpenMP]),
+    else (None, why not)."""
+    if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None, "this torch does not run its intra-op threads on OpenMP"
+    if not sys.platform.startswith("linux"):
+        return None, f"OpenMP flags are only set up for Linux here (this is {sys.platform})"
+    return "-fopenmp", None
+
+
 def _extensions():
     """(ext_modules, cmdclass): empty when EMCL_NO_EXTENSION is set."""
     if _flag("EMCL_NO_EXTENSION"):
@@ -133,6 +143,18 @@ def _extensions():
     cuda_home, why_not = _cuda_home(torch, cpp_extension)
     sources = [os.path.join(CSRC, f) for f in ("emcl_ops.cpp", "emcl_cpu.cpp", "emcl_cpu_avx2.cpp")]
     cxx = ["-O3"]  # torch adds the C++ standard it was built with
+    link = []
+    # [note: OpenMP] at::parallel_for is a header template: it spreads a loop over torch's
+    # intra-op threads only where the including file is compiled with OpenMP (_OPENMP), and
+    # runs it on the calling thread otherwise, silently. torch's Linux wheels run their own
+    # ops on OpenMP, so the CPU kernels are built with it too (the same libgomp as torch's).
+    openmp, openmp_why = _openmp_flag(torch)
+    if openmp:
+        cxx.append(openmp)
+        link.append(openmp)
+    else:
+        _log(f"the CPU kernels will run on ONE thread whatever torch.set_num_threads says: "
+             f"{openmp_why}")
     if cuda_home is not None:
         os.environ["CUDA_HOME"] = cuda_home
         cpp_extension.CUDA_HOME = cuda_home  # torch guesses it at import; make it agree
@@ -143,11 +165,13 @@ def _extensions():
             "emcl_kernels._C",
             sources + [os.path.join(CSRC, "emcl_cuda.cu")],
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
+            extra_link_args=link,
         )
     else:
         _log(f"building the CPU kernels only against torch {torch.__version__}: {why_not}")
         ext = cpp_extension.CppExtension("emcl_kernels._C", sources,
-                                         extra_compile_args={"cxx": cxx})
+                                         extra_compile_args={"cxx": cxx},
+                                         extra_link_args=link)
     build_ext = _build_ext_class(cpp_extension.BuildExtension, selfcheck, cuda_home is not None)
     return [ext], {"build_ext": build_ext}
 

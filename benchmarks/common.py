@@ -232,7 +232,20 @@ ROOF_KERNELS = {
     "axpy_inplace": (8, 4, True),   # a.add_(b, alpha=s): read a and b, write a
     "scale_inplace": (4, 4, True),  # a.mul_(1.0): read a, write a
     "fill": (0, 4, False),          # a.fill_(0.5): write only
+    # CPU only, when the extension has them: the in-place kernels read the way EMCL's CPU
+    # kernels read, with a software prefetch ([note: stream probes] in csrc/emcl_cpu_kernels.h)
+    "scale_inplace_prefetch": (4, 4, True),   # torch.ops.emcl.stream_probe_(a, b, c, d, 0)
+    "axpy_inplace_prefetch": (8, 4, True),    # torch.ops.emcl.stream_probe_(a, b, c, d, 1)
+    "update_pattern_prefetch": (16, 12, True),  # stream_probe_(..., 2): reads a-d, writes a, c, d
 }
+PREFETCH_PROBES = ("scale_inplace_prefetch", "axpy_inplace_prefetch", "update_pattern_prefetch")
+
+
+def stream_probes_available(device: torch.device) -> bool:
+    """Whether the extension's prefetching memory probes run on ``device`` (CPU builds)."""
+    if torch.device(device).type != "cpu" or backend_status().get("cpu") != "available":
+        return False
+    return hasattr(torch.ops.emcl, "stream_probe_")
 FOREACH_CHUNKS = 64
 
 
@@ -248,9 +261,10 @@ def roof_bytes_per_element(kernel: str, write_allocate: bool) -> int:
 def roof_kernels(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> dict:
     """The streaming kernels of the roof, name -> callable, on three distinct 1-d fp32 tensors
     of one size: ``a`` is written (its values kept by ``scale_inplace``, moved by 1e-6·b per
-    ``axpy_inplace``, set by the others), ``b`` and ``c`` are only read."""
+    ``axpy_inplace``, set by the others), ``b`` and ``c`` are only read, except that the
+    extension's ``update_pattern_prefetch`` (CPU) also moves ``c`` by 1e-6·b per call."""
     a_chunks, b_chunks = a.chunk(FOREACH_CHUNKS), b.chunk(FOREACH_CHUNKS)
-    return {
+    kernels = {
         "copy": lambda: a.copy_(b),
         "foreach_copy": lambda: torch._foreach_copy_(a_chunks, b_chunks),
         "triad": lambda: torch.add(b, c, alpha=0.5, out=a),
@@ -258,6 +272,14 @@ def roof_kernels(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> dict:
         "scale_inplace": lambda: a.mul_(1.0),
         "fill": lambda: a.fill_(0.5),
     }
+    if stream_probes_available(a.device):
+        # the update's pattern writes c too, and needs a fourth tensor: made here (the set is a
+        # third larger than the rotation assumes, which only makes the sets colder)
+        probe, d = torch.ops.emcl.stream_probe_, torch.rand_like(a)
+        kernels["scale_inplace_prefetch"] = lambda: probe(a, b, c, d, 0)
+        kernels["axpy_inplace_prefetch"] = lambda: probe(a, b, c, d, 1)
+        kernels["update_pattern_prefetch"] = lambda: probe(a, b, c, d, 2)
+    return kernels
 
 
 def roof_sizes(device: torch.device, llc_bytes: int, largest: int) -> list:
@@ -302,8 +324,8 @@ def measure_roof(device: torch.device, numels: Sequence[int], repeats: int, *,
         n_sets = max(1, -(-rotate_bytes // (3 * 4 * numel)))
         sets = [roof_kernels(*(torch.rand(numel, device=device) for _ in range(3)))
                 for _ in range(n_sets)]
-        fns = {k: [s[k] for s in sets] for k in ROOF_KERNELS}
-        bpe = {k: roof_bytes_per_element(k, write_allocate) for k in ROOF_KERNELS}
+        fns = {k: [s[k] for s in sets] for k in ROOF_KERNELS if k in sets[0]}
+        bpe = {k: roof_bytes_per_element(k, write_allocate) for k in fns}
         if numel == numels[-1]:
             for name, (fn, b) in (extra or {}).items():
                 fns[name], bpe[name] = [fn], b

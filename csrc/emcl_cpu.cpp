@@ -23,6 +23,7 @@ namespace avx2 {
 bool any_nonfinite(at::TensorList grads);
 void update(const Lists& lists, Op which, bool prox, Importance importance, LrMode lr_mode,
             const double* hyper, const float* grad_scale);
+void stream_probe(float* a, const float* b, float* c, float* d, int64_t n, StreamProbe kind);
 }  // namespace avx2
 }  // namespace emcl
 #endif
@@ -105,15 +106,51 @@ void check_finite_cpu(at::TensorList grads, const at::Tensor& counters) {
 
 std::string cpu_kernel() { return use_avx2() ? "avx2" : "portable"; }
 
+// torch.ops.emcl.stream_probe_: one memory probe of the benchmarks' roof ([note: stream probes]
+// in emcl_cpu_kernels.h) over four distinct contiguous fp32 CPU tensors of one size.
+void stream_probe_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
+                      const at::Tensor& d, int64_t kind) {
+  TORCH_CHECK(kind >= 0 && kind <= static_cast<int64_t>(StreamProbe::kUpdatePattern),
+              "stream_probe_: kind must be 0 (scale in place), 1 (axpy in place) or 2 (the "
+              "update's pattern), got ", kind);
+  const at::Tensor* all[] = {&a, &b, &c, &d};
+  for (const at::Tensor* t : all) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "stream_probe_: a, b, c and d must be contiguous fp32 CPU tensors");
+    TORCH_CHECK(t->numel() == a.numel(), "stream_probe_: a, b, c and d must have as many "
+                "elements");
+  }
+  for (int i = 0; i < 4; ++i) {
+    for (int j = i + 1; j < 4; ++j) {
+      TORCH_CHECK(all[i]->data_ptr() != all[j]->data_ptr() || a.numel() == 0,
+                  "stream_probe_: a, b, c and d must be different tensors");
+    }
+  }
+  auto* pa = a.data_ptr<float>();
+  const auto* pb = b.data_ptr<float>();
+  auto* pc = c.data_ptr<float>();
+  auto* pd = d.data_ptr<float>();
+  const auto which = static_cast<StreamProbe>(kind);
+#ifdef EMCL_HAVE_AVX2
+  if (use_avx2()) return avx2::stream_probe(pa, pb, pc, pd, a.numel(), which);
+#endif
+  portable::stream_probe(pa, pb, pc, pd, a.numel(), which);
+}
+
 }  // namespace
 }  // namespace emcl
 
 TORCH_LIBRARY_FRAGMENT(emcl, m) {
   // Which copy of the CPU kernels runs here: "avx2" or "portable".
   m.def("cpu_kernel() -> str", &emcl::cpu_kernel);
+  // A memory probe of the benchmarks' roof: kind 0 a <- a·1, kind 1 a <- a + 1e-6·b, kind 2
+  // the update's pattern (reads a, b, c, d; writes a, c, d); fp32 CPU tensors, read the way the
+  // update kernels read.
+  m.def("stream_probe_(Tensor(a!) a, Tensor b, Tensor(c!) c, Tensor(d!) d, int kind) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(emcl, CPU, m) {
   m.impl("step_", &emcl::step_cpu);
   m.impl("check_finite_", &emcl::check_finite_cpu);
+  m.impl("stream_probe_", &emcl::stream_probe_cpu);
 }

@@ -15,12 +15,15 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
+#include <bitset>
+
 #include "emcl_interface.h"
 #include "emcl_ops.h"
 
 namespace emcl {
 
 std::atomic<int64_t> g_launch_count{0};
+std::atomic<uint64_t> g_cpu_threads_mask{0};
 
 namespace {
 
@@ -190,6 +193,11 @@ namespace {
 
 int64_t launch_count() { return g_launch_count.load(std::memory_order_relaxed); }
 
+int64_t cpu_threads_used() {
+  return static_cast<int64_t>(
+      std::bitset<64>(g_cpu_threads_mask.load(std::memory_order_relaxed)).count());
+}
+
 std::string interface_layout() { return kLayout; }
 
 }  // namespace
@@ -205,6 +213,8 @@ TORCH_LIBRARY(emcl, m) {
   m.def("interface() -> str", &emcl::interface_layout);
   // CUDA kernel launches of this library so far, both kinds (finite check and update).
   m.def("launch_count() -> int", &emcl::launch_count);
+  // How many intra-op threads ran a piece of the last pass of the CPU kernels.
+  m.def("cpu_threads_used() -> int", &emcl::cpu_threads_used);
 }
 
 // ---------------------------------------------------------------------------------------------

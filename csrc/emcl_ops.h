@@ -61,6 +61,15 @@ EMCL_HD Op resolve_op(Op op, int64_t calls, int64_t meta_every) {
 // finite check and the update); read by the tests through torch.ops.emcl.launch_count.
 extern std::atomic<int64_t> g_launch_count;
 
+// One bit per intra-op thread (at::get_thread_num(), the 64th bit for any higher one) that ran a
+// piece of the last pass of the CPU kernels (the finite check or the update); read by the tests
+// through torch.ops.emcl.cpu_threads_used, which proves that a pass really is spread over the
+// threads (see [note: OpenMP] in setup.py).
+extern std::atomic<uint64_t> g_cpu_threads_mask;
+
+// The CPU memory probes of the benchmarks' roof ([note: stream probes] in emcl_cpu_kernels.h).
+enum class StreamProbe : int64_t { kScaleInplace = 0, kAxpyInplace = 1, kUpdatePattern = 2 };
+
 // Calls f(std::integral_constant<bool, prox>, std::integral_constant<Importance, ...>,
 // std::integral_constant<LrMode, ...>) with the call's modes as compile-time constants.
 template <typename F>

@@ -178,7 +178,7 @@ def test_roof_kernels_do_what_their_names_say():
     a, b, c = torch.rand(1000), torch.rand(1000), torch.rand(1000)
     b0, c0 = b.clone(), c.clone()
     fns = common.roof_kernels(a, b, c)
-    assert set(fns) == set(common.ROOF_KERNELS)
+    assert set(fns) == _roof_kernel_names(a.device)
     fns["triad"]()
     assert torch.allclose(a, b0 + 0.5 * c0)
     fns["copy"]()
@@ -195,6 +195,37 @@ def test_roof_kernels_do_what_their_names_say():
     assert torch.equal(b, b0) and torch.equal(c, c0)   # only a is written
 
 
+def _roof_kernel_names(device) -> set:
+    """The roof's kernels on ``device``: every one, less the extension's prefetching probes
+    where they do not run."""
+    names = set(common.ROOF_KERNELS)
+    if not common.stream_probes_available(device):
+        names -= set(common.PREFETCH_PROBES)
+    return names
+
+
+def test_prefetching_roof_kernels_do_what_their_names_say():
+    """The extension's roof probes as the roof calls them (CPU; the op itself is tested in
+    tests/test_cpu_backend.py): scale keeps a, axpy adds 1e-6·b to a, the update's pattern adds
+    1e-6·b to a and c; b is never written."""
+    if not common.stream_probes_available(torch.device("cpu")):
+        pytest.skip("the cpu backend (the extension) is not available")
+    gen = torch.Generator().manual_seed(5)
+    a, b, c = (torch.randn(1003, generator=gen) for _ in range(3))
+    a0, b0, c0 = a.clone(), b.clone(), c.clone()
+    fns = common.roof_kernels(a, b, c)
+    fns["scale_inplace_prefetch"]()
+    assert torch.equal(a, a0)
+    fns["axpy_inplace_prefetch"]()
+    assert torch.allclose(a, a0 + 1e-6 * b0, rtol=1e-7, atol=0) and not torch.equal(a, a0)
+    assert torch.equal(c, c0)
+    a1 = a.clone()
+    fns["update_pattern_prefetch"]()
+    assert torch.allclose(a, a1 + 1e-6 * b0, rtol=1e-7, atol=0)
+    assert torch.allclose(c, c0 + 1e-6 * b0, rtol=1e-7, atol=0) and not torch.equal(c, c0)
+    assert torch.equal(b, b0)
+
+
 def test_roof_sizes_span_the_cache_to_the_largest():
     sizes = common.roof_sizes(torch.device("cpu"), 32 << 20, 2 ** 26)
     assert sizes == [2 ** 18, 2 ** 20, 2 ** 22, 2 ** 24, 2 ** 26]
@@ -209,7 +240,7 @@ def test_measure_roof_returns_sane_numbers():
                                rotate_bytes=1 << 20, extra=extra, extra_numel=2 ** 14)
     assert roof["threads"] == 1 and roof["write_allocate"] is True
     keys = {(r["kernel"], r["numel"]) for r in roof["records"]}
-    assert keys == {(k, n) for k in common.ROOF_KERNELS for n in (2 ** 12, 2 ** 14)} | {
+    assert keys == {(k, n) for k in _roof_kernel_names("cpu") for n in (2 ** 12, 2 ** 14)} | {
         ("emcl_foreach_inner_step", 2 ** 14), ("emcl_foreach_inner_meta_step", 2 ** 14)}
     streaming = [r for r in roof["records"] if r["kernel"] in common.ROOF_KERNELS]
     for r in roof["records"]:

@@ -226,6 +226,61 @@ def test_one_and_two_threads_give_the_same_bits(threads):
     assert counters_dict(one[-1][-2])["skipped"] == 1  # the poisoned case was skipped
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_big_passes_run_on_every_thread(threads, dtype):
+    """A pass over more than a grain of elements is spread over torch's intra-op threads, and a
+    small one stays on the calling thread: the extension shares torch's OpenMP threads
+    (built with -fopenmp, [note: OpenMP] in setup.py; without it at::parallel_for silently
+    runs everything on one thread)."""
+    from emcl_kernels.backends import extension
+    used = torch.ops.emcl.cpu_threads_used
+    for n_threads in (2, 1):
+        threads(n_threads)
+        for sizes, expected in (((1 << 20, 33), n_threads), ((1000, 7), 1)):
+            call = step_op_call("cpu", dtype, sizes=sizes, seed=3, check=False)
+            extension.step(**call)
+            assert used() == expected, ("update", n_threads, sizes, used())
+            extension.check_finite(call["grads"], new_counters())
+            assert used() == expected, ("check", n_threads, sizes, used())
+
+
+@pytest.mark.parametrize("n_threads", (1, 2))
+@pytest.mark.parametrize("n", (0, 1003, (1 << 20) + 5))
+def test_stream_probes_compute_what_they_say(threads, n_threads, n):
+    """torch.ops.emcl.stream_probe_, the benchmarks' prefetching memory probes ([note: stream
+    probes]): kind 0 keeps a, kind 1 adds 1e-6·b to a, kind 2 (the update's pattern) adds 1e-6·b
+    to a and c and keeps d; b is never written; sizes with a tail, empty, one and two threads;
+    bad calls are refused."""
+    threads(n_threads)
+    gen = torch.Generator().manual_seed(n + 1)
+    a, b, c, d = (torch.randn(n, generator=gen) for _ in range(4))
+    a0, b0, c0, d0 = (t.clone() for t in (a, b, c, d))
+    probe = torch.ops.emcl.stream_probe_
+    probe(a, b, c, d, 0)
+    assert torch.equal(a, a0)
+    probe(a, b, c, d, 1)
+    assert torch.allclose(a, a0 + 1e-6 * b0, rtol=1e-7, atol=0)
+    assert torch.equal(c, c0) and torch.equal(d, d0)
+    a1 = a.clone()
+    probe(a, b, c, d, 2)
+    assert torch.allclose(a, a1 + 1e-6 * b0, rtol=1e-7, atol=0)
+    assert torch.allclose(c, c0 + 1e-6 * b0, rtol=1e-7, atol=0)
+    assert torch.equal(d, d0) and torch.equal(b, b0)
+    if n:
+        assert not torch.equal(a, a0) and not torch.equal(c, c0)
+    if n > (1 << 20):
+        assert torch.ops.emcl.cpu_threads_used() == n_threads
+    with pytest.raises(RuntimeError, match="kind"):
+        probe(a, b, c, d, 3)
+    with pytest.raises(RuntimeError, match="fp32"):
+        probe(a.double(), b.double(), c.double(), d.double(), 0)
+    if n:
+        with pytest.raises(RuntimeError, match="as many"):
+            probe(a, b[:-1].contiguous(), c, d, 1)
+        with pytest.raises(RuntimeError, match="different"):
+            probe(a, b, c, a, 2)
+
+
 def test_portable_and_avx2_kernels_give_the_same_bits(tmp_path):
     """The portable copy of the CPU kernels (what a CPU without AVX2 runs; forced in a
     subprocess with torch's ATEN_CPU_CAPABILITY=default) computes the same bits as the AVX2
@@ -258,6 +313,104 @@ def test_portable_and_avx2_kernels_give_the_same_bits(tmp_path):
     portable = torch.load(tmp_path / "portable.pt", weights_only=False)
     avx2 = _run_scenarios(cases)
     _assert_same_bits(avx2, portable, "avx2 vs portable")
+
+
+# ---------------------------------------------------------------------------------------------
+# The finite check finds one bad element wherever it is
+# ---------------------------------------------------------------------------------------------
+
+_CHECK_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _nonfinite_bit_patterns(dtype):
+    """Every inf and NaN of a 16-bit float type, as raw int16 bits (exponent all ones)."""
+    exponent_bits, mantissa_bits = {torch.bfloat16: (8, 7), torch.float16: (5, 10)}[dtype]
+    exponent = ((1 << exponent_bits) - 1) << mantissa_bits
+    words = [sign | exponent | m for sign in (0, 0x8000) for m in range(1 << mantissa_bits)]
+    return [w - 0x10000 if w >= 0x8000 else w for w in words]
+
+
+def _check_probe_results(threads):
+    """(what, expected, found) of the CPU finite check on a tensor of 2**20 + 2**18 + 37
+    elements (two check blocks and a tail) with one bad value at each multiple of 4096 and the
+    element before it, counted from 0 and from where a second thread's share may start (the
+    kernel reads a block as 8 interleaved streams, whose starts are such multiples), at the
+    ends, and for bf16/fp16 every inf/NaN bit pattern; and on tensors of finite extremes."""
+    torch.set_num_threads(threads)
+    check = get_backend("cpu", torch.device("cpu")).check_finite
+    n = (1 << 20) + (1 << 18) + 37
+    starts = {0, n // 2 // 64 * 64, (n // 2 + 63) // 64 * 64, (n + 1) // 2}
+    positions = {0, 1, n - 1, n - 2, n - 37, n - 38}
+    for b in starts:
+        positions |= {b + k + d for k in range(0, n, 4096) for d in (0, -1)}
+    positions = sorted(p for p in positions if 0 <= p < n)
+    results = []
+
+    def found(grads):
+        counters = new_counters()
+        check(grads, counters)
+        return counters_dict(counters)["found"]
+
+    gen = torch.Generator().manual_seed(11)
+    for dtype in _CHECK_DTYPES:
+        g = torch.randn(n, generator=gen).to(dtype)
+        results.append((f"{dtype} random finite", 0, found([g])))
+        info = torch.finfo(dtype)
+        extremes = torch.tensor([info.max, -info.max, info.tiny, -info.tiny, info.smallest_normal
+                                 / 4, -0.0, 0.0, 1.0], dtype=dtype).repeat(4099)
+        results.append((f"{dtype} finite extremes", 0, found([extremes])))
+        missed = []
+        for i, p in enumerate(positions):
+            g[p] = (float("nan"), float("inf"), -float("inf"))[i % 3]
+            if found([g]) != 1:
+                missed.append(p)
+            g[p] = 0.5
+        results.append((f"{dtype} one bad value at each of {len(positions)} positions, missed",
+                        [], missed))
+        # the same tensor second in a call, after a small finite one
+        g[n - 1] = float("nan")
+        results.append((f"{dtype} bad value in the second tensor", 1,
+                        found([torch.ones(5, dtype=dtype), g])))
+        g[n - 1] = 0.5
+        if dtype in (torch.bfloat16, torch.float16):
+            words = torch.ones(4096 + 3, dtype=dtype).view(torch.int16)
+            missed = []
+            for w in _nonfinite_bit_patterns(dtype):
+                words[2048 + 5] = w
+                if found([words.view(dtype)]) != 1:
+                    missed.append(hex(w & 0xFFFF))
+            results.append((f"{dtype} inf/NaN bit patterns missed", [], missed))
+    return results
+
+
+def _assert_check_probes(results, label):
+    wrong = [(what, expected, got) for what, expected, got in results if got != expected]
+    assert not wrong, f"{label}: {wrong[:6]}"
+
+
+@pytest.mark.parametrize("n_threads", (1, 2))
+def test_check_finite_finds_one_bad_value_anywhere(threads, n_threads):
+    threads(n_threads)  # the fixture puts the count back
+    _assert_check_probes(_check_probe_results(n_threads), f"{n_threads} thread(s)")
+
+
+def test_portable_check_finite_finds_one_bad_value_anywhere():
+    """The same probes on the portable copy of the kernels (ATEN_CPU_CAPABILITY=default)."""
+    if torch.ops.emcl.cpu_kernel() != "avx2":
+        pytest.skip("this CPU runs the portable kernels only (the test above ran them)")
+    code = textwrap.dedent("""
+        import torch
+        import emcl_kernels.backends.extension
+        import test_cpu_backend as t
+        assert torch.ops.emcl.cpu_kernel() == "portable", torch.ops.emcl.cpu_kernel()
+        wrong = [r for r in t._check_probe_results(1) if r[1] != r[2]]
+        print("wrong:", wrong[:6])
+    """)
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default",
+           "PYTHONPATH": os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and "wrong: []" in out.stdout, (out.stdout + out.stderr)[-4000:]
 
 
 # ---------------------------------------------------------------------------------------------
