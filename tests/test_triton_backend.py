@@ -181,6 +181,41 @@ def test_chunks_and_odd_addresses(op, dtype, monkeypatch):
     assert case.params[5].data_ptr() % 16 != 0 and case.grads[7].data_ptr() % 16 != 0
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_finite_check_of_full_chunks_at_odd_addresses(dtype, monkeypatch):
+    """The finite check and a checked step over gradients that start one element past a
+    16-byte boundary, with several full chunks each (BLOCK_SIZE 64): a NaN or inf anywhere in
+    them is found, a clean set is not flagged, and a checked step at odd addresses matches the
+    reference. Compiled, the full chunks of an odd gradient must take the scalar path: the
+    16-byte loads of the vector path fault on such an address."""
+    monkeypatch.setattr(TB, "BLOCK_SIZE", 64)
+    sizes = [200, 64, 3 * 64, 129]                        # full chunks, and tails
+    case = make_case(sizes, dtype, seed=5, device=DEVICE)
+    case.grads = [_at_odd_address(g) for g in case.grads]
+    assert all(g.data_ptr() % 16 != 0 for g in case.grads)
+    counters = new_counters(DEVICE)
+    TB.check_finite(list(case.grads), counters)
+    assert counters_dict(counters.cpu())["found"] == 0, "clean gradients flagged"
+    for t, where, bad in ((0, 70, float("nan")), (2, 130, float("inf")), (3, 128, -float("inf"))):
+        g = case.grads[t]
+        keep = g.view(-1)[where].item()
+        g.view(-1)[where] = bad
+        counters = new_counters(DEVICE)
+        TB.check_finite(list(case.grads), counters)
+        assert counters_dict(counters.cpu())["found"] == 1, f"{bad} at {where} of grads[{t}] missed"
+        g.view(-1)[where] = keep
+    mode = MODES[0]
+    hyper = step_hyper(mode)
+    ref_dtype = torch.float64 if dtype == torch.float32 else dtype
+    expected = clone_case(case, ref_dtype, device="cpu")
+    counters, ref_counters = new_counters(DEVICE), new_counters()
+    call_step(TB, "cadence", case, mode, hyper, counters, meta_every=2, check=True)
+    call_step(reference_backend(), "cadence", expected, mode, hyper, ref_counters, meta_every=2,
+              check=True)
+    assert_case_close(case, expected, dtype, f"checked step at odd addresses, {dtype}")
+    assert counters_dict(counters.cpu()) == counters_dict(ref_counters)
+
+
 def _assert_same_values(actual, expected, dtype, what):
     """NaN where the reference has NaN, the same infinities, the finite values close."""
     a, e = actual.detach().double().cpu().reshape(-1), expected.detach().double().cpu().reshape(-1)
@@ -482,7 +517,9 @@ for kind, consts in json.loads(sys.argv[1]):
                         constexprs=dict(PARAM=consts[0], BLOCK=consts[1]))
     ptx = triton.compile(src, target=target, options={"num_warps": 8}).asm["ptx"]
     ops = re.findall(r"((?:ld|st|atom)\.global[.\w]*)|(bar\.sync)", ptx)
-    out.append([a or b for a, b in ops])
+    # the run-time alignment test of the vector path: `addr & 15`
+    ops = [a or b for a, b in ops] + re.findall(r"and\.b(?:32|64)\s+%\w+, %\w+, 15;", ptx)[:1]
+    out.append(ops)
 print(json.dumps(out))
 """
 
@@ -491,7 +528,8 @@ print(json.dumps(out))
 def test_compiles_for_the_gpu_with_vector_access():
     """Both kernels compile for sm_90 (front end to PTX, no GPU needed) for every dtype and
     several ops and flags, each with its vector path (16-byte loads and stores of the aligned
-    full chunks; bf16/fp16 also show the 16-bit accesses of their scalar path); a finalizing
+    full chunks), chosen at run time by an alignment test that the compiler kept (bf16/fp16
+    also show the 16-bit accesses of their scalar path); a finalizing
     update has one acq_rel atomic add on counters[DONE], right after a block barrier."""
     import json
     import subprocess
@@ -516,6 +554,9 @@ def test_compiles_for_the_gpu_with_vector_access():
         wide = ("ld.global.v2.b64", "st.global.v2.b64") if consts[0] == 3 else \
             ("ld.global.v4.b32", "st.global.v4.b32")
         assert wide[0] in ops, (kind, consts, sorted(set(ops)))
+        # the vector path is still chosen at run time: a full chunk at an odd address runs the
+        # scalar path (the test is gone when both paths compile to the same 16-byte loads)
+        assert any(op.startswith("and.b") for op in ops), (kind, consts, "no `& 15` test")
         if consts[0] in (1, 2):   # bf16/fp16: 16-bit loads come from the scalar path only
             assert "ld.global.b16" in ops, (kind, consts, sorted(set(ops)))
         if kind == "check":

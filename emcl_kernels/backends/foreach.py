@@ -27,6 +27,15 @@ def _add_scaled_(xs, ys, a):
         torch._foreach_add_(xs, ys, alpha=a)
 
 
+def _plus(xs, a):
+    """[x + a for x in xs], for a number or a 0-d tensor ``a``. With a tensor, ``alpha`` is
+    what binds the call to the Tensor overload: without it a 0-d tensor is taken as a Scalar,
+    read with ``.item()`` (a host sync, which a CUDA graph capture refuses)."""
+    if isinstance(a, Tensor):
+        return torch._foreach_add(xs, a, alpha=1.0)
+    return torch._foreach_add(xs, a)
+
+
 def _clamp_(xs, lo, hi):
     if isinstance(lo, Tensor) or isinstance(hi, Tensor):
         for x in xs:
@@ -81,12 +90,12 @@ def _meta(theta, g, anchors, importances, meta_lrs, *, meta_lr, reg, decay, lr_s
 
     rate = None
     if lr_mode == "recurrent":
-        denom = torch._foreach_add(importances, eps)
+        denom = _plus(importances, eps)
         torch._foreach_mul_(meta_lrs, lr_scale)
         torch._foreach_div_(meta_lrs, denom)                        # α ← α·r / (h + ε) (eq. 8)
         rate = meta_lrs
     elif lr_mode == "inverse":
-        rate = torch._foreach_add(importances, eps)
+        rate = _plus(importances, eps)
         torch._foreach_reciprocal_(rate)
         torch._foreach_mul_(rate, meta_lr * lr_scale)               # α = α₀·r / (h + ε)
     if rate is not None:  # the upper clip is at most the largest finite value (see reference)

@@ -379,11 +379,13 @@ def emcl_check_kernel(chunks, grads, counters, PARAM: tl.constexpr, BLOCK: tl.co
         g_ptr = g_addr.to(tl.pointer_type(tl.float16)) + start
     else:
         g_ptr = g_addr.to(tl.pointer_type(tl.float64)) + start
-    if count == BLOCK:
-        if (g_addr & 15) == 0:
-            g = tl.load(tl.multiple_of(g_ptr, 16) + offs)
-        else:
-            g = tl.load(g_ptr + offs)
+    # [note: alignment hint] tl.multiple_of marks the op that defines g_ptr, which both
+    # branches share: the hint holds in the unaligned branch too. What keeps that branch scalar
+    # is its mask, `offs < count` with count read from the table (no divisibility the compiler
+    # can see); an unmasked load there is vectorized like the aligned one and faults on an odd
+    # address (the PTX test checks that the `& 15` test survives).
+    if (count == BLOCK) & ((g_addr & 15) == 0):
+        g = tl.load(tl.multiple_of(g_ptr, 16) + offs)
     else:
         g = tl.load(g_ptr + offs, mask=offs < count, other=0.0)
     if PARAM == _P_F64:
