@@ -39,6 +39,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "emcl_interface.h"
 #include "emcl_ops.h"
 #include "multi_tensor.cuh"
@@ -415,6 +417,34 @@ void check_finite_cuda(at::TensorList grads, const at::Tensor& counters) {
 }  // namespace
 }  // namespace cuda
 }  // namespace emcl
+
+namespace emcl {
+namespace cuda {
+namespace {
+
+// torch.ops.emcl.cuda_launch_shape: [elements per chunk, chunks] of a call over tensors of
+// `numels` elements when `max_grid` blocks can be resident ([note: chunk size]); host-only, so
+// the tests read the launch shape on a machine without a GPU.
+std::vector<int64_t> launch_shape(const std::vector<int64_t>& numels, int64_t max_grid) {
+  TORCH_CHECK(max_grid > 0, "cuda_launch_shape: max_grid must be positive, got ", max_grid);
+  int64_t total = 0;
+  for (const int64_t n : numels) {
+    TORCH_CHECK(n >= 0, "cuda_launch_shape: numels must be >= 0, got ", n);
+    total += n;
+  }
+  const int64_t chunk = chunk_size_for(total, static_cast<int>(max_grid));
+  int64_t chunks = 0;
+  for (const int64_t n : numels) chunks += (n + chunk - 1) / chunk;
+  return {chunk, chunks};
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace emcl
+
+TORCH_LIBRARY_FRAGMENT(emcl, m) {
+  m.def("cuda_launch_shape(int[] numels, int max_grid) -> int[]", &emcl::cuda::launch_shape);
+}
 
 TORCH_LIBRARY_IMPL(emcl, CUDA, m) {
   m.impl("step_", &emcl::cuda::step_cuda);

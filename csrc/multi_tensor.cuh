@@ -10,8 +10,8 @@
 // launch is the call's last. Every block of a launch walks the chunks of the whole table with
 // for_each_chunk: chunk c belongs to the tensor t with chunk_start[t] <= c < chunk_start[t + 1]
 // (a binary search over the arguments), so one launch covers any number of elements. Chunks
-// start at multiples of kChunkSize elements, so a chunk keeps the alignment of its tensor, and
-// indices are 64-bit: a tensor past 2**31 elements is worked on whole.
+// start at multiples of the chunk size ([note: chunk size]), so a chunk keeps the alignment of
+// its tensor, and indices are 64-bit: a tensor past 2**31 elements is worked on whole.
 //
 // The functor does everything else (apex's launcher/functor split):
 //
@@ -38,6 +38,7 @@ namespace cuda {
 
 constexpr int kBlockSize = 256;        // threads per block
 constexpr int64_t kChunkSize = 16384;  // elements a block works on before it moves on
+constexpr int64_t kMinChunkSize = 2048;  // the smallest chunk of a call with few elements
 constexpr int64_t kVectorBytes = 16;   // width of a vector load/store
 
 // Per-tensor tag bits.
@@ -65,13 +66,25 @@ inline uint8_t dtype_code(at::ScalarType t) {
 // leaves the rest to the functor (device pointers and a few scalars).
 constexpr int kMetaBytes = 3584;
 
+// [note: chunk size] A call's chunks are kChunkSize elements, unless that gives fewer chunks
+// than `max_grid` (the blocks that can be resident at once): then the chunk is halved, down to
+// kMinChunkSize, so that a mid-size step still spreads over every SM (2**20 elements in
+// 16,384-element chunks are 64 blocks for the H100's 132 SMs; in 2,048-element chunks, 512).
+// A power of two of at least 2,048 elements keeps every chunk of an aligned tensor aligned.
+inline int64_t chunk_size_for(int64_t total_numel, int max_grid) {
+  int64_t chunk = kChunkSize;
+  while (chunk > kMinChunkSize && (total_numel + chunk - 1) / chunk < max_grid) chunk /= 2;
+  return chunk;
+}
+
 template <int kDepth>
 struct TensorListMeta {
   // Per tensor: kDepth addresses, the size, the first chunk (one extra entry at the end), a tag.
-  static constexpr int kMaxTensors = (kMetaBytes - 16) / (kDepth * 8 + 8 + 8 + 1);
+  static constexpr int kMaxTensors = (kMetaBytes - 32) / (kDepth * 8 + 8 + 8 + 1);
   void* addresses[kDepth][kMaxTensors];
   int64_t numel[kMaxTensors];
   int64_t chunk_start[kMaxTensors + 1];
+  int64_t chunk_size;   // elements per chunk ([note: chunk size])
   int32_t ntensors;     // tensors in the tables (the non-empty ones)
   int32_t first_param;  // index in the call's lists of the first parameter this launch covers
   int32_t num_params;   // parameters this launch covers, empty ones included
@@ -98,8 +111,9 @@ __device__ __forceinline__ void for_each_chunk(const TensorListMeta<kDepth>& met
         hi = mid - 1;
       }
     }
-    const int64_t begin = (c - meta.chunk_start[lo]) * kChunkSize;
-    const int64_t end = begin + kChunkSize < meta.numel[lo] ? begin + kChunkSize : meta.numel[lo];
+    const int64_t begin = (c - meta.chunk_start[lo]) * meta.chunk_size;
+    const int64_t end =
+        begin + meta.chunk_size < meta.numel[lo] ? begin + meta.chunk_size : meta.numel[lo];
     f(lo, begin, end);
   }
 }
@@ -146,8 +160,12 @@ void pack_tensor_lists(const std::array<at::TensorList, kDepth>& lists, int max_
   static_assert(sizeof(Meta) <= kMetaBytes, "TensorListMeta outgrew its share of the arguments");
   const at::TensorList& first = lists[0];
   const int32_t n = static_cast<int32_t>(first.size());
+  int64_t total = 0;
+  for (int32_t t = 0; t < n; ++t) total += first[t].numel();
+  const int64_t chunk = chunk_size_for(total, max_grid);
 
   Meta meta;
+  meta.chunk_size = chunk;
   auto reset = [&](int32_t first_param) {
     meta.ntensors = 0;
     meta.chunk_start[0] = 0;
@@ -178,7 +196,7 @@ void pack_tensor_lists(const std::array<at::TensorList, kDepth>& lists, int max_
     meta.tag[k] = static_cast<uint8_t>((aligned ? kTagAligned : 0) |
                                        (dtype_code(first[t].scalar_type()) << kTagDtypeShift));
     meta.numel[k] = numel;
-    meta.chunk_start[k + 1] = meta.chunk_start[k] + (numel + kChunkSize - 1) / kChunkSize;
+    meta.chunk_start[k + 1] = meta.chunk_start[k] + (numel + chunk - 1) / chunk;
     meta.ntensors = k + 1;
   }
   if (meta.ntensors > 0 || launch_empty) emit(n, true);

@@ -47,9 +47,18 @@ def hyper_values(hp: dict) -> tuple:
 
 def pack_hyper(hp: dict, device) -> Tensor:
     """``hyper`` for one call on ``device``: numbers are packed on the host and copied once;
-    0-d tensors are stacked on the device (no host sync, so it can be captured)."""
+    0-d tensors are stacked on the device (no host sync, so it can be captured).
+
+    The numbers travel from pinned memory with a non-blocking copy: from pageable memory,
+    ``.to(cuda)`` waits for the copy, and a float learning-rate schedule would then stall the
+    host at every step. The pinned buffer is the caching host allocator's, which reuses it
+    only after the copy has run."""
     if not any(isinstance(v, Tensor) for v in hp.values()):
-        return torch.tensor(hyper_values(hp), dtype=torch.float64).to(device)
+        device = torch.device(device)
+        if device.type == "cuda":
+            host = torch.tensor(hyper_values(hp), dtype=torch.float64, pin_memory=True)
+            return host.to(device, non_blocking=True)
+        return torch.tensor(hyper_values(hp), dtype=torch.float64, device=device)
     defaults = {"lr_max": float("inf"), "eps": 1e-8, "lr_scale": LR_SCALE_FROM_REG}
     parts = []
     for name in HYPER_FIELDS:

@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from emcl_kernels import FusedEMCLOptimizer, available_backends
 from emcl_kernels import functional as F
@@ -122,6 +123,50 @@ def test_capturable_state_dict_round_trip():
         assert torch.equal(opt.state[p]["step"], opt2.state[q]["step"])
 
 
+class _HostReads(TorchDispatchMode):
+    """Records every op that reads a tensor's value on the host (``.item()``, ``bool(t)``,
+    ``float(t)``) or makes a tensor from a host value (``t[i] = 0``, ``torch.tensor(x)``):
+    on a GPU the first is a host sync and the second a copy from pageable memory, and a CUDA
+    graph capture refuses both."""
+
+    HOST = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
+            torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.HOST:
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", [b for b in CPU_BACKENDS if b != "reference"])
+@pytest.mark.parametrize("lr_mode", ("recurrent", "inverse", "constant"))
+@pytest.mark.parametrize("prox", (True, False))
+def test_a_capturable_step_reads_no_value_on_the_host(backend, lr_mode, prox, monkeypatch):
+    """After its first step (which builds the plan), a step() of capturable=True taken as if a
+    CUDA graph were being captured reads nothing on the host: the hyper-parameters, the
+    cadence and the skip flag stay on the device (the reference backend, the oracle, reads
+    them on the host and is not capturable)."""
+    from emcl_kernels.backends import foreach
+    monkeypatch.setattr(foreach, "capturing", lambda: True)   # the path a capture takes
+    model = _model()
+    opt = FusedEMCLOptimizer(model.parameters(), meta_lr=0.3, inner_lr=0.05, reg=2.0,
+                             lr_mode=lr_mode, lr_max=0.5, meta_every=2, prox=prox,
+                             capturable=True, backend=backend)
+    xs, ys = _batches(4)
+    torch.nn.functional.mse_loss(model(xs[0]), ys[0]).backward()
+    opt.step()
+    for x, y in zip(xs[1:], ys[1:]):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        with _HostReads() as mode:
+            opt.step()
+        assert mode.reads == [], f"{backend}: step() read a value on the host: {mode.reads}"
+
+
 # ---------------------------------------------------------------------------------------------
 # CUDA graphs (GPU only)
 # ---------------------------------------------------------------------------------------------
@@ -141,6 +186,32 @@ def _schedule(opt, i):
 
 GPU_BACKENDS = [b for b in ("cuda", "triton", "foreach") if b in available_backends()] if CUDA \
     else ["cuda"]
+
+
+@pytest.mark.skipif(not CUDA, reason="host syncs are a GPU matter")
+@pytest.mark.parametrize("backend", [b for b in GPU_BACKENDS if b != "foreach"])
+def test_a_float_schedule_never_makes_a_step_wait_for_the_gpu(backend):
+    """The default (eager) step with float hyper-parameters changed before every step, as an
+    LR schedule does: the new values travel to the device without a host sync (torch's sync
+    debug mode raises on one)."""
+    model = _model("cuda")
+    opt = FusedEMCLOptimizer(model.parameters(), meta_every=2, backend=backend)
+    xs, ys = _batches(6, "cuda")
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.param_groups[0]["inner_lr"] = 0.05 / (1 + i)
+        opt.param_groups[0]["meta_lr"] = 0.3 + 0.01 * i
+        if i < 2:
+            opt.step()                                     # the plans are built here
+            continue
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(torch.cat([p.detach().reshape(-1) for p in model.parameters()])).all()
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")

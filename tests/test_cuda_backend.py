@@ -253,7 +253,7 @@ def test_captured_step_skips_a_replay_with_a_non_finite_gradient():
     assert captured.steps.tolist() == [2.0] * 4
 
 
-def test_tensor_past_2_31_elements():
+def test_tensor_past_2_31_elements(gpu_memory_to_myself):
     """One bf16 tensor of 2**31 + 5 elements is updated whole (64-bit indexing) and its finite
     check reads all of it."""
     n = 2**31 + 5

@@ -154,22 +154,75 @@ def test_summary_files(tmp_path, junit):
 def test_stage_selection():
     parse = gpu_check.parse_args
     sel = lambda *a: gpu_check.GpuCheck(parse(list(a))).selected()  # noqa: E731
-    assert sel() == list(gpu_check.STAGES)
+    assert sel() == list(gpu_check.FULL)
     assert sel("--only", "build,tests") == ["env", "build", "tests"]
     assert "tests" not in sel("--skip-tests") and "sanitizer" not in sel("--skip-tests")
     assert sel("--skip-benchmarks", "--skip", "main_job") == ["env", "deps", "build", "tests",
                                                                 "sanitizer"]
     with pytest.raises(SystemExit, match="unknown stage 'bench'"):
         sel("--only", "bench")
+    assert sel("--stage", "1") == ["env", "deps", "build", "smoke", "gpu_tests"]
+    assert sel("--stage", "2") == ["env", "deps", "build", "rest_tests", "big_tests",
+                                   "sanitizer", "bench_kernels", "bench_step", "main_job"]
+    assert sel("--stage", "2", "--skip", "sanitizer,main_job")[-2:] == ["bench_kernels",
+                                                                         "bench_step"]
+
+
+def test_every_test_file_runs_in_one_of_the_two_stages():
+    """Stage 1 runs GPU_TEST_FILES, stage 2 every other file of tests/: each file once."""
+    files = sorted(f"tests/{f}" for f in os.listdir(os.path.join(ROOT, "tests"))
+                   if f.startswith("test_") and f.endswith(".py"))
+    assert set(gpu_check.GPU_TEST_FILES) <= set(files)
+    assert len(set(gpu_check.GPU_TEST_FILES)) == len(gpu_check.GPU_TEST_FILES)
+
+
+@pytest.mark.parametrize("stage, budget", ((1, 360), (2, 300)))
+def test_a_stage_fits_its_budget_and_each_step_gets_what_is_left(stage, budget):
+    """[note: two stages]: the default budget of each stage; a stage's time limit is at most
+    what is left of the budget, so the last stage of a run cannot outlast the command."""
+    check = gpu_check.GpuCheck(gpu_check.parse_args(["--stage", str(stage)]))
+    assert round(check.deadline - check.t_start) == budget
+    assert check.timeout("build") <= budget - 5
+    check.deadline = check.t_start + 20 - (gpu_check.time.time() - check.t_start)
+    assert check.timeout("gpu_tests" if stage == 1 else "rest_tests") <= 15.5
+
+
+def test_a_staged_dry_run_prints_its_steps(tmp_path):
+    out = _run("--stage", "1", "--dry-run", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "tools/gpu_smoke.py --out" in out.stdout
+    assert "CC=/usr/bin/gcc" in out.stdout or not os.path.exists("/usr/bin/gcc")
+    for f in gpu_check.GPU_TEST_FILES:
+        assert f in out.stdout
+    assert "EMCL_TEST_DEADLINE=" in out.stdout and " -n " in out.stdout
+    out = _run("--stage", "2", "--dry-run", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "-k past_2_31" in out.stdout and "--ignore=tests/test_cuda_backend.py" in out.stdout
+    assert "--n-tasks 5" in out.stdout and "--device cpu" not in out.stdout
+
+
+def test_the_deadline_skips_tests_that_would_start_after_it(tmp_path):
+    """tests/conftest.py's EMCL_TEST_DEADLINE: a test that would start after the deadline is
+    skipped with the reason the summary counts apart, and pytest still writes its report."""
+    (tmp_path / "conftest.py").write_text(open(os.path.join(ROOT, "tests", "conftest.py")).read())
+    (tmp_path / "test_late.py").write_text("def test_one():\n    pass\n")
+    junit = tmp_path / "junit.xml"
+    env = {**os.environ, "EMCL_TEST_DEADLINE": "1"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          str(tmp_path), f"--junitxml={junit}"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:]
+    t = gpu_check.parse_junit(str(junit))
+    assert t["skipped"] == 1 and "time budget was spent" in t["skips"][0]["reason"]
 
 
 def test_dry_run_prints_every_stage_and_its_command():
     out = _run("--dry-run", "--quick")
     assert out.returncode == 0, out.stderr[-3000:]
-    for stage in gpu_check.STAGES:
+    for stage in gpu_check.FULL:
         assert f"  {stage}:" in out.stdout
     assert "pip install -v --no-build-isolation -e ." in out.stdout and "PIP_NO_INDEX=1" in out.stdout
-    assert "-m pytest tests -rs" in out.stdout and "--junitxml=" in out.stdout
+    assert "-m pytest tests -rfEs" in out.stdout and "--junitxml=" in out.stdout
     assert "bench_kernels.py --device cuda" in out.stdout and "--quick" in out.stdout
     assert "--device cuda --out runs/gpu_check_" in out.stdout
     assert "--device cpu --out runs/gpu_check_" in out.stdout

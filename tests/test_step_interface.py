@@ -240,3 +240,25 @@ def test_hyper_layout_is_the_interface():
     assert dict(zip(HYPER_FIELDS, t.tolist()))["lr_scale"] == -1.0
     assert t.dtype == torch.float64 and len(t) == len(HYPER_FIELDS)
     assert COUNTER["found"] == 0
+
+
+def _launch_shape():
+    import emcl_kernels.backends.extension  # noqa: F401  (loads the library when it is built)
+    if not hasattr(torch.ops.emcl, "cuda_launch_shape"):
+        pytest.skip("the extension was built without its CUDA kernels")
+    return torch.ops.emcl.cuda_launch_shape
+
+
+@pytest.mark.parametrize("sms", (108, 132))           # A100, H100/H200
+@pytest.mark.parametrize("numels", ([1 << 20], [1 << 18] * 4, [4097, 33, 70_001],
+                                    [300_000, 7]))
+def test_cuda_launch_covers_every_sm_of_a_mid_size_step(numels, sms):
+    """The cuda backend's launch of a step of 2**16..2**21 elements has at least one chunk per
+    SM (with 8 blocks resident per SM), by smaller chunks where 16,384-element ones would leave
+    SMs idle ([note: chunk size] in csrc/multi_tensor.cuh); large steps keep 16,384."""
+    shape = _launch_shape()
+    chunk, chunks = shape(numels, sms * 8)
+    total = sum(numels)
+    assert chunk in (2048, 4096, 8192, 16384) and chunks == sum(-(-n // chunk) for n in numels)
+    assert chunks >= min(sms, -(-total // 2048)), (chunk, chunks)
+    assert shape([1 << 26], sms * 8) == [16384, (1 << 26) // 16384]

@@ -465,8 +465,33 @@ def test_captured_cadence_step_replays_like_eager(new_grads_in_capture):
     assert counters_dict(c_g.cpu()) == dict(found=0, calls=8, skipped=1, done=0)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="CUDA streams need a GPU")
+def test_tables_read_on_a_side_stream_are_recorded_on_it():
+    """A step on the user's side stream marks the address tables it reads with that stream
+    ([note: table streams]), so that the LRU dropping them cannot hand their memory to a new
+    table while the side stream's kernels still read them; the step equals the reference."""
+    mode = MODES[0]
+    hyper = step_hyper(mode)
+    case = make_case([4097, 33, 70_001], torch.float32, seed=11, device="cuda")
+    expected = clone_case(case, torch.float64, device="cpu")
+    counters, ref_counters = new_counters("cuda"), new_counters()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call_step(TB, "cadence", case, mode, hyper, counters, meta_every=2, check=True)
+        here = torch.cuda.current_stream().cuda_stream
+    torch.cuda.current_stream().wait_stream(side)
+    call_step(reference_backend(), "cadence", expected, mode, hyper, ref_counters, meta_every=2,
+              check=True)
+    assert_case_close(case, expected, torch.float32, "step on a side stream")
+    plans = [hit[2] for hit in TB._plans.values() if hit[0] == (4097, 33, 70_001)]
+    assert plans, "the step's tables are not in the cache"
+    for t in (plans[-1].chunks, plans[-1].tensors, plans[-1].grads):
+        assert here in t._emcl_streams
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU with > 40 GB (2**31 + 5 elements)")
-def test_past_2_31_elements():
+def test_past_2_31_elements(gpu_memory_to_myself):
     free, _ = torch.cuda.mem_get_info()
     n = 2 ** 31 + 5
     if free < 40 * 2 ** 30:
@@ -498,6 +523,9 @@ from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 from emcl_kernels.backends import triton_kernels as K
 assert type(K.emcl_step_kernel).__name__ == "JITFunction", type(K.emcl_step_kernel)
+# integers that change with the model or the cadence compile no new variant (1, multiples of 16)
+loose = {p.name: p.do_not_specialize for p in K.emcl_step_kernel.params}
+assert loose["n_steps"] and loose["meta_every"], loose
 names = ["PARAM", "OP", "PROX", "IMPORTANCE_KIND", "LR_MODE", "HAS_GRAD_SCALE",
          "HAS_FOUND_INF", "FINALIZE", "BLOCK", "SUB"]
 step_sig = {"chunks": "*i64", "tensors": "*i64", "grads": "*i64", "hyper": "*fp64",
@@ -529,7 +557,8 @@ def test_compiles_for_the_gpu_with_vector_access():
     """Both kernels compile for sm_90 (front end to PTX, no GPU needed) for every dtype and
     several ops and flags, each with its vector path (16-byte loads and stores of the aligned
     full chunks), chosen at run time by an alignment test that the compiler kept (bf16/fp16
-    also show the 16-bit accesses of their scalar path); a finalizing
+    also show the 16-bit accesses of their scalar path); n_steps and meta_every are not
+    specialized (no new compile when they change); a finalizing
     update has one acq_rel atomic add on counters[DONE], right after a block barrier."""
     import json
     import subprocess

@@ -1,6 +1,26 @@
 #!/usr/bin/env python3
 """``make gpu-check``: everything this project can check on a CUDA GPU, in one command.
 
+[note: two stages] A GPU is lent for minutes (one command at most 10 minutes, 15 in all,
+the machine's start included), so the check also runs as two stages that each fit one
+command, the most valuable facts first, each within its own time budget (``--budget``):
+
+- ``--stage 1`` (6 minutes on an H100 from a bare machine): env, deps, build, ``smoke``
+  (tools/gpu_smoke.py: every GPU backend against the reference on every dtype and op, odd
+  addresses, a bf16 model with the defaults, CUDA graph capture of each capturable backend,
+  the counters over a NaN step, GB/s against a copy), then ``gpu_tests`` (the test files with
+  GPU-only tests, under pytest-xdist);
+- ``--stage 2`` (5 minutes on a warm machine): ``rest_tests`` (every other test file),
+  ``big_tests`` (the 2**31-element tests, one at a time), ``sanitizer`` (a memcheck subset),
+  ``bench_kernels --quick``, ``bench_step`` on cuda, the main job on cuda for 5 tasks.
+
+With ``--out DIR`` (the device tool's ``$OUT``) the run's files are written to
+``build/gpu-check/<stamp>/`` and, after every stage, ``DIR`` gets the summary
+(``gpu_check_<stamp>.json`` and ``.md``) and every file so far in ``gpu_check_<stamp>.tar.gz``:
+three files, so a run cut off by its command's limit still returns what it did. A pytest stage
+is given a deadline (``EMCL_TEST_DEADLINE``, see tests/conftest.py): tests that would start
+after it are skipped, so pytest still ends and writes its report; the summary counts them apart.
+
 On any machine with a CUDA GPU and torch (>= 2.11), offline (no package index), in the
 checkout:
 
@@ -69,12 +89,33 @@ import threading
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
-STAGES = ("env", "deps", "build", "tests", "sanitizer", "bench_kernels", "bench_step",
-          "check_finite", "bench_training", "main_job")
+STAGES = ("env", "deps", "build", "smoke", "gpu_tests", "tests", "rest_tests", "big_tests",
+          "sanitizer", "bench_kernels", "bench_step", "check_finite", "bench_training",
+          "main_job")
+#: The stages of the full run (no --stage).
+FULL = ("env", "deps", "build", "tests", "sanitizer", "bench_kernels", "bench_step",
+        "check_finite", "bench_training", "main_job")
+#: [note: two stages]: the stages of --stage 1 and --stage 2, and their time budgets (s).
+STAGE_SETS = {1: ("env", "deps", "build", "smoke", "gpu_tests"),
+              2: ("env", "deps", "build", "rest_tests", "big_tests", "sanitizer",
+                  "bench_kernels", "bench_step", "main_job")}
+STAGE_BUDGETS = {1: 360, 2: 300}
+#: The test files with tests that run only on a GPU or on the GPU backends (stage 1); the
+#: others run in stage 2.
+GPU_TEST_FILES = ("tests/test_cuda_backend.py", "tests/test_triton_backend.py",
+                  "tests/test_capturable.py", "tests/test_graphed.py", "tests/test_amp.py",
+                  "tests/test_compile.py", "tests/test_checkpoint.py", "tests/test_misuse.py",
+                  "tests/test_distributed.py")
+#: The tests that need most of the GPU's memory: run alone, in stage 2.
+BIG_TESTS = "past_2_31"
+#: The memcheck subset: no CUDA graph capture (it needs torch's caching allocator, which the
+#: sanitizer stage turns off so that every tensor is its own allocation), no 2**31 test.
+SANITIZER_K = "not captur and not graph and not past_2_31"
+SANITIZER_K_QUICK = "(many or unaligned or odd) and not captur and not graph and not past_2_31"
 SCHEMA = "emcl-kernels/gpu_check/1"
 
 # A skip reason "for want of a GPU": the test would have run on this machine.
@@ -88,7 +129,12 @@ _MENTIONS_GPU = re.compile(r"\b(GPU|GPUs|CUDA|cuda)\b")
 _TIMEOUTS = {"env": (300, 300), "deps": (300, 300), "build": (1800, 1800),
              "tests": (5400, 3600), "sanitizer": (3600, 900), "bench_kernels": (2400, 600),
              "bench_step": (2400, 600), "check_finite": (900, 300),
-             "bench_training": (2400, 900), "main_job": (1800, 600)}
+             "bench_training": (2400, 900), "main_job": (1800, 600),
+             "smoke": (240, 150), "gpu_tests": (600, 600), "rest_tests": (600, 600),
+             "big_tests": (300, 120)}
+# Below this many seconds left in the budget, a stage is not started.
+_MIN_SECONDS = {"build": 60, "smoke": 30, "gpu_tests": 30, "rest_tests": 30, "big_tests": 40,
+                "sanitizer": 30, "bench_kernels": 30, "bench_step": 30, "main_job": 30}
 
 
 @dataclass
@@ -385,7 +431,12 @@ class GpuCheck:
         self.python = args.python or sys.executable
         self.stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         self.results = os.path.abspath(args.results_dir)
+        self.out = os.path.abspath(args.out) if args.out else None
+        if self.out:            # [note: two stages]: the work files apart, three files in out
+            self.results = os.path.join(ROOT, "build", "gpu-check", self.stamp)
         self.t_start = time.time()
+        budget = args.budget if args.budget is not None else STAGE_BUDGETS.get(args.stage)
+        self.deadline = self.t_start + budget if budget else None
         self.files: List[str] = []      # every file this run made (for --archive)
         self.results_before = set(glob.glob(os.path.join(self.results, "*")))
         self.env = dict(os.environ)
@@ -461,9 +512,18 @@ class GpuCheck:
         return rc, text
 
     def timeout(self, name: str) -> float:
+        """The stage's time limit: its own, at most --timeout, and at most what is left of the
+        budget (less 5 s to write the summary)."""
         full, quick = _TIMEOUTS[name]
-        t = quick if self.quick else full
-        return min(t, self.args.timeout) if self.args.timeout else t
+        t = quick if (self.quick or self.args.stage) else full
+        if self.args.timeout:
+            t = min(t, self.args.timeout)
+        if self.deadline is not None:
+            t = min(t, self.deadline - time.time() - 5)
+        return max(t, 1.0)
+
+    def left(self) -> Optional[float]:
+        return None if self.deadline is None else self.deadline - time.time()
 
     def _py(self, *args: str) -> List[str]:
         return [self.python, *args]
@@ -561,12 +621,44 @@ class GpuCheck:
             env["CUDA_HOME"] = self.cuda_home
         return env
 
+    def _built_and_fresh(self) -> Optional[str]:
+        """The compiled library when it is newer than every source of the build and loads with
+        both its CPU and CUDA kernels (stage 2 on the machine stage 1 built on), else None."""
+        libs = glob.glob(os.path.join(ROOT, "emcl_kernels", "_C*.so"))
+        if not libs or self.args.dry_run:
+            return None
+        sources = glob.glob(os.path.join(ROOT, "csrc", "*")) + [os.path.join(ROOT, "setup.py")]
+        if os.path.getmtime(libs[0]) < max(os.path.getmtime(f) for f in sources):
+            return None
+        out = subprocess.run(self._py("-c", "import json, emcl_kernels as e; "
+                                      "print(json.dumps(e.backend_status()))"),
+                             capture_output=True, text=True, env=self.env, cwd="/")
+        try:
+            status = json.loads(out.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            return None
+        if status.get("cpu") == "available" and status.get("cuda") == "available":
+            return libs[0]
+        return None
+
     def stage_build(self, st: StageResult) -> None:
+        if self.args.stage:
+            lib = self._built_and_fresh()
+            if lib:
+                st.status = "passed"
+                st.detail = f"already built ({os.path.relpath(lib, ROOT)} is newer than csrc/)"
+                return
         env = self._build_env()
+        if self.args.stage and os.path.exists("/usr/bin/gcc") and os.path.exists("/usr/bin/g++") \
+                and all(os.environ.get(k, "/opt/gcc").startswith("/opt/gcc") for k in ("CC", "CXX")):
+            # one build, not two: the default compiler of the GPU image (/opt/gcc, a wrapper,
+            # set in CC and CXX there) can build a library whose C++ exceptions crash the process
+            env.update({"CC": "/usr/bin/gcc", "CXX": "/usr/bin/g++"})
+            self.env.update({"CC": "/usr/bin/gcc", "CXX": "/usr/bin/g++"})
         cmd = self._py("-m", "pip", "install", "-v", "--no-build-isolation", "-e", ".")
         rc, tail = self.run(st, cmd, "build", self.timeout("build"), env=env)
-        st.data["compilers"] = "default (CXX=%s, CC=%s)" % (os.environ.get("CXX") or "c++",
-                                                            os.environ.get("CC") or "unset")
+        st.data["compilers"] = "CXX=%s, CC=%s" % (env.get("CXX") or os.environ.get("CXX") or "c++",
+                                                  env.get("CC") or os.environ.get("CC") or "unset")
         retried = False
         if (rc != 0 and "failed its self-check" in tail and not os.environ.get("CXX")
                 and not os.environ.get("CC") and os.path.exists("/usr/bin/gcc")
@@ -614,11 +706,61 @@ class GpuCheck:
                 "; rebuilt with CC=/usr/bin/gcc CXX=/usr/bin/g++ after the default compiler "
                 "failed the self-check" if retried else "")
 
+    def _xdist(self) -> List[str]:
+        """``-n N`` when pytest-xdist is there (N: the cores less two, at most 12), else []."""
+        if self.args.dry_run:
+            return ["-n", "12"]
+        ok = subprocess.run(self._py("-c", "import xdist"), capture_output=True,
+                            env=self.env).returncode == 0
+        return ["-n", str(max(1, min(12, (os.cpu_count() or 4) - 2)))] if ok else []
+
     def stage_tests(self, st: StageResult) -> None:
-        junit = os.path.join(self.results, f"gpu_check_{self.stamp}_junit.xml")
-        cmd = self._py("-m", "pytest", "tests", "-rs", "-q", "-p", "no:cacheprovider",
-                       f"--junitxml={junit}", *self.args.pytest_args)
-        rc, tail = self.run(st, cmd, "tests", self.timeout("tests"))
+        self._pytest(st, "tests", ["tests"])
+
+    def stage_gpu_tests(self, st: StageResult) -> None:
+        self._pytest(st, "gpu_tests", [*GPU_TEST_FILES, "-k", f"not {BIG_TESTS}",
+                                       *self._xdist()])
+
+    def stage_rest_tests(self, st: StageResult) -> None:
+        ignore = [f"--ignore={f}" for f in GPU_TEST_FILES]
+        self._pytest(st, "rest_tests", ["tests", *ignore, "-k", f"not {BIG_TESTS}",
+                                        *self._xdist()])
+
+    def stage_big_tests(self, st: StageResult) -> None:
+        self._pytest(st, "big_tests", ["tests/test_cuda_backend.py",
+                                       "tests/test_triton_backend.py", "-k", BIG_TESTS])
+
+    def stage_smoke(self, st: StageResult) -> None:
+        jsonl = os.path.join(self.results, f"gpu_check_{self.stamp}_smoke.jsonl")
+        rc, tail = self.run(st, self._py("tools/gpu_smoke.py", "--out", jsonl), "smoke",
+                            self.timeout("smoke"))
+        if self.args.dry_run:
+            st.status = "passed"
+            return
+        rows = []
+        if os.path.isfile(jsonl):
+            self.files.append(jsonl)
+            with open(jsonl) as fh:
+                rows = [json.loads(line) for line in fh if line.strip()]
+        failed = [r for r in rows if not r.get("ok")]
+        st.data = {"checks": len(rows), "failed": len(failed),
+                   "failures": [{k: v for k, v in r.items() if k != "where"} for r in failed][:20],
+                   "bandwidth": [r for r in rows if r.get("check") == "bandwidth"]}
+        self.summary_extra["smoke"] = st.data
+        st.status = "passed" if rc == 0 and rows and not failed else "failed"
+        st.detail = f"{len(rows)} checks, {len(failed)} failed" + (
+            f" (exit {rc})" if rc not in (0, 1) else "")
+
+    def _pytest(self, st: StageResult, name: str, targets: List[str]) -> None:
+        junit = os.path.join(self.results, f"gpu_check_{self.stamp}_{name}_junit.xml")
+        timeout = self.timeout(name if name in _TIMEOUTS else "tests")
+        env = {}
+        if self.deadline is not None or self.args.stage:
+            # tests that would start in the last 30 s are skipped: pytest ends, writes junit
+            env["EMCL_TEST_DEADLINE"] = f"{time.time() + max(timeout - 30, 5):.0f}"
+        cmd = self._py("-m", "pytest", *targets, "-rfEs", "-q", "-p", "no:cacheprovider",
+                       "--durations=15", f"--junitxml={junit}", *self.args.pytest_args)
+        rc, tail = self.run(st, cmd, name, timeout, env=env)
         if self.args.dry_run:
             st.status = "passed"
             return
@@ -628,10 +770,19 @@ class GpuCheck:
         else:
             t = {**pytest_counts_from_text(tail), "failed_tests": [], "skips": [],
                  "gpu_skips": [], "gpu_missing_skips": [], "junit_missing": True}
-        self.summary_extra["tests"] = t
-        st.data = {k: t.get(k) for k in ("passed", "failed", "errors", "skipped")}
+        deadline_skips = [s for s in t.get("skips", []) if "time budget was spent" in str(s)]
+        t["deadline_skips"] = len(deadline_skips)
+        self.summary_extra.setdefault("tests_by_stage", {})[name] = {
+            k: t.get(k) for k in ("passed", "failed", "errors", "skipped", "deadline_skips",
+                                  "failed_tests", "gpu_missing_skips")}
+        if name == "tests":
+            self.summary_extra["tests"] = t
+        st.data = {k: t.get(k) for k in ("passed", "failed", "errors", "skipped",
+                                         "deadline_skips", "failed_tests")}
         parts = [f"{t.get('passed', 0)} passed, {t.get('failed', 0)} failed, "
                  f"{t.get('errors', 0)} errors, {t.get('skipped', 0)} skipped"]
+        if deadline_skips:
+            parts.append(f"{len(deadline_skips)} not run: the time budget was spent")
         if t.get("gpu_missing_skips"):
             parts.append(f"{len(t['gpu_missing_skips'])} skipped for want of a GPU")
         if t.get("junit_missing"):
@@ -639,7 +790,10 @@ class GpuCheck:
         elif rc not in (0, 1):
             parts.append(f"pytest exit status {rc}")
         st.detail = "; ".join(parts)
-        st.status = "passed" if rc == 0 and not t.get("gpu_missing_skips") else "failed"
+        if rc == 0 and not t.get("gpu_missing_skips"):
+            st.status = "incomplete" if deadline_skips else "passed"
+        else:
+            st.status = "failed"
 
     def stage_sanitizer(self, st: StageResult) -> None:
         dirs = [os.path.join(self.cuda_home, "bin")] if self.cuda_home else []
@@ -647,7 +801,7 @@ class GpuCheck:
         if cs is None:
             st.status, st.detail = "skipped", "compute-sanitizer is not on PATH nor in $CUDA_HOME/bin"
             return
-        k = "(many or unaligned) and not past_2_31" if self.quick else "not past_2_31"
+        k = SANITIZER_K_QUICK if (self.quick or self.args.stage) else SANITIZER_K
         cmd = [cs, "--tool", "memcheck", "--error-exitcode", "99", *self._py(
             "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda_backend.py", "-k", k)]
         # Without torch's caching allocator every tensor is its own allocation, so memcheck
@@ -679,7 +833,7 @@ class GpuCheck:
             cmd += ["--out-dir", os.path.relpath(self.results, ROOT)]
         elif re.search(r"--out\b", help_text):
             cmd += ["--out", os.path.relpath(self.results, ROOT)]
-        if self.quick and "--quick" in help_text:
+        if (self.quick or self.args.stage) and "--quick" in help_text:
             cmd.append("--quick")
         t0 = time.time()
         rc, tail = self.run(st, cmd, st.name, self.timeout(st.name))
@@ -716,12 +870,12 @@ class GpuCheck:
     def stage_main_job(self, st: StageResult) -> None:
         result: Dict = {}
         ok = True
-        for device in ("cuda", "cpu"):
+        for device in (("cuda",) if self.args.stage else ("cuda", "cpu")):
             out_dir = os.path.join(ROOT, "runs", f"gpu_check_{self.stamp}_{device}")
             cmd = self._py("-m", "emcl_continual", "--method", "emcl", "--stream",
                            "permuted-mnist", "--seeds", "0", "--device", device, "--out",
                            os.path.relpath(out_dir, ROOT), "--quiet")
-            if self.quick:
+            if self.quick or self.args.stage:
                 cmd += ["--n-tasks", "5"]
             t0 = time.time()
             rc, tail = self.run(st, cmd, f"main_job_{device}", self.timeout("main_job"))
@@ -740,7 +894,7 @@ class GpuCheck:
             return
         if result.get("cuda", {}).get("train_time_s") and result.get("cpu", {}).get("train_time_s"):
             result["cpu_over_cuda_time"] = result["cpu"]["train_time_s"] / result["cuda"]["train_time_s"]
-        result["n_tasks"] = 5 if self.quick else "all (20)"
+        result["n_tasks"] = 5 if (self.quick or self.args.stage) else "all (20)"
         self.summary_extra["main_job"] = result
         st.data = result
         st.status = "passed" if ok else "failed"
@@ -760,7 +914,8 @@ class GpuCheck:
         for name in list(only) + list(skip):
             if name not in STAGES:
                 raise SystemExit(f"unknown stage {name!r}; the stages are {', '.join(STAGES)}")
-        chosen = [s for s in STAGES if (not only or s in only) and s not in skip]
+        base = STAGE_SETS[self.args.stage] if self.args.stage else FULL
+        chosen = [s for s in base if (not only or s in only) and s not in skip]
         if "env" not in chosen:
             chosen.insert(0, "env")  # always: it finds the GPU and describes the machine
         return chosen
@@ -778,6 +933,13 @@ class GpuCheck:
             if name not in chosen:
                 st.status, st.detail = "not run", "not selected"
                 continue
+            left = self.left()
+            if left is not None and left < _MIN_SECONDS.get(name, 10) and not self.args.dry_run:
+                st.status = "not run"
+                st.detail = f"the time budget was spent ({max(left, 0):.0f} s left)"
+                print(f"  [{name}] NOT RUN: {st.detail}", flush=True)
+                self.publish(results)
+                continue
             if self.args.dry_run:
                 print(f"  {name}:")
             t0 = time.time()
@@ -791,6 +953,7 @@ class GpuCheck:
             if not self.args.dry_run:
                 print(f"  [{name}] {st.status.upper()} in {st.seconds:.0f} s: {st.detail}",
                       flush=True)
+                self.publish(results)
             if name == "env" and st.status == "failed":
                 print(f"gpu-check: {st.detail}", file=sys.stderr)
                 for later in STAGES[1:]:
@@ -798,30 +961,60 @@ class GpuCheck:
                 break
         if self.args.dry_run:
             return 0
-        failed = [st.name for st in results if st.status == "failed"]
+        summary, paths = self.publish(results)
+        failed, unfinished = summary["failed"], summary["unfinished"]
+        verdict = ("PASSED" if not failed and not unfinished else
+                   "FAILED: " + ", ".join(failed) if failed else
+                   "INCOMPLETE: " + ", ".join(unfinished))
+        print(f"gpu-check {verdict} in {summary['duration_s']:.0f} s; summary: {paths[1]}",
+              flush=True)
+        if self.archive_path():
+            print(f"gpu-check: every file of this run is in {self.archive_path()}")
+        return 1 if failed else 0
+
+    def archive_path(self) -> Optional[str]:
+        if self.args.archive:
+            return self.args.archive
+        if self.out:
+            return os.path.join(self.out, f"gpu_check_{self.stamp}.tar.gz")
+        return None
+
+    def publish(self, results: List[StageResult]) -> "tuple[Dict, List[str]]":
+        """The summary of the stages so far (json and md), in the results folder and in --out,
+        and every file of the run in the archive: called after every stage."""
+        chosen = [st for st in results if st.detail != "not selected"]
+        failed = [st.name for st in chosen if st.status == "failed"]
+        unfinished = [st.name for st in chosen if st.status in ("incomplete", "not run")]
         summary = {
             "schema": SCHEMA, "stamp": self.stamp,
             "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT)]
                                 + sys.argv[1:]),
+            "stage": self.args.stage, "budget_s": (None if self.deadline is None
+                                                   else round(self.deadline - self.t_start)),
             "quick": self.quick, "machine": self.machine,
-            "stages": [st.as_dict() for st in results], "failed": failed, "ok": not failed,
+            "stages": [st.as_dict() for st in chosen], "failed": failed,
+            "unfinished": unfinished, "ok": not failed and not unfinished,
             "duration_s": round(time.time() - self.t_start, 1), **self.summary_extra}
         paths = write_summary(summary, self.results, self.stamp)
-        self.files.extend(paths)
+        for p in paths:
+            if p not in self.files:
+                self.files.append(p)
         for p in glob.glob(os.path.join(self.results, "*")):
             if p not in self.results_before and p not in self.files:
                 self.files.append(p)  # the benchmarks' own files
-        print(f"gpu-check {'PASSED' if not failed else 'FAILED: ' + ', '.join(failed)} "
-              f"in {summary['duration_s']:.0f} s; summary: "
-              f"{os.path.relpath(paths[1], ROOT)}", flush=True)
-        if self.args.archive:
-            with tarfile.open(self.args.archive, "w:gz") as tar:
+        if self.out:
+            os.makedirs(self.out, exist_ok=True)
+            paths = [shutil.copy(p, self.out) for p in paths]
+        archive = self.archive_path()
+        if archive:
+            tmp = archive + ".part"
+            with tarfile.open(tmp, "w:gz") as tar:
                 for p in sorted(set(self.files)):
                     if os.path.isfile(p):
                         tar.add(p, arcname=os.path.relpath(p, ROOT))
-            print(f"gpu-check: every file of this run is in {self.args.archive}")
-        return 1 if failed else 0
+            os.replace(tmp, archive)
+        return summary, paths
 
 
 def _split(text: Optional[str]) -> List[str]:
@@ -833,6 +1026,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         prog="python tools/gpu_check.py", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="stages, in order: " + ", ".join(STAGES))
+    p.add_argument("--stage", type=int, choices=sorted(STAGE_SETS),
+                   help="run stage 1 or 2 of [note: two stages] (default: every full stage)")
+    p.add_argument("--budget", type=float,
+                   help="seconds for the whole run (default: 360 for stage 1, 300 for stage "
+                        "2, none otherwise); a stage gets what is left")
+    p.add_argument("--out", help="the folder that gets the summary and an archive of every "
+                                 "file after each stage (the device tool's $OUT); the work "
+                                 "files go to build/gpu-check/<stamp>/")
     p.add_argument("--quick", action="store_true",
                    help="quick benchmarks, a 5-task main job, a memcheck subset")
     p.add_argument("--only", help="comma-separated stages to run (env always runs)")

@@ -185,11 +185,11 @@ def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, 
     elif params:
         _step_without_sync(op, params, grads, anchors, importances, meta_lrs, steps, hyper,
                            counters, meta_every, grad_scale, found_inf, kinds)
-    if finalize:
+    if finalize:   # in place on views: `counters[i] = 0` copies a CPU scalar (no capture)
         if op == OP["cadence"]:
-            counters[_CALLS] += 1
-        counters[_SKIPPED] += (counters[_FOUND] != 0).to(counters.dtype)
-        counters[_FOUND] = 0
+            counters[_CALLS].add_(1)
+        counters[_SKIPPED].add_((counters[_FOUND] != 0).to(counters.dtype))
+        counters[_FOUND].zero_()
 
 
 def _step_without_sync(op, params, grads, anchors, importances, meta_lrs, steps, hyper,

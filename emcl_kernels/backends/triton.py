@@ -180,12 +180,33 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _stream(device: torch.device) -> int:
+    """The current stream of a CUDA ``device`` (a raw handle: cheap to get and compare)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+def _used_here(device: torch.device, tables) -> None:
+    """[note: table streams] A table's memory belongs to the stream it was allocated on: once
+    the LRU drops it, the caching allocator gives it to the next allocation on that stream,
+    ordered after that stream's kernels only. A table read by a kernel on another stream (the
+    user's side stream) is therefore marked with ``record_stream``, once per stream, so that
+    its memory waits for that stream's work too."""
+    here = _stream(device)
+    for t in tables:
+        if here not in t._emcl_streams:
+            t.record_stream(torch.cuda.current_stream(device))
+            t._emcl_streams.add(here)
+
+
 def _upload(host: torch.Tensor, device: torch.device, capturing: bool) -> torch.Tensor:
     """An int64 host table on ``device``, without a host sync ([note: tables])."""
     if device.type != "cuda":
         return host if host.device == device else host.to(device)
     if not capturing:
-        return host.pin_memory().to(device, non_blocking=True)
+        table = host.pin_memory().to(device, non_blocking=True)
+        table._emcl_streams = {_stream(device)}      # [note: table streams]
+        return table
     reserve = _reserves.get(device)
     n = host.numel()
     if reserve is None or reserve.buffer.numel() - reserve.used < n:
@@ -409,6 +430,7 @@ def check_finite(grads, counters: torch.Tensor) -> None:
         _keep_for_graph(chunks, table)
     elif device.type == "cuda":
         _ensure_reserve(device, 3 * n_chunks + len(numels))
+        _used_here(device, (chunks, table))
     _check(chunks, n_chunks, table, counters, grads[0].dtype, device, block)
 
 
@@ -432,6 +454,7 @@ def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, 
     if plan is not None:
         if device.type == "cuda" and not capturing:
             _ensure_reserve(device, plan.need)
+            _used_here(device, (plan.chunks, plan.tensors, plan.grads))
         if check:
             _check(plan.chunks, plan.n_chunks, plan.grads, counters, dtype, device, block)
     else:

@@ -151,7 +151,9 @@ def _update(p_ptr, g_ptr, a_ptr, h_ptr, lr_ptr, mask, grad_scale, inner_lr, reg,
         tl.store(p_ptr, theta, mask=mask)
 
 
-@triton.jit
+# n_steps and meta_every change with the model and the user's cadence: not specialized (Triton
+# would compile a variant for 1 and for multiples of 16, possibly inside a CUDA graph capture)
+@triton.jit(do_not_specialize=["n_steps", "meta_every"])
 def emcl_step_kernel(chunks, tensors, grads, hyper, counters, steps, n_steps, meta_every,
                      grad_scale_ptr, found_inf_ptr,
                      PARAM: tl.constexpr, OP: tl.constexpr, PROX: tl.constexpr,
