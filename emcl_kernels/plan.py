@@ -588,7 +588,7 @@ class Runtime:
                 device = torch.device(device)
                 steps, hyper, c = extras[3 * k], extras[3 * k + 1], extras[3 * k + 2]
                 if not group.get("capturable"):
-                    hyper = pack_hyper({name: group[name] for name in HYPER_FIELDS}, device)
+                    hyper = _traced_hyper(group, device)
                 plans.append(Plan(resolve_backend(opt.backend, device), device, None, [],
                                   params[start:start + n], anchors[start:start + n],
                                   importances[start:start + n], meta_lrs[mstart:mstart + m],
@@ -598,6 +598,21 @@ class Runtime:
                 counters[device] = c
                 start, mstart = start + n, mstart + m
         return plans, grads, counters
+
+
+def _traced_hyper(group: dict, device: torch.device) -> Tensor:
+    """``hyper`` made in a traced graph from a group's values: a number is a constant of the
+    graph (or a symbol, once Dynamo makes it dynamic), a 0-d tensor an input."""
+    parts = []
+    for name in HYPER_FIELDS:
+        v = group[name]
+        if v is None:
+            v = LR_SCALE_FROM_REG
+        if isinstance(v, Tensor):
+            parts.append(v.detach().reshape(()).to(device=device, dtype=torch.float64))
+        else:
+            parts.append(torch.full((), v, dtype=torch.float64, device=device))
+    return torch.stack(parts)
 
 
 def check_parameter(state, where: str, p: Tensor) -> None:
