@@ -150,6 +150,8 @@ def test_channels_last_after_state_matches_reference(backend):
 
 
 # 3: hyper-parameters changed between compiled calls
+@pytest.mark.xfail(strict=True, reason="issue 22 item 3 is open: the compiled step drifts from "
+                   "eager from its first meta step after a hyper-parameter change")
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("foreach", "cpu")])
 @pytest.mark.parametrize("how", ("tensor_in_place", "float_rebound"))
 def test_hyperparameter_changed_under_compile_equals_eager(backend, how):
