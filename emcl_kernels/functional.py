@@ -23,10 +23,9 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from emcl_kernels.backends import get_backend
 from emcl_kernels.integration import is_dtensor, local
 from emcl_kernels.interface import COUNTER, OP
-from emcl_kernels.plan import Plan, agree_on_found, new_counters, pack_hyper, run
+from emcl_kernels.plan import Plan, agree_on_found, new_counters, pack_hyper, resolve_backend, run
 from emcl_kernels.validation import (IMPORTANCE_KINDS, LR_MODES, PARAM_DTYPES,
                                      check_flag, check_hyperparameters, check_no_overlap,
                                      check_param, check_tensor, plainly_valid, state_dtype)
@@ -37,21 +36,6 @@ __all__ = ["inner_step_", "meta_step_", "inner_meta_step_", "check_hyperparamete
 
 _INF = float("inf")
 _SKIPPED = COUNTER["skipped"]
-_RESOLVED: dict = {}  # (name, device) -> backend module
-
-
-def resolve_backend(name: str, device: torch.device):
-    """:func:`emcl_kernels.backends.get_backend`, remembered per (name, device): what is
-    available does not change within a process, and a step traced by torch.compile must not
-    re-run the availability checks (some query the dispatcher, which cannot be traced)."""
-    if not isinstance(name, str):
-        raise TypeError(f"backend must be a string, got {type(name).__name__}")
-    mod = _RESOLVED.get((name, device))
-    if mod is None:
-        mod = _RESOLVED[(name, device)] = get_backend(name, device)
-    return mod
-
-
 # ---------------------------------------------------------------------------------------------
 # Validation of one call's lists
 # ---------------------------------------------------------------------------------------------

@@ -7,15 +7,12 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from emcl_kernels.functional import resolve_backend
-from emcl_kernels.integration import is_dtensor, local
-from emcl_kernels.interface import COUNTER, HYPER, OP
-from emcl_kernels.plan import Plan, new_counters, pack_hyper, run
-from emcl_kernels.skips import NonFiniteGradientWarning, SkipLog
-from emcl_kernels.validation import (IMPORTANCE_KINDS, INNER_KEYS, LR_MODES, META_KEYS,
-                                     NUMERIC_KEYS, PARAM_DTYPES,
-                                     check_flag, check_hyperparameters, check_no_overlap,
-                                     check_like, check_param, same_layout, state_dtype)
+from emcl_kernels.integration import local
+from emcl_kernels.interface import COUNTER, OP
+from emcl_kernels.plan import Runtime, check_group, resolve_backend, run
+from emcl_kernels.skips import NonFiniteGradientWarning
+from emcl_kernels.validation import (NUMERIC_KEYS, PARAM_DTYPES, check_flag, check_no_overlap,
+                                     state_dtype)
 
 __all__ = ["FusedEMCLOptimizer", "NonFiniteGradientWarning"]
 
@@ -25,49 +22,9 @@ DEFAULT_LR_MODE = "inverse"
 DEFAULT_DECAY = 0.9
 DEFAULT_LR_SCALE = None  # None: 1 / reg, so that alpha * reg * h ~ meta_lr wherever h >> eps
 
-_HYPER_KEYS = tuple(dict.fromkeys(INNER_KEYS + META_KEYS))
-_MODE_KEYS = ("prox", "importance", "lr_mode")
-_STATE_KEYS = ("anchor", "importance", "meta_lr", "step")
-_CALLS, _SKIPPED = COUNTER["calls"], COUNTER["skipped"]
 # step() without meta_every: the cadence op whose meta step never comes due (its calls are
 # still counted on the device, for the checkpoint)
 _NEVER = 1 << 62
-
-
-def _group_key(group: dict) -> tuple:
-    """What a plan depends on in a group: values, and tensors by identity."""
-    return tuple(("tensor", id(v)) if isinstance(v, Tensor) else v
-                 for v in map(group.get, _HYPER_KEYS))
-
-
-def _kind(v) -> str:
-    return "tensor" if isinstance(v, tuple) else type(v).__name__
-
-
-_MODE_INDEX = tuple(_HYPER_KEYS.index(k) for k in _MODE_KEYS)
-
-
-_layout = Tensor.layout.__get__
-_dtype = Tensor.dtype.__get__
-_device = Tensor.device.__get__
-_shape = Tensor.shape.__get__
-_stride = Tensor.stride
-
-
-def _grads_fit(plan: Plan, grads: list) -> bool:
-    """Per step, for the backends that do not check their gradients themselves: every
-    gradient is dense and like its parameter (dtype, shape, device, strides), and the
-    parameters are still what the plan was built for. C-level maps: ~0.5 µs per tensor."""
-    params = plan.params
-    want = plan.dtype
-    return (all(d is want for d in map(_dtype, params)) and
-            all(d is want for d in map(_dtype, grads)) and
-            all(lay is torch.strided for lay in map(_layout, grads)) and
-            all(d == plan.device for d in map(_device, grads)) and
-            all(d == plan.device for d in map(_device, params)) and
-            list(map(_shape, grads)) == list(map(_shape, params)) and
-            (list(map(_stride, grads)) == list(map(_stride, params))
-             or all(map(same_layout, grads, params))))
 
 
 class FusedEMCLOptimizer(Optimizer):
@@ -192,24 +149,12 @@ class FusedEMCLOptimizer(Optimizer):
 
     def _reset_runtime(self, calls: int, skips: int) -> None:
         """Forget plans and device counters; the counts start from ``calls`` and ``skips``."""
-        self._plans: Optional[list] = None
-        self._keys: list = []           # _group_key of each group when the plans were built
-        self._tensor_hyper: list = []   # groups whose tensor hyper-parameters are read per step
-        self._counters: dict = {}       # device -> counters (emcl_kernels.interface)
-        self._calls_base = int(calls)   # step() calls before the first counters existed
-        self._skips = SkipLog(skips)
-        self._mesh = None
-        self._without_grad: list = []   # parameters without a gradient when the plans were built
-        self._storage: dict = {}        # group index -> capturable hyper tensor (views in group)
+        self._runtime = Runtime(self, calls=calls, skips=skips)
 
     # -- hyper-parameters ---------------------------------------------------------------------
     @staticmethod
     def _check_group(group: dict, where: str = "param group") -> dict:
-        missing = [k for k in _HYPER_KEYS if k not in group]
-        if missing:
-            raise ValueError(f"{where} lacks the hyper-parameter(s) {', '.join(missing)}; "
-                             "was it made for another optimizer?")
-        return check_hyperparameters(**{k: group[k] for k in _HYPER_KEYS})
+        return check_group(group, where)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (torch semantics); its parameters get state at their first step.
@@ -240,202 +185,11 @@ class FusedEMCLOptimizer(Optimizer):
                 if p.device.type != "meta":
                     resolve_backend(self.backend, local(p).device)
             if group.get("capturable"):
-                self._adopt_capturable(gi)
+                self._runtime.adopt_capturable(gi)
         except Exception:
             self.param_groups.pop()
             raise
-        self._plans = None
-
-    def _adopt_capturable(self, gi: int) -> None:
-        """Make the numeric hyper-parameters of group ``gi`` 0-d views of one fp64 tensor on
-        the group's device: the ``hyper`` every plan of the group hands its kernels."""
-        group = self.param_groups[gi]
-        first = next((p for p in group["params"] if p.device.type != "meta"), None)
-        device = local(first).device if first is not None else torch.device("cpu")
-        storage = self._storage.get(gi)
-        if storage is None or storage.device != device:
-            storage = torch.zeros(len(HYPER), dtype=torch.float64, device=device)
-            self._storage[gi] = storage
-        hp = self._check_group(group, f"param group {gi}")
-        storage.copy_(pack_hyper(hp, device))
-        for name, i in HYPER.items():
-            if group[name] is not None:
-                group[name] = storage[i]
-
-    def _refresh_hyper(self, gi: int, group: dict) -> None:
-        """A group's numbers changed (a schedule), or its tensor hyper-parameters are read per
-        step: check them and write them into its plans' ``hyper`` (capturable groups: into the
-        storage their views share)."""
-        if group.get("capturable"):
-            self._adopt_capturable(gi)
-        hp = self._check_group(group, f"param group {gi}")
-        for plan in self._plans:
-            if plan.group == gi and plan.hyper is not self._storage.get(gi):
-                plan.hyper.copy_(pack_hyper(hp, plan.device))
-
-    # -- plans ----------------------------------------------------------------------------------
-    def _counters_for(self, device: torch.device) -> Tensor:
-        c = self._counters.get(device)
-        if c is None:
-            calls = self._step_calls
-            c = new_counters(device)
-            c[_CALLS] = calls
-            if not self._counters:
-                self._skips.watch(c)
-            self._counters[device] = c
-        return c
-
-    def _retire(self) -> None:
-        """The old plans' ``state["step"]`` views become tensors of their own."""
-        for plan in self._plans or ():
-            for p, s in zip(plan.sources, plan.steps.unbind(0) if plan.steps.numel() else ()):
-                st = self.state.get(p)
-                if st is not None and "step" in st:
-                    st["step"] = s.clone()
-        self._plans = None
-
-    def _build(self) -> list:
-        """Validate every group and every parameter that has a gradient, make the missing
-        state, and group everything into plans ([note: plans]). Nothing is written unless all
-        of it passes."""
-        self._retire()
-        checked = []
-        for gi, group in enumerate(self.param_groups):
-            hp = self._check_group(group, f"param group {gi}")
-            ready = []
-            for pi, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                self._check_parameter(f"parameter {pi} of param group {gi}", p, group)
-                ready.append((pi, p))
-            checked.append((gi, group, hp, ready))
-        named = []
-        for gi, _, _, ready in checked:
-            for pi, p in ready:
-                where = f"parameter {pi} of param group {gi}"
-                named.append((where, p))
-                named.append((f"the gradient of {where}", p.grad))
-                for key in ("anchor", "importance", "meta_lr"):
-                    if key in self.state.get(p, {}):
-                        named.append((f"the {key} state of {where}", self.state[p][key]))
-        check_no_overlap(named)
-        plans, keys, tensor_hyper = [], [], []
-        mesh = None
-        for gi, group, hp, ready in checked:
-            keys.append(_group_key(group))
-            if any(isinstance(group[k], Tensor) for k in NUMERIC_KEYS) \
-                    and not group.get("capturable"):
-                tensor_hyper.append(gi)
-            by_key: dict = {}
-            for _, p in ready:
-                by_key.setdefault((local(p).device, p.dtype), []).append(p)
-            for (device, dtype), ps in by_key.items():
-                recurrent = group["lr_mode"] == "recurrent"
-                for p in ps:
-                    self._init_state(p, group, recurrent)
-                if any(is_dtensor(p) for p in ps):
-                    mesh = next(p.device_mesh for p in ps if is_dtensor(p))
-                steps = torch.stack([self.state[p]["step"].detach().reshape(())
-                                     .to(device=device, dtype=torch.float32) for p in ps])
-                for i, p in enumerate(ps):
-                    self.state[p]["step"] = steps[i]
-                storage = self._storage.get(gi)
-                hyper = storage if storage is not None and storage.device == device \
-                    else pack_hyper(hp, device)
-                plans.append(Plan(
-                    resolve_backend(self.backend, device), device, dtype, ps,
-                    [local(p) for p in ps], [local(self.state[p]["anchor"]) for p in ps],
-                    [local(self.state[p]["importance"]) for p in ps],
-                    [local(self.state[p]["meta_lr"]) for p in ps] if recurrent else [],
-                    steps, hyper, prox=hp["prox"], importance=hp["importance"],
-                    lr_mode=hp["lr_mode"], group=gi, sharded=any(is_dtensor(p) for p in ps)))
-        for plan in plans:
-            self._counters_for(plan.device)
-        self._plans, self._keys, self._tensor_hyper, self._mesh = plans, keys, tensor_hyper, mesh
-        self._without_grad = [p for group in self.param_groups for p in group["params"]
-                              if p.grad is None]
-        return plans
-
-    def _check_parameter(self, where: str, p: Tensor, group: dict) -> None:
-        """A parameter with a gradient, and its state if it has one, as a step needs them."""
-        check_param(where, p)
-        check_like(f"the gradient of {where}", where, p.grad, p, p.dtype, state=False)
-        st = self.state.get(p)
-        if not st:
-            return
-        want = state_dtype(p.dtype)
-        for key in ("anchor", "importance", "meta_lr"):
-            t = st.get(key)
-            if t is None:
-                continue
-            if t.dtype != want:
-                raise RuntimeError(
-                    f"{where} is {p.dtype} but its {key} state is {t.dtype}: the parameter "
-                    f"changed dtype after its state was made (model.double()/.float()?); "
-                    "convert the model before the first step, or save the optimizer's state, "
-                    "make a new optimizer for the converted model and load the state into it")
-            if t.device != p.device:
-                raise RuntimeError(
-                    f"{where} is on {p.device} but its {key} state is on {t.device}: the "
-                    "model moved after its state was made (model.to(...)?); move the model "
-                    "before the first step, or save the optimizer's state and load it into a "
-                    "new optimizer (load_state_dict puts the state where the parameters are)")
-            if t.shape != p.shape:
-                raise RuntimeError(f"{where} has shape {tuple(p.shape)} but its {key} state "
-                                   f"has {tuple(t.shape)}")
-            if not same_layout(local(t), local(p)):
-                st[key] = torch.empty_like(p, dtype=want).copy_(t)  # follow the layout
-
-    def _init_state(self, p: Tensor, group: dict, recurrent: bool) -> None:
-        st = self.state[p]
-        if not st:
-            st["anchor"] = torch.empty_like(p, dtype=state_dtype(p.dtype)).copy_(p.detach())
-            st["importance"] = torch.zeros_like(st["anchor"])
-            st["step"] = torch.zeros((), dtype=torch.float32, device=local(p).device)
-        if recurrent and "meta_lr" not in st:
-            meta_lr = group["meta_lr"]
-            st["meta_lr"] = torch.empty_like(st["anchor"])
-            st["meta_lr"].copy_(meta_lr) if isinstance(meta_lr, Tensor) \
-                else st["meta_lr"].fill_(float(meta_lr))
-
-    def _plans_now(self) -> list:
-        """The plans for this step: rebuilt when the configuration changed, with fresh
-        ``hyper`` tensors where only hyper-parameter values changed ([note: plans])."""
-        if self._plans is None or len(self._keys) != len(self.param_groups) \
-                or any(p.grad is not None for p in self._without_grad):
-            return self._build()
-        for gi, (group, key) in enumerate(zip(self.param_groups, self._keys)):
-            now = _group_key(group)
-            if now == key:
-                continue
-            if any(_kind(a) != _kind(b) for a, b in zip(now, key)) \
-                    or any(now[i] != key[i] for i in _MODE_INDEX):
-                return self._build()  # a mode, or a number became a tensor (or back)
-            self._refresh_hyper(gi, group)
-            self._keys[gi] = _group_key(group)
-        for gi in self._tensor_hyper:
-            self._refresh_hyper(gi, self.param_groups[gi])
-        return self._plans
-
-    def _gather(self):
-        """This step's plans and gradients. A parameter that lost its gradient rebuilds the
-        plans; the gradients of backends that do not check them per call are checked here."""
-        plans = self._plans_now()
-        # a backend that checks its call's gradients refuses before that call writes, but with
-        # several plans an earlier plan would already be written: check them all here first
-        trust = len(plans) == 1
-        grads = []
-        for plan in plans:
-            g = [p.grad for p in plan.sources]
-            if any(x is None for x in g):
-                plans = self._build()
-                return plans, [[local(p.grad) for p in plan.sources] for plan in plans]
-            if plan.sharded:
-                g = [local(x) for x in g]
-            if not (trust and plan.checks_grads) and not _grads_fit(plan, g):
-                self._build()  # raises, naming the parameter and what is wrong
-            grads.append(g)
-        return plans, grads
+        self._runtime.plans = None
 
     # -- the steps ------------------------------------------------------------------------------
     # [note: AMP] torch.amp.GradScaler.step(opt) sees ``_step_supports_amp_scaling`` and, instead
@@ -465,7 +219,8 @@ class FusedEMCLOptimizer(Optimizer):
         """Fill the lists with this group's plans' tensors (``extras``: steps, hyper, counters
         of each plan) and return one spec per plan: (tensors, meta_lrs, prox, importance,
         lr_mode, device)."""
-        plans, all_grads = self._gather()
+        runtime = self._runtime
+        plans, all_grads = runtime.gather()
         gi = next(i for i, g in enumerate(self.param_groups) if g is group)
         specs = []
         for plan, g in zip(plans, all_grads):
@@ -476,68 +231,23 @@ class FusedEMCLOptimizer(Optimizer):
             anchors += plan.anchors
             importances += plan.importances
             meta_lrs += plan.meta_lrs
-            extras += [plan.steps, plan.hyper, self._counters[plan.device]]
+            extras += [plan.steps, plan.hyper, runtime.counters[plan.device]]
             specs.append((len(plan.params), len(plan.meta_lrs), plan.prox, plan.importance,
                           plan.lr_mode, str(plan.device)))
         return tuple(specs)
 
-    def _traced_plans(self):
-        plans, grads, counters = [], [], {}
-        for group in self.param_groups:
-            params, gs, anchors, importances, meta_lrs, extras = [], [], [], [], [], []
-            specs = self._init_group(group, params, gs, anchors, importances, meta_lrs, extras)
-            start = mstart = 0
-            for k, (n, m, prox, importance, lr_mode, device) in enumerate(specs):
-                device = torch.device(device)
-                steps, hyper, c = extras[3 * k], extras[3 * k + 1], extras[3 * k + 2]
-                plans.append(Plan(resolve_backend(self.backend, device), device, None, [],
-                                  params[start:start + n], anchors[start:start + n],
-                                  importances[start:start + n], meta_lrs[mstart:mstart + m],
-                                  steps, hyper, prox=prox, importance=IMPORTANCE_KINDS[importance],
-                                  lr_mode=LR_MODES[lr_mode]))
-                grads.append(gs[start:start + n])
-                counters[device] = c
-                start, mstart = start + n, mstart + m
-        return plans, grads, counters
-
     @torch.no_grad()
     def _step(self, op: int, meta_every: int, grad_scale, found_inf) -> None:
         grad_scale, found_inf = self._amp(grad_scale, found_inf)
+        check = self.check_finite and found_inf is None
+        runtime = self._runtime
         if torch.compiler.is_compiling():
-            plans, grads, counters = self._traced_plans()
+            plans, grads, counters = runtime.traced_plans()
             if plans:
-                run(plans, grads, counters, op=op, meta_every=meta_every,
-                    check=self.check_finite and found_inf is None, grad_scale=grad_scale,
-                    found_inf=found_inf, mesh=self._mesh)
+                run(plans, grads, counters, op=op, meta_every=meta_every, check=check,
+                    grad_scale=grad_scale, found_inf=found_inf, mesh=runtime.mesh)
             return
-        plans, grads = self._gather()
-        if not plans:
-            if op == OP["cadence"]:
-                c = self._counters_for(self._home_device())
-                c[_CALLS] += 1
-            return
-        try:
-            run(plans, grads, self._counters, op=op, meta_every=meta_every,
-                check=self.check_finite and found_inf is None, grad_scale=grad_scale,
-                found_inf=found_inf, mesh=self._mesh)
-        except (RuntimeError, TypeError, ValueError):
-            self._plans = None
-            self._build()  # says what is wrong in the user's terms, if it can
-            raise
-        if op == OP["cadence"] and len(self._counters) > len({p.device for p in plans}):
-            for device, c in self._counters.items():  # a device without gradients this step
-                if all(p.device != device for p in plans):
-                    c[_CALLS] += 1
-        self._skips.after_step()
-
-    def _home_device(self) -> torch.device:
-        if self._counters:
-            return next(iter(self._counters))
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.device.type != "meta":
-                    return local(p).device
-        return torch.device("cpu")
+        runtime.step(op, meta_every, check=check, grad_scale=grad_scale, found_inf=found_inf)
 
     def inner_step(self, *, grad_scale: Optional[Tensor] = None,
                    found_inf: Optional[Tensor] = None) -> None:
@@ -577,21 +287,17 @@ class FusedEMCLOptimizer(Optimizer):
     @property
     def _step_calls(self) -> int:
         """The count of ``step()`` calls that ``meta_every`` runs on (waits for the device)."""
-        if not self._counters:
-            return self._calls_base
-        return int(next(iter(self._counters.values()))[_CALLS])
+        return self._runtime.step_calls
 
     @_step_calls.setter
     def _step_calls(self, value: int) -> None:
-        self._calls_base = int(value)
-        for c in self._counters.values():
-            c[_CALLS] = int(value)
+        self._runtime.step_calls = value
 
     @property
     def skipped_steps(self) -> int:
         """How many steps were skipped for non-finite gradients (kept in checkpoints). Reading
         it waits for the steps still in flight on a GPU."""
-        return self._skips.total()
+        return self._runtime.skips.total()
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -624,7 +330,7 @@ class FusedEMCLOptimizer(Optimizer):
         from emcl_kernels.checkpoint import check_state_dict
         saved_state, extra, id_to_param = check_state_dict(self, state_dict)
         state_dict = {k: v for k, v in state_dict.items() if k != "emcl"}
-        self._retire()
+        self._runtime.retire()
         super().load_state_dict(state_dict)
         for pid, st in saved_state.items():
             p = id_to_param[pid]
@@ -638,7 +344,7 @@ class FusedEMCLOptimizer(Optimizer):
         self._reset_runtime(calls=extra["step_calls"], skips=extra["skipped_steps"])
         for gi, group in enumerate(self.param_groups):
             if group.get("capturable"):
-                self._adopt_capturable(gi)
+                self._runtime.adopt_capturable(gi)
 
     # -- copies and pickles ---------------------------------------------------------------------
     def __getstate__(self) -> dict:
@@ -663,5 +369,5 @@ class FusedEMCLOptimizer(Optimizer):
                             skips=extra.get("skipped_steps", 0))
         for gi, group in enumerate(self.param_groups):
             if group.get("capturable"):
-                self._adopt_capturable(gi)
+                self._runtime.adopt_capturable(gi)
 

@@ -13,15 +13,23 @@ by its last call.
 """
 from __future__ import annotations
 
+import operator
+from itertools import repeat
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from emcl_kernels.interface import (COUNTER, COUNTER_FIELDS, HYPER_FIELDS, IMPORTANCE,
-                                    LR_MODE, LR_SCALE_FROM_REG)
+from emcl_kernels.integration import is_dtensor, local
+from emcl_kernels.interface import (COUNTER, COUNTER_FIELDS, HYPER, HYPER_FIELDS, IMPORTANCE,
+                                    LR_MODE, LR_SCALE_FROM_REG, OP)
+from emcl_kernels.skips import SkipLog
+from emcl_kernels.validation import (IMPORTANCE_KINDS, INNER_KEYS, LR_MODES, META_KEYS,
+                                     NUMERIC_KEYS, check_hyperparameters, check_like,
+                                     check_no_overlap, check_param, same_layout, state_dtype)
 
-__all__ = ["Plan", "run", "new_counters", "hyper_values", "pack_hyper", "agree_on_found"]
+__all__ = ["Plan", "Runtime", "run", "new_counters", "hyper_values", "pack_hyper",
+           "agree_on_found", "resolve_backend", "check_group", "HYPER_KEYS"]
 
 _FOUND, _CALLS = COUNTER["found"], COUNTER["calls"]
 
@@ -76,11 +84,12 @@ class Plan:
     """The tensors and settings of one backend call (see the module docstring).
 
     ``params`` are the tensors the kernels update (a DTensor's local shard), ``sources`` the
-    objects whose ``.grad`` is read each step (the parameters themselves)."""
+    objects whose ``.grad`` is read each step (the parameters themselves). ``key`` is what the
+    plan was built for ([note: plan keys]); None for a plan made for one call."""
 
     __slots__ = ("backend", "device", "dtype", "sources", "params", "anchors", "importances",
                  "meta_lrs", "steps", "hyper", "prox", "importance", "lr_mode", "group",
-                 "sharded", "checks_grads")
+                 "sharded", "checks_grads", "key")
 
     def __init__(self, backend, device: torch.device, dtype: torch.dtype, sources: list,
                  params: list, anchors: list, importances: list, meta_lrs: list, steps: Tensor,
@@ -94,14 +103,15 @@ class Plan:
         self.importance = IMPORTANCE[importance]
         self.lr_mode = LR_MODE[lr_mode]
         self.group, self.sharded = group, sharded
-        # the compiled backends check each call's gradients themselves (in C++ / the launcher)
+        # the compiled backends check each call's tensors themselves (in C++ / the launcher)
         self.checks_grads = bool(getattr(backend, "CHECKS_GRADS", False))
+        self.key = None
 
     def call(self, grads: list, counters: Tensor, *, op: int, meta_every: int, check: bool,
              finalize: bool, grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
         self.backend.step(self.params, grads, self.anchors, self.importances, self.meta_lrs,
-                          self.steps, self.hyper, counters, op=op, prox=self.prox,
-                          importance=self.importance, lr_mode=self.lr_mode,
+                          self.steps, self.hyper, counters, op=op,
+                          prox=self.prox, importance=self.importance, lr_mode=self.lr_mode,
                           meta_every=meta_every, check=check, finalize=finalize,
                           grad_scale=_on(grad_scale, self.device),
                           found_inf=_on(found_inf, self.device))
@@ -149,3 +159,527 @@ def agree_on_found(device_counters: list, mesh) -> None:
             flag = c[_FOUND:_FOUND + 1]
             for dim in range(mesh.ndim):
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+
+
+# ---------------------------------------------------------------------------------------------
+# The optimizer's runtime
+# ---------------------------------------------------------------------------------------------
+
+_RESOLVED: dict = {}  # (name, device) -> backend module
+
+
+def resolve_backend(name: str, device: torch.device):
+    """:func:`emcl_kernels.backends.get_backend`, remembered per (name, device): what is
+    available does not change within a process, and a step traced by torch.compile must not
+    re-run the availability checks (some query the dispatcher, which cannot be traced)."""
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a string, got {type(name).__name__}")
+    mod = _RESOLVED.get((name, device))
+    if mod is None:
+        from emcl_kernels.backends import get_backend
+        mod = _RESOLVED[(name, device)] = get_backend(name, device)
+    return mod
+
+
+HYPER_KEYS = tuple(dict.fromkeys(INNER_KEYS + META_KEYS))
+_MODE_KEYS = ("prox", "importance", "lr_mode")
+_MODE_INDEX = tuple(HYPER_KEYS.index(k) for k in _MODE_KEYS)
+_STATE_TENSORS = ("anchor", "importance", "meta_lr")
+
+
+def check_group(group: dict, where: str = "param group") -> dict:
+    """A param group's hyper-parameters, checked ([note: domains] in validation.py)."""
+    missing = [k for k in HYPER_KEYS if k not in group]
+    if missing:
+        raise ValueError(f"{where} lacks the hyper-parameter(s) {', '.join(missing)}; "
+                         "was it made for another optimizer?")
+    return check_hyperparameters(**{k: group[k] for k in HYPER_KEYS})
+
+
+def group_key(group: dict) -> tuple:
+    """What a plan depends on in a group's hyper-parameters: values, and tensors by
+    identity."""
+    return tuple(("tensor", id(v)) if isinstance(v, Tensor) else v
+                 for v in map(group.get, HYPER_KEYS))
+
+
+def _kind(v) -> str:
+    return "tensor" if isinstance(v, tuple) else type(v).__name__
+
+
+_is = operator.is_
+_grad_of = operator.attrgetter("grad")
+_data_ptr = Tensor.data_ptr
+_nbytes = Tensor.nbytes.__get__
+_shape = Tensor.shape.__get__
+_stride = Tensor.stride
+_dtype = Tensor.dtype.__get__
+_device = Tensor.device.__get__
+_layout = Tensor.layout.__get__
+
+
+# [note: plan keys] A plan caches what was validated when it was built; every step compares,
+# before anything is written, what the user can change since then with what the plan was built
+# for, and rebuilds the plans (validating everything again, refusing in the user's terms) on
+# any difference:
+#
+# - the optimizer's ``param_groups`` (the list and each group by identity), each group's
+#   ``params`` (the list's members, in order, by identity: torch's optimizers re-read the list
+#   every step) and its hyper-parameters (numbers by value, tensors by identity; a tensor's
+#   value is read at the step: [note: hyper-parameters]);
+# - ``opt.state`` (the dict by identity and its size; each planned parameter's entry and its
+#   ``anchor`` by identity: a state reset makes new state at the next step);
+# - each parameter's memory (``data_ptr``: a ``.data`` swap, ``model.half()``, a memory
+#   format change, weights tied after construction) and, where the backend does not check its
+#   call's tensors itself or a step has several plans, its shape, strides and dtype;
+# - each gradient's dtype, layout, device, shape and strides (the compiled backends check
+#   these themselves, in C++ or in the Triton launcher), and its memory: when a gradient's
+#   address is not the one checked at the last step, every gradient is checked against every
+#   parameter and state tensor for overlap (``p.grad = p.data`` is refused).
+#
+# The comparisons are C-level passes over lists (``map`` of an attribute, list equality):
+# a few microseconds for the MLP, ~0.1-0.3 ms for 1,000 tensors on a loaded 2-core host
+# (benchmarks/results/plan_key_*.json). What is not in the key: a state tensor other than the
+# anchor replaced by hand (replace state through load_state_dict), and a value written into a
+# parameter or state tensor (the step reads the values anyway).
+
+
+class Runtime:
+    """The plans of a :class:`~emcl_kernels.optimizer.FusedEMCLOptimizer` and the per-step
+    check that they still fit ([note: plan keys]), its device counters and skip log.
+
+    ``gather()`` gives this step's plans and gradients (rebuilding the plans first when the
+    world changed), ``step()`` runs one step over them."""
+
+    def __init__(self, opt, calls: int = 0, skips: int = 0):
+        self.opt = opt
+        self.plans: Optional[list] = None
+        self.keys: list = []           # group_key of each group when the plans were built
+        self.tensor_hyper: list = []   # groups whose tensor hyper-parameters are read per step
+        self.counters: dict = {}       # device -> counters (emcl_kernels.interface)
+        self.calls_base = int(calls)   # step() calls before the first counters existed
+        self.skips = SkipLog(skips)
+        self.mesh = None
+        self.storage: dict = {}        # group index -> capturable hyper tensor (views in group)
+        # the world the plans were built for ([note: plan keys])
+        self.groups: list = []
+        self.lists: list = []
+        self.state = None
+        self.state_len = 0
+        self.without_grad: list = []   # parameters without a gradient when the plans were built
+        self.grad_ptrs: Optional[list] = None
+        self.spans: dict = {}          # device -> (starts, ends) of the planned tensors' memory
+
+    # -- hyper-parameters ---------------------------------------------------------------------
+    def adopt_capturable(self, gi: int) -> None:
+        """Make the numeric hyper-parameters of group ``gi`` 0-d views of one fp64 tensor on
+        the group's device: the ``hyper`` every plan of the group hands its kernels."""
+        group = self.opt.param_groups[gi]
+        first = next((p for p in group["params"] if p.device.type != "meta"), None)
+        device = local(first).device if first is not None else torch.device("cpu")
+        storage = self.storage.get(gi)
+        if storage is None or storage.device != device:
+            storage = torch.zeros(len(HYPER), dtype=torch.float64, device=device)
+            self.storage[gi] = storage
+        hp = check_group(group, f"param group {gi}")
+        storage.copy_(pack_hyper(hp, device))
+        for name, i in HYPER.items():
+            if group[name] is not None:
+                group[name] = storage[i]
+
+    def refresh_hyper(self, gi: int, group: dict) -> None:
+        """A group's numbers changed (a schedule), or its tensor hyper-parameters are read per
+        step: check them and write them into its plans' ``hyper`` (capturable groups: into the
+        storage their views share)."""
+        if group.get("capturable"):
+            self.adopt_capturable(gi)
+        hp = check_group(group, f"param group {gi}")
+        for plan in self.plans:
+            if plan.group == gi and plan.hyper is not self.storage.get(gi):
+                plan.hyper.copy_(pack_hyper(hp, plan.device))
+
+    # -- counters -------------------------------------------------------------------------------
+    def counters_for(self, device: torch.device) -> Tensor:
+        c = self.counters.get(device)
+        if c is None:
+            calls = self.step_calls
+            c = new_counters(device)
+            c[_CALLS] = calls
+            if not self.counters:
+                self.skips.watch(c)
+            self.counters[device] = c
+        return c
+
+    @property
+    def step_calls(self) -> int:
+        """The count of ``step()`` calls that ``meta_every`` runs on (waits for the device)."""
+        if not self.counters:
+            return self.calls_base
+        return int(next(iter(self.counters.values()))[_CALLS])
+
+    @step_calls.setter
+    def step_calls(self, value: int) -> None:
+        self.calls_base = int(value)
+        for c in self.counters.values():
+            c[_CALLS] = int(value)
+
+    def home_device(self) -> torch.device:
+        if self.counters:
+            return next(iter(self.counters))
+        for group in self.opt.param_groups:
+            for p in group["params"]:
+                if p.device.type != "meta":
+                    return local(p).device
+        return torch.device("cpu")
+
+    # -- plans ----------------------------------------------------------------------------------
+    def retire(self) -> None:
+        """The old plans' ``state["step"]`` views become tensors of their own."""
+        state = self.opt.state
+        for plan in self.plans or ():
+            for p, s in zip(plan.sources, plan.steps.unbind(0) if plan.steps.numel() else ()):
+                st = state.get(p)
+                if st is not None and "step" in st:
+                    st["step"] = s.clone()
+        self.plans = None
+
+    def build(self) -> list:
+        """Validate every group and every parameter that has a gradient, make the missing
+        state, and group everything into plans. Nothing is written unless all of it passes
+        (a capturable group's hyper storage takes its checked values first)."""
+        opt = self.opt
+        self.retire()
+        checked = []
+        for gi, group in enumerate(opt.param_groups):
+            if group.get("capturable"):
+                self.adopt_capturable(gi)
+            hp = check_group(group, f"param group {gi}")
+            ready = []
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                check_parameter(opt.state, f"parameter {pi} of param group {gi}", p)
+                ready.append((pi, p))
+            checked.append((gi, group, hp, ready))
+        named = []
+        for gi, _, _, ready in checked:
+            for pi, p in ready:
+                where = f"parameter {pi} of param group {gi}"
+                named.append((where, p))
+                named.append((f"the gradient of {where}", p.grad))
+                st = opt.state.get(p, {})
+                for key in _STATE_TENSORS:
+                    if key in st:
+                        named.append((f"the {key} state of {where}", st[key]))
+        check_no_overlap(named)
+        for gi, group, _, ready in checked:       # every check passed: now relay and make state
+            recurrent = group["lr_mode"] == "recurrent"
+            for _, p in ready:
+                follow_layout(opt.state, p)
+                init_state(opt.state, p, group, recurrent)
+        plans, keys, tensor_hyper = [], [], []
+        mesh = None
+        for gi, group, hp, ready in checked:
+            keys.append(group_key(group))
+            if any(isinstance(group[k], Tensor) for k in NUMERIC_KEYS) \
+                    and not group.get("capturable"):
+                tensor_hyper.append(gi)
+            by_key: dict = {}
+            for _, p in ready:
+                by_key.setdefault((local(p).device, p.dtype), []).append(p)
+            for (device, dtype), ps in by_key.items():
+                recurrent = group["lr_mode"] == "recurrent"
+                if any(is_dtensor(p) for p in ps):
+                    mesh = next(p.device_mesh for p in ps if is_dtensor(p))
+                sts = [opt.state[p] for p in ps]
+                steps = torch.stack([st["step"].detach().reshape(())
+                                     .to(device=device, dtype=torch.float32) for st in sts])
+                for i, st in enumerate(sts):
+                    st["step"] = steps[i]
+                storage = self.storage.get(gi)
+                hyper = storage if storage is not None and storage.device == device \
+                    else pack_hyper(hp, device)
+                params = [local(p) for p in ps]
+                plan = Plan(
+                    resolve_backend(opt.backend, device), device, dtype, ps, params,
+                    [local(st["anchor"]) for st in sts], [local(st["importance"]) for st in sts],
+                    [local(st["meta_lr"]) for st in sts] if recurrent else [],
+                    steps, hyper, prox=hp["prox"], importance=hp["importance"],
+                    lr_mode=hp["lr_mode"], group=gi, sharded=any(is_dtensor(p) for p in ps))
+                plan.key = (sts, [st["anchor"] for st in sts], list(map(_data_ptr, params)),
+                            list(map(_shape, params)), list(map(_stride, params)))
+                plans.append(plan)
+        for plan in plans:
+            self.counters_for(plan.device)
+        self.plans, self.keys, self.tensor_hyper, self.mesh = plans, keys, tensor_hyper, mesh
+        groups = opt.param_groups
+        self.groups = list(groups)
+        self.lists = [list(group["params"]) for group in groups]
+        self.state, self.state_len = opt.state, len(opt.state)
+        self.without_grad = [p for group in groups for p in group["params"] if p.grad is None]
+        spans: dict = {}
+        for plan in plans:
+            starts, ends = spans.setdefault(plan.device, ([], []))
+            for lst in (plan.params, plan.anchors, plan.importances, plan.meta_lrs):
+                starts.extend(map(_data_ptr, lst))
+                ends.extend(map(operator.add, map(_data_ptr, lst), map(_nbytes, lst)))
+        self.spans = {}
+        for device, (starts, ends) in spans.items():
+            s = torch.tensor(starts, dtype=torch.int64)
+            e = torch.tensor(ends, dtype=torch.int64)
+            live = e > s
+            s, order = torch.sort(s[live])
+            self.spans[device] = (s, e[live][order])
+        self.grad_ptrs = [list(map(_data_ptr, [local(p.grad) for p in plan.sources]))
+                          for plan in plans]
+        return plans
+
+    def _same_world(self) -> bool:
+        """The groups, their parameter lists and ``opt.state`` are what the plans were built
+        for ([note: plan keys])."""
+        opt = self.opt
+        groups, state = opt.param_groups, opt.state
+        if (state is not self.state or len(state) != self.state_len
+                or len(groups) != len(self.groups) or not all(map(_is, groups, self.groups))):
+            return False
+        for group, lst in zip(groups, self.lists):
+            ps = group["params"]
+            if len(ps) != len(lst) or not all(map(_is, ps, lst)):
+                return False
+        for p in self.without_grad:
+            if p.grad is not None:
+                return False
+        get = state.get
+        for plan in self.plans:
+            entries, anchors = plan.key[0], plan.key[1]
+            now = list(map(get, plan.sources))
+            if not all(map(_is, now, entries)) or \
+                    not all(map(_is, map(dict.get, now, repeat("anchor")), anchors)):
+                return False
+        return True
+
+    def _hyper_now(self) -> list:
+        """The plans, with fresh ``hyper`` where only hyper-parameter values changed; rebuilt
+        when a mode changed or a number became a tensor (or back)."""
+        groups = self.opt.param_groups
+        for gi, (group, key) in enumerate(zip(groups, self.keys)):
+            now = group_key(group)
+            if now == key:
+                continue
+            if any(_kind(a) != _kind(b) for a, b in zip(now, key)) \
+                    or any(now[i] != key[i] for i in _MODE_INDEX):
+                return self.build()
+            self.refresh_hyper(gi, group)
+            self.keys[gi] = group_key(group)
+        for gi in self.tensor_hyper:
+            self.refresh_hyper(gi, groups[gi])
+        return self.plans
+
+    def _fits(self, plan: Plan, grads: list, several: bool) -> bool:
+        """The plan's parameters and this step's gradients are what the plan was built for
+        ([note: plan keys])."""
+        params = [local(p) for p in plan.sources] if plan.sharded else plan.params
+        _, _, ptrs, shapes, strides = plan.key
+        if list(map(_data_ptr, params)) != ptrs:
+            return False
+        if plan.checks_grads and not several:
+            return True  # the backend checks every tensor of its call before it writes
+        n, dtype = len(params), plan.dtype
+        return (list(map(_shape, params)) == shapes and list(map(_stride, params)) == strides
+                and list(map(_dtype, params)).count(dtype) == n
+                and list(map(_layout, grads)).count(torch.strided) == n
+                and list(map(_dtype, grads)).count(dtype) == n
+                and list(map(_device, grads)).count(plan.device) == n
+                and list(map(_shape, grads)) == shapes
+                and (list(map(_stride, grads)) == strides
+                     or all(map(same_layout, grads, params))))
+
+    def _grads_apart(self, plans: list, grads: list) -> bool:
+        """No gradient shares memory with another or with a planned tensor (checked again only
+        when a gradient's address is not the one checked last)."""
+        ptrs = [list(map(_data_ptr, g)) for g in grads]
+        if ptrs == self.grad_ptrs:
+            return True
+        by_device: dict = {}
+        for plan, g, pt in zip(plans, grads, ptrs):
+            starts, ends = by_device.setdefault(plan.device, ([], []))
+            starts.extend(pt)
+            ends.extend(map(operator.add, pt, map(_nbytes, g)))
+        for device, (starts, ends) in by_device.items():
+            s = torch.tensor(starts, dtype=torch.int64)
+            e = torch.tensor(ends, dtype=torch.int64)
+            live = e > s
+            s, order = torch.sort(s[live])
+            e = e[live][order]
+            if s.numel() > 1 and bool((s[1:] < e[:-1]).any()):
+                return False
+            st, en = self.spans.get(device, (None, None))
+            if st is not None and st.numel() and s.numel():
+                i = torch.searchsorted(st, s, right=True)
+                before = en[(i - 1).clamp(min=0)]
+                after = st[i.clamp(max=st.numel() - 1)]
+                if bool((((i > 0) & (before > s)) | ((i < st.numel()) & (after < e))).any()):
+                    return False
+        self.grad_ptrs = ptrs
+        return True
+
+    def _grads(self, plans: list) -> Optional[list]:
+        """This step's gradients, one list per plan; None when they or the parameters no
+        longer fit the plans."""
+        several = len(plans) > 1
+        out = []
+        for plan in plans:
+            g = list(map(_grad_of, plan.sources))
+            if any(map(_is, g, repeat(None))):
+                return None
+            if plan.sharded:
+                g = [local(x) for x in g]
+            if not self._fits(plan, g, several):
+                return None
+            out.append(g)
+        if not self._grads_apart(plans, out):
+            return None
+        return out
+
+    def gather(self) -> tuple:
+        """This step's plans and gradients. When anything changed since the plans were built
+        ([note: plan keys]) they are built again first, which refuses, naming the parameter and
+        what is wrong, before anything is written."""
+        plans = self.plans
+        if plans is None or not self._same_world():
+            plans = self.build()
+        else:
+            plans = self._hyper_now()
+        grads = self._grads(plans)
+        if grads is None:
+            plans = self.build()
+            grads = self._grads(plans)
+            if grads is None:  # build() validated what _grads compares: they cannot disagree
+                raise RuntimeError("emcl_kernels: freshly built plans do not fit their "
+                                   "tensors; please report this as a bug")
+        return plans, grads
+
+    # -- steps ----------------------------------------------------------------------------------
+    def step(self, op: int, meta_every: int, *, check: bool, grad_scale, found_inf) -> None:
+        """One eager step over every plan."""
+        plans, grads = self.gather()
+        if not plans:
+            if op == OP["cadence"]:
+                self.counters_for(self.home_device())[_CALLS] += 1
+            return
+        try:
+            run(plans, grads, self.counters, op=op, meta_every=meta_every, check=check,
+                grad_scale=grad_scale, found_inf=found_inf, mesh=self.mesh)
+        except (RuntimeError, TypeError, ValueError):
+            self.plans = None
+            self.build()  # says what is wrong in the user's terms, if it can
+            raise
+        if op == OP["cadence"] and len(self.counters) > len({p.device for p in plans}):
+            for device, c in self.counters.items():  # a device without gradients this step
+                if all(p.device != device for p in plans):
+                    c[_CALLS] += 1
+        self.skips.after_step()
+
+    def traced_plans(self) -> tuple:
+        """The plans of a step that torch.compile traces: built (or checked) by the
+        optimizer's ``_init_group``, which Dynamo runs eagerly ([note: torch.compile] in
+        optimizer.py). The ``hyper`` of a group whose hyper-parameters are not capturable is
+        made in the graph from the group's current values, so that a number changed between
+        compiled calls recompiles (a guard on its value) and a 0-d tensor changed in place is
+        read at the call."""
+        opt = self.opt
+        plans, grads, counters = [], [], {}
+        for group in opt.param_groups:
+            params, gs, anchors, importances, meta_lrs, extras = [], [], [], [], [], []
+            specs = opt._init_group(group, params, gs, anchors, importances, meta_lrs, extras)
+            start = mstart = 0
+            for k, (n, m, prox, importance, lr_mode, device) in enumerate(specs):
+                device = torch.device(device)
+                steps, hyper, c = extras[3 * k], extras[3 * k + 1], extras[3 * k + 2]
+                if not group.get("capturable"):
+                    hyper = _traced_hyper(group, device)
+                plans.append(Plan(resolve_backend(opt.backend, device), device, None, [],
+                                  params[start:start + n], anchors[start:start + n],
+                                  importances[start:start + n], meta_lrs[mstart:mstart + m],
+                                  steps, hyper, prox=prox, importance=IMPORTANCE_KINDS[importance],
+                                  lr_mode=LR_MODES[lr_mode]))
+                grads.append(gs[start:start + n])
+                counters[device] = c
+                start, mstart = start + n, mstart + m
+        return plans, grads, counters
+
+
+def _traced_hyper(group: dict, device: torch.device) -> Tensor:
+    """``hyper`` made in a traced graph from a group's values: a number is a constant of the
+    graph (or a symbol, once Dynamo makes it dynamic), a 0-d tensor an input."""
+    parts = []
+    for name in HYPER_FIELDS:
+        v = group[name]
+        if v is None:
+            v = LR_SCALE_FROM_REG
+        if isinstance(v, Tensor):
+            parts.append(v.detach().reshape(()).to(device=device, dtype=torch.float64))
+        else:
+            parts.append(torch.full((), v, dtype=torch.float64, device=device))
+    return torch.stack(parts)
+
+
+def check_parameter(state, where: str, p: Tensor) -> None:
+    """A parameter with a gradient, and its state if it has one, as a step needs them."""
+    check_param(where, p)
+    check_like(f"the gradient of {where}", where, p.grad, p, p.dtype, state=False)
+    st = state.get(p)
+    if not st:
+        return
+    want = state_dtype(p.dtype)
+    for key in _STATE_TENSORS:
+        t = st.get(key)
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            raise TypeError(f"the {key} state of {where} is a {type(t).__name__}, not a tensor")
+        if t.dtype != want:
+            raise RuntimeError(
+                f"{where} is {p.dtype} but its {key} state is {t.dtype}: the parameter "
+                f"changed dtype after its state was made (model.double()/.half()?); "
+                "convert the model before the first step, or save the optimizer's state, "
+                "make a new optimizer for the converted model and load the state into it")
+        if t.device != p.device:
+            raise RuntimeError(
+                f"{where} is on {p.device} but its {key} state is on {t.device}: the "
+                "model moved after its state was made (model.to(...)?); move the model "
+                "before the first step, or save the optimizer's state and load it into a "
+                "new optimizer (load_state_dict puts the state where the parameters are)")
+        if t.shape != p.shape:
+            raise RuntimeError(
+                f"{where} has shape {tuple(p.shape)} but its {key} state has "
+                f"{tuple(t.shape)}: the parameter was replaced or resized after its state "
+                "was made (param.data = ...?); a parameter keeps its shape for the life of "
+                "its state (reset it with del opt.state[param])")
+
+
+def follow_layout(state, p: Tensor) -> None:
+    """A parameter whose memory format changed after its state was made (channels_last):
+    its state tensors follow it (checked by :func:`check_parameter`)."""
+    st = state.get(p)
+    if not st:
+        return
+    for key in _STATE_TENSORS:
+        t = st.get(key)
+        if t is not None and not same_layout(local(t), local(p)):
+            st[key] = torch.empty_like(p, dtype=t.dtype).copy_(t)
+
+
+def init_state(state, p: Tensor, group: dict, recurrent: bool) -> None:
+    """A parameter's state at its first step: θ₀ = θ, h = 0, step 0, and α = α₀ when
+    ``recurrent``."""
+    st = state[p]
+    if not st:
+        st["anchor"] = torch.empty_like(p, dtype=state_dtype(p.dtype)).copy_(p.detach())
+        st["importance"] = torch.zeros_like(st["anchor"])
+        st["step"] = torch.zeros((), dtype=torch.float32, device=local(p).device)
+    if recurrent and "meta_lr" not in st:
+        meta_lr = group["meta_lr"]
+        st["meta_lr"] = torch.empty_like(st["anchor"])
+        st["meta_lr"].copy_(meta_lr) if isinstance(meta_lr, Tensor) \
+            else st["meta_lr"].fill_(float(meta_lr))

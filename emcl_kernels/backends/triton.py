@@ -77,7 +77,11 @@ else:
     _IMPORT_ERROR = None
 
 __all__ = ["step", "check_finite", "unavailable_reason", "INTERPRETED", "BLOCK_SIZE",
-           "NUM_WARPS", "clear_cache", "build_counts"]
+           "NUM_WARPS", "clear_cache", "build_counts", "CHECKS_GRADS"]
+
+#: :func:`step` checks every tensor of its call against its parameter before the launch
+#: ([note: launcher checks]).
+CHECKS_GRADS = True
 
 #: True when the kernels were created under Triton's interpreter (``TRITON_INTERPRET=1`` at
 #: import): they then run on CPU tensors only.
@@ -165,6 +169,78 @@ build_counts = {"state": 0, "grads": 0, "chunks": 0, "captured": 0}
 _data_ptr = torch.Tensor.data_ptr
 _numel = torch.Tensor.numel
 _dtype = torch.Tensor.dtype.__get__
+_device = torch.Tensor.device.__get__
+_layout = torch.Tensor.layout.__get__
+_stride = torch.Tensor.stride
+_contiguous = torch.Tensor.is_contiguous
+
+
+# [note: launcher checks] The kernels follow raw addresses for ``numel`` elements of each
+# parameter, so before a launch every list of the call is compared with the parameters, as the
+# C++ operators do: one tensor per parameter, dense (strided) tensors on the call's device,
+# gradients of the parameters' dtype and state of the compute dtype, each with its parameter's
+# element count and strides, and every parameter dense. A call that fails is refused before
+# anything is launched, naming the first tensor that does not fit. The comparisons are C-level
+# passes over the lists (a few per list).
+def _check_call(params, grads, anchors, importances, meta_lrs, device) -> None:
+    n = len(params)
+    lists = [("grads", grads), ("anchors", anchors), ("importances", importances)]
+    if meta_lrs is not None:
+        lists.append(("meta_lrs", meta_lrs))
+    for name, lst in lists:
+        if len(lst) != n:
+            raise ValueError(f"{name} has {len(lst)} tensors but params has {n}")
+    if not n:
+        return
+    dtype = params[0].dtype
+    sdt = torch.float64 if dtype is torch.float64 else torch.float32
+    strided = torch.strided
+    if (list(map(_layout, params)).count(strided) != n
+            or list(map(_dtype, params)).count(dtype) != n
+            or list(map(_device, params)).count(device) != n
+            or not (all(map(_contiguous, params)) or all(map(_dense, params)))):
+        _refuse("params", params, dtype, params, device)
+    numels, strides = list(map(_numel, params)), list(map(_stride, params))
+    for name, lst in lists:
+        want = dtype if name == "grads" else sdt
+        if (list(map(_layout, lst)).count(strided) != n
+                or list(map(_dtype, lst)).count(want) != n
+                or list(map(_device, lst)).count(device) != n
+                or list(map(_numel, lst)) != numels
+                or list(map(_stride, lst)) != strides):
+            _refuse(name, lst, want, params, device)
+
+
+def _dense(t) -> bool:
+    from emcl_kernels.validation import is_dense
+    return is_dense(t)
+
+
+def _refuse(name, lst, want, params, device) -> None:
+    """Raise for the first tensor of ``lst`` that does not fit its parameter (strides that
+    differ only on dimensions of one element are accepted)."""
+    from emcl_kernels.validation import same_layout
+    for i, (t, p) in enumerate(zip(lst, params)):
+        where = f"{name}[{i}]"
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where} must be a tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise RuntimeError(f"{where} is a {t.layout} tensor; the kernels take dense "
+                               "(strided) tensors only")
+        if t.device != device:
+            raise RuntimeError(f"{where} is on {t.device} but the call's tensors are on "
+                               f"{device}")
+        if t.dtype != want:
+            raise TypeError(f"{where} has dtype {t.dtype}, expected {want}")
+        if t is p:
+            if not _dense(t):
+                raise RuntimeError(f"{where} is not dense (strides {t.stride()} for shape "
+                                   f"{tuple(t.shape)}): the kernels walk each tensor's memory")
+            continue
+        if t.shape != p.shape or not same_layout(t, p):
+            raise ValueError(f"{where} has shape {tuple(t.shape)} and strides {t.stride()} "
+                             f"but params[{i}] has shape {tuple(p.shape)} and strides "
+                             f"{p.stride()}")
 
 
 def clear_cache() -> None:
@@ -447,6 +523,8 @@ def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, 
     if lr_mode == _RECURRENT and len(meta_lrs) != len(params):
         raise ValueError(f"lr_mode 'recurrent' needs one meta_lrs tensor per param: got "
                          f"{len(meta_lrs)} for {len(params)} params")
+    _check_call(params, grads, anchors, importances,
+                meta_lrs if lr_mode == _RECURRENT else None, device)
     plan = None
     if params:
         plan = _plan(device, block, params, grads, anchors, importances,

@@ -1,0 +1,94 @@
+"""Host time per ``step()`` of FusedEMCLOptimizer on the CPU, and the part of it spent before
+the backend call (the plan look-up and the per-step key check), on the MLP 784-100-100-10 and
+on 1,000 x 4,096 fp32 tensors (one thread).
+
+The key check is timed as ``step()`` minus the same backend calls made directly on the
+optimizer's plans, so it runs against any version of the optimizer that keeps its plans in
+``opt._plans`` or ``opt._runtime.plans``.
+
+    PYTHONPATH=.:python python benchmarks/bench_plan_key.py --out results/plan_key_after.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from emcl_kernels import FusedEMCLOptimizer
+from emcl_kernels.interface import OP
+from emcl_kernels.plan import new_counters
+
+LAYOUTS = {"mlp": [(100, 784), (100,), (100, 100), (100,), (10, 100), (10,)],
+           "many": [(4096,)] * 1000}
+
+
+def _plans(opt):
+    runtime = getattr(opt, "_runtime", None)
+    return runtime.plans if runtime is not None else opt._plans
+
+
+def _direct(opt, op):
+    """The backend calls of one step, made directly on the cached plans."""
+    plans = _plans(opt)
+    grads = [[p.grad for p in plan.sources] for plan in plans]
+    counters = {plan.device: new_counters(plan.device) for plan in plans}
+
+    def call():
+        for plan, g in zip(plans, grads):
+            plan.backend.step(plan.params, g, plan.anchors, plan.importances, plan.meta_lrs,
+                              plan.steps, plan.hyper, counters[plan.device], op=op,
+                              prox=plan.prox, importance=plan.importance,
+                              lr_mode=plan.lr_mode, meta_every=1, check=True, finalize=True,
+                              grad_scale=None, found_inf=None)
+    return call
+
+
+def _median_us(fn, n):
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out) * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    results = {"backend": args.backend, "threads": 1, "machine": platform.node(),
+               "load_before": list(__import__("os").getloadavg()), "layouts": {}}
+    for name, shapes in LAYOUTS.items():
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.01) for s in shapes]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+        opt = FusedEMCLOptimizer(params, meta_every=1, backend=args.backend)
+        opt.step()
+        direct = _direct(opt, OP["inner_meta"])  # the pass of a due cadence step
+        n = args.steps if name == "mlp" else max(20, args.steps // 20)
+        steps, calls = [], []
+        for _ in range(args.rounds):     # interleaved, so both see the same load
+            steps.append(_median_us(opt.step, n))
+            calls.append(_median_us(direct, n))
+        s, c = statistics.median(steps), statistics.median(calls)
+        results["layouts"][name] = {"step_us": s, "backend_call_us": c, "overhead_us": s - c,
+                                    "step_rounds_us": steps, "call_rounds_us": calls}
+        print(f"{name:5s} step() {s:9.1f} us   backend call {c:9.1f} us   "
+              f"overhead {s - c:8.1f} us")
+    results["load_after"] = list(__import__("os").getloadavg())
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
