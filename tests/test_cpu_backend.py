@@ -284,9 +284,9 @@ def test_stream_probes_compute_what_they_say(threads, n_threads, n):
 
 def test_prefetch_knobs_change_no_bit(tmp_path, threads):
     """EMCL_CPU_PREFETCH_BYTES / EMCL_CPU_PREFETCH_WRITE ([note: prefetch knobs] in
-    csrc/emcl_cpu_kernels.h) change only how far ahead and how memory is read: a subprocess with
-    the software prefetch off, and one prefetching 64 bytes ahead for writing, at 2 threads,
-    compute the same bits as this process (the default, 1 thread)."""
+    csrc/emcl_cpu_kernels.h) change only how far ahead and how memory is read: a subprocess
+    prefetching 1 KiB ahead, and one prefetching 64 bytes ahead for writing, at 2 threads,
+    compute the same bits as this process (the default: no software prefetch; 1 thread)."""
     cases = _scenario_cases()
     torch.save([(c.params, c.grads, c.anchors, c.importances, c.meta_lrs, m, o)
                 for c, m, o in cases], tmp_path / "inputs.pt")
@@ -304,7 +304,7 @@ def test_prefetch_knobs_change_no_bit(tmp_path, threads):
     """)
     threads(1)
     want = _run_scenarios(cases)
-    for knobs in ({"EMCL_CPU_PREFETCH_BYTES": "0"},
+    for knobs in ({"EMCL_CPU_PREFETCH_BYTES": "1024"},
                   {"EMCL_CPU_PREFETCH_BYTES": "64", "EMCL_CPU_PREFETCH_WRITE": "1"}):
         env = {**os.environ, **knobs,
                "PYTHONPATH": os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])}
