@@ -5,9 +5,12 @@
 #   make test       setup, then the test suite
 #   make demo       setup, then the main job (EMCL on Permuted MNIST, one seed)
 #   make bench      setup, then the kernel benchmark (--quick)
-#   make gpu-check  on a machine with a CUDA GPU and torch >= 2.11 (no .venv, no index needed):
-#                   build against that torch, every test, memcheck, the benchmarks, the main job
-#                   on GPU and CPU; results in benchmarks/results/ (tools/gpu_check.py --help).
+#   make gpu-check-1 OUT=dir   on a machine with a CUDA GPU and torch >= 2.11 (no .venv, no
+#   make gpu-check-2 OUT=dir   index needed): the two stages of the GPU check, each within one
+#                              10-minute command; summary and archive in OUT (README, GPU)
+#   make gpu-check  every full stage without a time budget (30+ minutes): build against that
+#                   torch, every test, memcheck, the benchmarks, the main job on GPU and CPU;
+#                   results in benchmarks/results/ (tools/gpu_check.py --help).
 #                   GPU_CHECK_ARGS="--quick" (or "--only build,tests", ...) selects.
 #   make clean
 PYTHON ?= python3
@@ -23,8 +26,9 @@ SETUP_CUDA_ARCH_LIST ?= $(or $(TORCH_CUDA_ARCH_LIST),8.0;9.0)
 MAX_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 export MAX_JOBS
 GPU_CHECK_ARGS ?=
+OUT ?= build/gpu-check/out
 
-.PHONY: setup demo test bench gpu-check clean
+.PHONY: setup demo test bench gpu-check gpu-check-1 gpu-check-2 clean
 
 setup: $(VENV)/.installed
 
@@ -49,6 +53,12 @@ bench: setup
 
 gpu-check:
 	$(PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)
+
+gpu-check-1:
+	$(PYTHON) tools/gpu_check.py --stage 1 --out $(OUT) $(GPU_CHECK_ARGS)
+
+gpu-check-2:
+	$(PYTHON) tools/gpu_check.py --stage 2 --out $(OUT) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info emcl_kernels/*.so runs
