@@ -261,6 +261,8 @@ class Runtime:
         self.skips = SkipLog(skips)
         self.mesh = None
         self.storage: dict = {}        # group index -> capturable hyper tensor (views in group)
+        self.tracing = False           # gather() runs for a step that Dynamo traces
+        self.unadopted: set = set()    # capturable groups whose values are not views yet
         # the world the plans were built for ([note: plan keys])
         self.groups: list = []
         self.lists: list = []
@@ -273,7 +275,9 @@ class Runtime:
     # -- hyper-parameters ---------------------------------------------------------------------
     def adopt_capturable(self, gi: int) -> None:
         """Make the numeric hyper-parameters of group ``gi`` 0-d views of one fp64 tensor on
-        the group's device: the ``hyper`` every plan of the group hands its kernels."""
+        the group's device: the ``hyper`` every plan of the group hands its kernels. While
+        Dynamo traces a step the group keeps its values and only the storage takes them
+        ([note: compiled hyper-parameters]); the next eager step makes the views."""
         group = self.opt.param_groups[gi]
         first = next((p for p in group["params"] if p.device.type != "meta"), None)
         device = local(first).device if first is not None else torch.device("cpu")
@@ -283,6 +287,10 @@ class Runtime:
             self.storage[gi] = storage
         hp = check_group(group, f"param group {gi}")
         storage.copy_(pack_hyper(hp, device))
+        if self.tracing:
+            self.unadopted.add(gi)
+            return
+        self.unadopted.discard(gi)
         for name, i in HYPER.items():
             if group[name] is not None:
                 group[name] = storage[i]
@@ -473,6 +481,10 @@ class Runtime:
             self.keys[gi] = group_key(group)
         for gi in self.tensor_hyper:
             self.refresh_hyper(gi, groups[gi])
+        if self.unadopted and not self.tracing:
+            for gi in sorted(self.unadopted):
+                self.refresh_hyper(gi, groups[gi])
+                self.keys[gi] = group_key(groups[gi])
         return self.plans
 
     def _fits(self, plan: Plan, grads: list, several: bool) -> bool:
@@ -583,10 +595,8 @@ class Runtime:
     def traced_plans(self) -> tuple:
         """The plans of a step that torch.compile traces: built (or checked) by the
         optimizer's ``_init_group``, which Dynamo runs eagerly ([note: torch.compile] in
-        optimizer.py). The ``hyper`` of a group whose hyper-parameters are not capturable is
-        made in the graph from the group's current values, so that a number changed between
-        compiled calls recompiles (a guard on its value) and a 0-d tensor changed in place is
-        read at the call."""
+        optimizer.py). Every plan's ``hyper`` is made in the graph from its group's values
+        ([note: compiled hyper-parameters])."""
         opt = self.opt
         plans, grads, counters = [], [], {}
         for group in opt.param_groups:
@@ -595,9 +605,8 @@ class Runtime:
             start = mstart = 0
             for k, (n, m, prox, importance, lr_mode, device) in enumerate(specs):
                 device = torch.device(device)
-                steps, hyper, c = extras[3 * k], extras[3 * k + 1], extras[3 * k + 2]
-                if not group.get("capturable"):
-                    hyper = _traced_hyper(group, device)
+                steps, c = extras[3 * k], extras[3 * k + 2]
+                hyper = _traced_hyper(group, device)
                 plans.append(Plan(resolve_backend(opt.backend, device), device, None, [],
                                   params[start:start + n], anchors[start:start + n],
                                   importances[start:start + n], meta_lrs[mstart:mstart + m],
@@ -609,9 +618,24 @@ class Runtime:
         return plans, grads, counters
 
 
+# [note: compiled hyper-parameters] A compiled step runs ``_init_group`` (and with it the
+# per-step key and ``refresh_hyper``) only when Dynamo traces; a call of the compiled graph
+# runs neither. So the graph must not read a plan's ``hyper`` tensor, whose values are written
+# by that eager code: it makes ``hyper`` from the group's values, which Dynamo then tracks. A
+# 0-d tensor (a capturable group's views of its storage, or any tensor given by the user) is
+# an input of the graph, read at every call, changed in place or rebound; a number is a
+# constant guarded by value (or a symbolic input once Dynamo makes floats dynamic), so a new
+# number recompiles or is read at the call. The group must be read here, not asked whether it
+# is capturable: Dynamo's view of every param group says ``capturable=True``
+# (torch/_dynamo/variables/optimizer.py, ``_set_capturable``), whatever the group holds.
+# Values changed between compiled calls are not validated (as for an in-place change).
+# ``_init_group`` must not rebind a group's values either (a capturable group's number made a
+# view of its storage): Dynamo has read the group before ``_init_group`` runs, and a trace that
+# restarts would then read other values than its first attempt (SpeculationLogDivergence);
+# ``Runtime.tracing`` keeps the group as the user left it while Dynamo traces.
 def _traced_hyper(group: dict, device: torch.device) -> Tensor:
-    """``hyper`` made in a traced graph from a group's values: a number is a constant of the
-    graph (or a symbol, once Dynamo makes it dynamic), a 0-d tensor an input."""
+    """``hyper`` made in a traced graph from a group's values ([note: compiled
+    hyper-parameters])."""
     parts = []
     for name in HYPER_FIELDS:
         v = group[name]
@@ -620,7 +644,7 @@ def _traced_hyper(group: dict, device: torch.device) -> Tensor:
         if isinstance(v, Tensor):
             parts.append(v.detach().reshape(()).to(device=device, dtype=torch.float64))
         else:
-            parts.append(torch.full((), v, dtype=torch.float64, device=device))
+            parts.append(torch.ones((), dtype=torch.float64, device=device) * v)
     return torch.stack(parts)
 
 
