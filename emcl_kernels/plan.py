@@ -227,8 +227,9 @@ _layout = Tensor.layout.__get__
 #   ``params`` (the list's members, in order, by identity: torch's optimizers re-read the list
 #   every step) and its hyper-parameters (numbers by value, tensors by identity; a tensor's
 #   value is read at the step: [note: hyper-parameters]);
-# - ``opt.state`` (the dict by identity and its size; each planned parameter's entry and its
-#   ``anchor`` by identity: a state reset makes new state at the next step);
+# - ``opt.state`` (the dict by identity, its size, and its keys and entries in order by
+#   identity; each planned parameter's ``anchor`` by identity: a state reset makes new state at
+#   the next step);
 # - each parameter's memory (``data_ptr``: a ``.data`` swap, ``model.half()``, a memory
 #   format change, weights tied after construction) and, where the backend does not check its
 #   call's tensors itself or a step has several plans, its shape, strides and dtype;
@@ -268,6 +269,8 @@ class Runtime:
         self.lists: list = []
         self.state = None
         self.state_len = 0
+        self.state_keys: list = []     # opt.state's keys and entries, in order
+        self.state_entries: list = []
         self.without_grad: list = []   # parameters without a gradient when the plans were built
         self.grad_ptrs: Optional[list] = None
         self.spans: dict = {}          # device -> (starts, ends) of the planned tensors' memory
@@ -424,6 +427,7 @@ class Runtime:
         self.groups = list(groups)
         self.lists = [list(group["params"]) for group in groups]
         self.state, self.state_len = opt.state, len(opt.state)
+        self.state_keys, self.state_entries = list(opt.state), list(opt.state.values())
         self.without_grad = [p for group in groups for p in group["params"] if p.grad is None]
         spans: dict = {}
         for plan in plans:
@@ -457,12 +461,14 @@ class Runtime:
         for p in self.without_grad:
             if p.grad is not None:
                 return False
-        get = state.get
+        # every key and entry of opt.state, in order, as built: no entry was replaced, deleted
+        # or moved (one pass over the dict's own arrays, no hashing of the parameters)
+        if not all(map(_is, state, self.state_keys)) or \
+                not all(map(_is, state.values(), self.state_entries)):
+            return False
         for plan in self.plans:
             entries, anchors = plan.key[0], plan.key[1]
-            now = list(map(get, plan.sources))
-            if not all(map(_is, now, entries)) or \
-                    not all(map(_is, map(dict.get, now, repeat("anchor")), anchors)):
+            if not all(map(_is, map(dict.get, entries, repeat("anchor")), anchors)):
                 return False
         return True
 

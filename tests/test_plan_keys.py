@@ -355,7 +355,8 @@ def test_refusal_in_one_group_writes_no_other_group(backend):
 
 # the Triton launcher checks its call's tensors itself
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("triton", "cpu")])
-@pytest.mark.parametrize("bad", ("grad_numel", "anchor_strides", "importance_dtype"))
+@pytest.mark.parametrize("bad", ("grad_numel", "anchor_strides", "importance_dtype",
+                                 "anchor_overlaps_itself"))
 def test_native_backend_refuses_a_call_that_does_not_fit(backend, bad):
     from emcl_kernels.interface import OP
     from emcl_kernels.plan import new_counters, pack_hyper
@@ -366,6 +367,8 @@ def test_native_backend_refuses_a_call_that_does_not_fit(backend, bad):
         g = torch.randn(64, 4)
     elif bad == "anchor_strides":
         anchor = anchor.t().contiguous().t()
+    elif bad == "anchor_overlaps_itself":  # p's strides and numel, 12 elements of memory
+        anchor = p.flatten()[:12].clone().as_strided((2, 8), (4, 1))
     else:
         imp = imp.double()
     before = [t.clone() for t in (p, g, anchor, imp)]

@@ -172,6 +172,7 @@ _dtype = torch.Tensor.dtype.__get__
 _device = torch.Tensor.device.__get__
 _layout = torch.Tensor.layout.__get__
 _stride = torch.Tensor.stride
+_shape = torch.Tensor.shape.__get__
 _contiguous = torch.Tensor.is_contiguous
 
 
@@ -200,13 +201,15 @@ def _check_call(params, grads, anchors, importances, meta_lrs, device) -> None:
             or list(map(_device, params)).count(device) != n
             or not (all(map(_contiguous, params)) or all(map(_dense, params)))):
         _refuse("params", params, dtype, params, device)
-    numels, strides = list(map(_numel, params)), list(map(_stride, params))
+    # shapes, not numels: equal strides and numels still let a (2, 8) view with strides (4, 1)
+    # overlap itself and end before its 16th element
+    shapes, strides = list(map(_shape, params)), list(map(_stride, params))
     for name, lst in lists:
         want = dtype if name == "grads" else sdt
         if (list(map(_layout, lst)).count(strided) != n
                 or list(map(_dtype, lst)).count(want) != n
                 or list(map(_device, lst)).count(device) != n
-                or list(map(_numel, lst)) != numels
+                or list(map(_shape, lst)) != shapes
                 or list(map(_stride, lst)) != strides):
             _refuse(name, lst, want, params, device)
 
