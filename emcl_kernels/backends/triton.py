@@ -172,6 +172,7 @@ _dtype = torch.Tensor.dtype.__get__
 _device = torch.Tensor.device.__get__
 _layout = torch.Tensor.layout.__get__
 _stride = torch.Tensor.stride
+_shape = torch.Tensor.shape.__get__
 _contiguous = torch.Tensor.is_contiguous
 
 
@@ -182,6 +183,13 @@ _contiguous = torch.Tensor.is_contiguous
 # element count and strides, and every parameter dense. A call that fails is refused before
 # anything is launched, naming the first tensor that does not fit. The comparisons are C-level
 # passes over the lists (a few per list).
+# [note: launcher checks] Before any launch, every tensor of the call is compared with its
+# parameter: layout, dtype, device, shape and strides (and each parameter is dense), so a call
+# can only walk memory its tensors own. Each property is one C-level pass (``map`` of the
+# accessor) per list; the host time is one Python-to-C call per tensor and property
+# (0.07-0.3 us on a loaded 2-core host: ~3-9 ms for 1,000 parameters' five lists). Joining the
+# lists into one list per property measured 2x slower there, so the passes stay per list; a
+# cheaper check needs the comparisons in C++.
 def _check_call(params, grads, anchors, importances, meta_lrs, device) -> None:
     n = len(params)
     lists = [("grads", grads), ("anchors", anchors), ("importances", importances)]
@@ -200,13 +208,15 @@ def _check_call(params, grads, anchors, importances, meta_lrs, device) -> None:
             or list(map(_device, params)).count(device) != n
             or not (all(map(_contiguous, params)) or all(map(_dense, params)))):
         _refuse("params", params, dtype, params, device)
-    numels, strides = list(map(_numel, params)), list(map(_stride, params))
+    # shapes, not numels: equal strides and numels still let a (2, 8) view with strides (4, 1)
+    # overlap itself and end before its 16th element
+    shapes, strides = list(map(_shape, params)), list(map(_stride, params))
     for name, lst in lists:
         want = dtype if name == "grads" else sdt
         if (list(map(_layout, lst)).count(strided) != n
                 or list(map(_dtype, lst)).count(want) != n
                 or list(map(_device, lst)).count(device) != n
-                or list(map(_numel, lst)) != numels
+                or list(map(_shape, lst)) != shapes
                 or list(map(_stride, lst)) != strides):
             _refuse(name, lst, want, params, device)
 
