@@ -6,8 +6,10 @@
         strategy.train(exp, shuffle=False)   # Avalanche shuffles each experience unless told not to
         strategy.eval(benchmark.test_stream)
 
-Needs ``pip install -e .[avalanche]`` (``avalanche-lib==0.6.0``; ``quadprog`` for Avalanche's GEM).
-Avalanche is imported when this module is, never by the rest of the package.
+Needs avalanche-lib 0.6.0: ``pip install --no-build-isolation -e '.[avalanche]'`` from a clone
+(``quadprog`` comes with it, for Avalanche's GEM), or ``make setup-avalanche``. Avalanche is
+imported when this module is, never by the rest of the package; without it the import raises an
+ImportError that says how to install it.
 
 Algorithm 1 on Avalanche's :class:`SupervisedMetaLearningTemplate` (the base of its LaMAML),
 per incoming mini-batch, exactly as :class:`emcl_continual.methods.emcl.EMCL` (``--method emcl``):
@@ -62,7 +64,8 @@ import torch.nn.functional as F
 from . import presets
 from .replay import ReservoirBuffer
 
-INSTALL_HINT = "pip install -e .[avalanche]  (or: pip install avalanche-lib==0.6.0 quadprog)"
+INSTALL_HINT = ("pip install avalanche-lib==0.6.0 quadprog  (from a clone: "
+                "pip install --no-build-isolation -e '.[avalanche]', or make setup-avalanche)")
 
 try:
     from avalanche.models import MultiTaskModule
