@@ -39,7 +39,7 @@ needs_avalanche = pytest.mark.skipif(avalanche is None,
 
 if avalanche is not None:
     from avalanche.evaluation.metrics import accuracy_metrics
-    from avalanche.models import MultiHeadClassifier, MultiTaskModule
+    from avalanche.models import IncrementalClassifier, MultiHeadClassifier, MultiTaskModule
     from avalanche.training.plugins import EvaluationPlugin, SupervisedPlugin
 
     from emcl_continual.avalanche import PRESETS, EMCLStrategy, avalanche_benchmark
@@ -227,3 +227,47 @@ def test_presets_by_name_and_overrides(stream):
         EMCLStrategy(model=model, glances=0, evaluator=_evaluator())
     with pytest.raises(ValueError, match="optimizer_state"):
         EMCLStrategy(model=model, optimizer_state="wipe", evaluator=_evaluator())
+
+
+class GrowingMLP(nn.Module):
+    """A trunk and Avalanche's IncrementalClassifier: the head tensor is replaced by a wider one
+    when an experience brings new classes."""
+
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(784, hidden), nn.ReLU())
+        self.classifier = IncrementalClassifier(hidden, initial_out_features=2)
+
+    def forward(self, x):
+        return self.classifier(self.trunk(x))
+
+
+@needs_avalanche
+def test_grown_head_tensor_is_trained_with_fresh_state(one_torch_thread):
+    """Class-incremental digits {0,1}, {2,3}, {4,5}: Avalanche swaps the head's weight for a wider
+    tensor in the same param group; the optimizer steps the new tensor (state made at its first step)."""
+    from avalanche.benchmarks import tensors_benchmark
+    pool = make_stream("permuted-mnist", 0, n_tasks=1, samples_per_task=1000).train[0]
+    train, test = [], []
+    for c in range(3):
+        sel = (pool.y == 2 * c) | (pool.y == 2 * c + 1)
+        x, y = pool.x[sel], pool.y[sel]
+        train.append((x[:60], y[:60]))
+        test.append((x[60:], y[60:]))
+    bench = tensors_benchmark(train, test, task_labels=[0, 0, 0], complete_test_set_only=False)
+    torch.manual_seed(0)
+    model = GrowingMLP()
+    rec = Recorder()
+    strategy = EMCLStrategy(model=model, preset="permuted-mnist", memory=50, evaluator=_evaluator(),
+                            plugins=[rec])
+    for exp in bench.train_stream:
+        strategy.train(exp, shuffle=False, eval_streams=[])
+    name = "classifier.classifier.weight"
+    for t in range(3):
+        start, end = rec.start[t], rec.end[t]
+        assert start["params"][name].shape[0] == 2 * (t + 1)
+        assert name in start["held"], f"experience {t}: the grown head is not in the optimizer"
+        assert float((end["params"][name] - start["params"][name]).abs().max()) > 1e-4
+        assert end["importance"][name].shape == end["params"][name].shape
+    assert rec.end[-1]["groups"] == 1
+    assert len(strategy.optimizer.state) == len(list(model.parameters()))  # the replaced tensors' state is gone
