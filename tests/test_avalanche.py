@@ -1,6 +1,6 @@
 """EMCL inside Avalanche (emcl_continual.avalanche.EMCLStrategy, issue 23).
 
-Needs avalanche-lib 0.6.0 (``pip install -e .[avalanche]``); skipped with the reason where it is not
+Needs avalanche-lib 0.6.0 (``make setup-avalanche``, or ``pip install --no-build-isolation -e '.[avalanche]'``); skipped
 installed, except the test of the error an absent Avalanche gives.
 """
 import os
