@@ -1,7 +1,7 @@
 """EMCL inside Avalanche (emcl_continual.avalanche.EMCLStrategy, issue 23).
 
-Needs avalanche-lib 0.6.0 (``make setup-avalanche``, or ``pip install --no-build-isolation -e '.[avalanche]'``); skipped
-installed, except the test of the error an absent Avalanche gives.
+Needs avalanche-lib 0.6.0 (``make setup-avalanche``, or ``pip install --no-build-isolation -e '.[avalanche]'``);
+skipped with the reason where it is not installed, except the test of the error an absent Avalanche gives.
 """
 import os
 import subprocess
