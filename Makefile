@@ -2,6 +2,9 @@
 #   make setup      .venv with the pinned set-up (requirements.txt), then the README's install,
 #                   pip install --no-build-isolation -e .  (compiles emcl_kernels._C; log in
 #                   .venv/build.log); fails unless the compiled "cpu" backend works
+#   make setup-avalanche  setup, then avalanche-lib (requirements-avalanche.txt) into .venv under
+#                   requirements.txt's pins as constraints (pip fails rather than move a pin), then
+#                   pip check: tests/test_avalanche.py and examples/avalanche_emcl.py run with it
 #   make test       setup, then the test suite
 #   make demo       setup, then the main job (EMCL on Permuted MNIST, one seed)
 #   make bench      setup, then the kernel benchmark (--quick)
@@ -28,7 +31,7 @@ export MAX_JOBS
 GPU_CHECK_ARGS ?=
 OUT ?= build/gpu-check/out
 
-.PHONY: setup demo test bench gpu-check gpu-check-1 gpu-check-2 clean
+.PHONY: setup setup-avalanche demo test bench gpu-check gpu-check-1 gpu-check-2 clean
 
 setup: $(VENV)/.installed
 
@@ -40,6 +43,13 @@ $(VENV)/.installed: requirements.txt setup.py pyproject.toml tools/ext_selfcheck
 		pip install -v --no-build-isolation -e . > $(VENV)/build.log 2>&1 \
 		|| (tail -n 80 $(VENV)/build.log; echo "make setup: the install failed; the whole log is $(VENV)/build.log"; exit 1)
 	cd / && $(abspath $(PY)) $(abspath tools/check_install.py) --from $(CURDIR)
+	touch $@
+
+setup-avalanche: $(VENV)/.avalanche
+
+$(VENV)/.avalanche: $(VENV)/.installed requirements-avalanche.txt
+	$(PY) -m pip install -q -r requirements-avalanche.txt -c requirements.txt
+	$(PY) -m pip check
 	touch $@
 
 demo: setup
