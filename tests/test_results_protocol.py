@@ -277,7 +277,7 @@ def test_emcl_variants_are_changes_of_known_keys():
     for cell in presets.ALGORITHM_1_GRID + presets.IMPORTANCE_SEARCH:
         assert set(cell) <= known
     alg1 = presets.EMCL_VARIANTS["algorithm-1"]["overrides"]
-    assert alg1["inner_lr"] == presets.TABLE_II["emcl"]["permuted-mnist"]["inner_lr"] == 0.15
+    assert alg1["inner_lr"] == get_method("emcl").TABLE_II["permuted-mnist"]["inner_lr"] == 0.15
     assert alg1["memory"] == 0 and alg1["glances"] == 1 and alg1["lr_mode"] == "recurrent"
 
 

@@ -24,13 +24,14 @@ import sys
 import time
 
 from .metrics import mean_std
+from .methods import METHODS
 from .rundir import load_runs
 
 __all__ = ["ALL_METHODS", "PAPER_TABLE_III", "PAPER_NAMES", "comparison_table", "plot_training_time",
            "write_comparison", "run_all", "load_runs", "main"]
 
-# Cheapest first, so that an interrupted sweep has the most methods finished.
-ALL_METHODS = ["sgd", "ewc", "agem", "er", "emcl", "gem", "lamaml", "mer"]
+# Every method, in the order of :data:`emcl_continual.methods.METHODS` (cheapest first).
+ALL_METHODS = list(METHODS)
 
 PAPER_NAMES = {"sgd": "Fine-tune (SGD)", "ewc": "EWC", "gem": "GEM", "agem": "A-GEM", "er": "ER",
                "mer": "MER", "lamaml": "La-MAML", "emcl": "EMCL"}

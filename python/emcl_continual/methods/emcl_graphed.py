@@ -155,7 +155,7 @@ class GlanceRoutine:
         replay = int(idx.numel()) if used else 0
         batch = int(x.shape[0])
         n_inner = batch + (replay if m.inner_replay else 0)
-        order = torch.randperm(n_inner, generator=m.gen) if m.shuffle_inner else None
+        order = torch.randperm(n_inner, generator=m.generator) if m.shuffle_inner else None
         s = self._static(batch, replay, n_inner, batch + (replay if m.meta_replay else 0), x)
         self._load(s, x, y, tb, idx if used else None, order)
         if not self.capture or self.failure is not None:
