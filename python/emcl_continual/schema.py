@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["Rule", "int_rule", "float_rule", "BOOL", "check_value"]
+__all__ = ["Rule", "int_rule", "float_rule", "BOOL", "MAX_COUNT", "check_value"]
 
 
 @dataclass(frozen=True)
@@ -40,18 +40,24 @@ class Rule:
             text = "one of " + ", ".join(map(repr, self.choices)) if self.choices else "a string"
         else:
             text = "an integer" if self.type is int else "a number"
-            if self.low is not None and self.high is not None:
-                text += f" in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+            fmt = (lambda v: str(int(v))) if self.type is int else (lambda v: f"{v:g}")
+            if self.low is not None and self.high is not None and not (self.type is int and self.high == MAX_COUNT):
+                text += f" in {'(' if self.low_open else '['}{fmt(self.low)}, {fmt(self.high)}]"
             elif self.low is not None:
-                text += f" {'>' if self.low_open else '>='} {self.low:g}"
+                text += f" {'>' if self.low_open else '>='} {fmt(self.low)}"
         if self.none:
             text += " or None"
         return text
 
 
-def int_rule(low: int, note: str = "") -> Rule:
-    """An int >= ``low``."""
-    return Rule(int, low, note=note)
+# The largest count a key may hold (memory sizes, batch sizes, visits): past it a value is a
+# typo (memory=1e300), not a size any tensor here could have.
+MAX_COUNT = 2**31 - 1
+
+
+def int_rule(low: int, note: str = "", high: int = MAX_COUNT) -> Rule:
+    """An int in ``[low, high]``."""
+    return Rule(int, low, high=high, note=note)
 
 
 def float_rule(low: float = 0.0, *, open_: bool = False, high: float | None = None, none: bool = False,
@@ -100,5 +106,8 @@ def check_value(key: str, value, rule: Rule | None):
     if rule.low is not None and (number < rule.low or (rule.low_open and number == rule.low)):
         raise bad
     if rule.high is not None and number > rule.high:
+        if rule.type is int and rule.high == MAX_COUNT:
+            raise ConfigError(f"{key} must be {rule.describe()} and at most {MAX_COUNT}, got {value!r}"
+                              + (f" ({rule.note})" if rule.note else ""))
         raise bad
     return number
