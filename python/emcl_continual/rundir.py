@@ -189,6 +189,18 @@ def _record_difference(run: dict, identity: dict) -> str | None:
 
 
 # --------------------------------------------------------------------------- the lock
+def _first_missing(path: str) -> str | None:
+    """The outermost folder of ``path`` that does not exist yet (None when ``path`` exists)."""
+    path = os.path.abspath(path)
+    missing = None
+    while not os.path.exists(path):
+        missing, parent = path, os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
 def _read_lock(path: str) -> dict:
     """The lock's content (``{}`` when it cannot be read or parsed)."""
     try:
@@ -269,7 +281,7 @@ class RunDir:
         self.stale: dict = {}
         self._checked = False
         self._started = False
-        self._created = False   # this command created the folder
+        self._created = None    # the top folder this command created (the folder or a parent), if any
         self._locked = False
         self._rewrite_log = False
 
@@ -286,7 +298,7 @@ class RunDir:
         path = self.path
         if os.path.exists(path) and not os.path.isdir(path):
             raise OutputError(f"--out {path} is a file, not a folder; name a folder (it is created if missing)")
-        self._created = not os.path.isdir(path)
+        self._created = _first_missing(path)
         try:
             os.makedirs(path, exist_ok=True)
             fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=path)
@@ -414,11 +426,16 @@ class RunDir:
             except OSError:
                 pass
         if self._created and not self._started:
-            self._created = False
-            try:
-                os.rmdir(self.path)  # only when empty: nothing but what this command made
-            except OSError:
-                pass
+            top, self._created = os.path.abspath(self._created), None
+            folder = os.path.abspath(self.path)
+            while True:
+                try:
+                    os.rmdir(folder)  # only when empty: nothing but what this command made
+                except OSError:
+                    break
+                if folder == top:
+                    break
+                folder = os.path.dirname(folder)
 
     def __enter__(self) -> "RunDir":
         return self
