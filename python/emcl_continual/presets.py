@@ -96,7 +96,7 @@ EMCL_VARIANTS = {
 # the same budget of 4 as every method.
 ALGORITHM_1_GRID = [{"lr_scale": r, "lr_max": m} for r in (1e-5, 1e-4) for m in (1e2, 1e3)]
 
-# Making the importance act (issue 17, item 3): the inner pull normalised by the mean importance,
+# Making the importance act: the inner pull normalised by the mean importance,
 # c = gamma * reg * h / mean(h), globally or per tensor, for three pull strengths gamma * reg of an
 # element of average importance (0.001, 0.01, 0.1 with reg = 10). Judged on validation against
 # the importance-off variant; the winner is reported beside importance-off and beside the same
