@@ -9,8 +9,8 @@ them on report seeds that no choice used, against an EMCL configuration chosen o
 configuration; its committed table (seeds 0-4, chosen on the same seeds) is kept as a record.
 
 The committed table's base configuration visits each batch once (``glances=1``, recorded in
-``base_glances1/results.json``); its rows are reproduced (and extended) with ``--set glances=1 --backend foreach --default-from
-results/ablation_permuted_mnist/base_glances1/results.json``.
+``base_glances1/results.json``); its rows are reproduced (and extended) with ``--set glances=1
+--backend foreach --default-from results/ablation_permuted_mnist/base_glances1/results.json``.
 
 Each configuration is EMCL's default configuration with a few keys changed. Finished
 (configuration, seed) runs are kept in ``OUT/ablation.json`` and skipped when the command is

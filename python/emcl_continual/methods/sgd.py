@@ -10,7 +10,6 @@ the paper has no rotation stream). The reported runs use the lr chosen on valida
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
