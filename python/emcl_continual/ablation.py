@@ -5,7 +5,7 @@ and reproduces the paper's Table IV switches, on Permuted MNIST over several see
 
 The reported controls and ablations are made by :mod:`emcl_continual.selection`, not here: it runs
 them on report seeds that no choice used, against an EMCL configuration chosen on validation data
-(README, "Results" and "Deviations from the paper"). This script stays for quick screens of any
+(docs/results.md, "Results" and "Deviations from the paper"). This script stays for quick screens of any
 configuration; its committed table (seeds 0-4, chosen on the same seeds) is kept as a record.
 
 The committed table's base configuration visits each batch once (``glances=1``, recorded in

@@ -65,7 +65,7 @@ def grid(method: str, stream: str) -> list:
 
 
 # --------------------------------------------------------------------------- EMCL's named variants
-# Each is a change of EMCL's (selected) configuration: the controls and ablations of the README's
+# Each is a change of EMCL's (selected) configuration: the controls and ablations of docs/results.md's
 # "Deviations from the paper". "lr_scale_times_inv_reg" is turned into lr_scale = value / reg.
 EMCL_VARIANTS = {
     "importance-off": {

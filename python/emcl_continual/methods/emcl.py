@@ -19,7 +19,7 @@ meta steps per batch. The default is Algorithm 1's one visit on every stream; th
 tables show 2 and 5 beside it. ``shuffle_inner`` visits the incoming and replayed samples of
 the inner loop in a random order instead of the incoming ones first.
 
-Defaults and where they differ from the paper (the README's "Deviations from the paper" lists
+Defaults and where they differ from the paper (docs/results.md, "Deviations from the paper", lists
 each with its measured effect): Table II's α₀, λ, γ; β chosen on validation data from the grid
 of :data:`emcl_continual.presets.GRIDS` (Table II's 0.15 is one of the candidates); a 200/500-sample
 reservoir memory with 10 replayed samples visited by the inner loop and the meta-loss (the
@@ -37,7 +37,7 @@ optimizer built with ``capturable=True``); ``cuda_graph=False`` keeps the eager 
 ``cuda_graph=True`` also runs the static-buffer routine on the CPU (eagerly, bit for bit the
 eager loop).
 
-Controls of what the Taylor importance h does (README, "Deviations from the paper"):
+Controls of what the Taylor importance h does (docs/results.md, "Deviations from the paper"):
 
 * ``fixed_importance=h̄`` (with ``decay=1``): h is held at the constant h̄ in every element for
   the whole run (the optimizer's state is created by a zero-gradient inner step, an exact
