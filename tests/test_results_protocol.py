@@ -335,8 +335,12 @@ def test_selection_harness_end_to_end(tmp_path, tiny_protocol, capsys, monkeypat
     # the tables, from the files alone
     readme = tmp_path / "README.md"
     readme.write_text("x\n<!-- tables:permuted-mnist/headline -->\nold\n<!-- /tables:permuted-mnist/headline -->\ny\n")
+    (tmp_path / "docs").mkdir()
+    page = tmp_path / "docs" / "results.md"  # the docs page beside the README has blocks too
+    page.write_text("<!-- tables:permuted-mnist/controls -->\nold\n<!-- /tables:permuted-mnist/controls -->\n")
     changed = tables.write_all(str(tmp_path), str(readme))
-    assert str(readme) in changed and os.path.join(out, "tables.md") in changed
+    assert str(readme) in changed and os.path.join(out, "tables.md") in changed and str(page) in changed
+    assert "old" not in page.read_text() and "emcl/importance-off" in page.read_text()
     text = readme.read_text()
     assert "old" not in text and "| **EMCL** |" in text and text.startswith("x\n") and text.endswith("y\n")
     page = open(os.path.join(out, "tables.md")).read()

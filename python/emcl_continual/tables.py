@@ -425,9 +425,12 @@ def fill_readme(text: str, blocks: dict) -> tuple[str, list]:
 
 
 def write_all(results_dir: str = "results", readme: str | None = "README.md", check: bool = False,
-              pages: tuple = ("docs/results.md",)) -> list:
+              pages: tuple | None = None) -> list:
     """Rebuild every generated file and fill the generated blocks of ``readme`` and ``pages``
-    (those that exist); returns the paths that changed (with ``check``, that would)."""
+    (those that exist; default: ``docs/results.md`` beside ``readme``); returns the paths that
+    changed (with ``check``, that would)."""
+    if pages is None:
+        pages = (os.path.join(os.path.dirname(readme), "docs", "results.md"),) if readme else ()
     outputs: dict = {}
     blocks: dict = {}
     for folder in sorted(glob.glob(os.path.join(results_dir, "heldout", "*"))):
@@ -462,10 +465,12 @@ def main(argv: list | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m emcl_continual.tables", description=__doc__.split("\n\n")[0])
     p.add_argument("--results", default="results")
     p.add_argument("--readme", default="README.md")
-    p.add_argument("--pages", nargs="*", default=["docs/results.md"], help="more pages with generated blocks")
+    p.add_argument("--pages", nargs="*", default=None,
+                   help="more pages with generated blocks (default: docs/results.md beside --readme)")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated file is out of date")
     args = p.parse_args(argv)
-    changed = write_all(args.results, args.readme, check=args.check, pages=tuple(args.pages))
+    changed = write_all(args.results, args.readme, check=args.check,
+                        pages=None if args.pages is None else tuple(args.pages))
     for path in changed:
         print(("out of date: " if args.check else "wrote ") + path)
     if args.check and changed:
