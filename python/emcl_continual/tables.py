@@ -31,8 +31,6 @@ from .selection import VALIDATION_OFF, load_runs, run_key
 
 __all__ = ["build_stream_blocks", "legacy_table", "write_figures", "write_all", "main"]
 
-METHOD_NAMES = {"sgd": "Fine-tune (SGD)", "ewc": "EWC", "gem": "GEM", "agem": "A-GEM", "er": "ER", "mer": "MER",
-                "lamaml": "La-MAML", "emcl": "EMCL"}
 METRIC_COLS = ("acc", "bwt", "bwt_over_t", "learning_acc", "forgetting", "fwt")
 METRIC_HEAD = "ACC | BWT ÷(T−1) | BWT ÷T | LA | forgetting | FWT"
 
@@ -129,7 +127,7 @@ def _selected_is(sr: StreamResults, method: str, config: dict) -> bool:
 
 
 def headline(sr: StreamResults) -> str:
-    from .compare import PAPER_TABLE_III
+    from .compare import PAPER_NAMES, PAPER_TABLE_III
 
     paper = PAPER_TABLE_III.get(sr.stream, {})
     lines = [f"| method | configuration (change of its defaults) | visits per sample | seeds | {METRIC_HEAD} | "
@@ -145,10 +143,10 @@ def headline(sr: StreamResults) -> str:
         row, rs = sr.rows[name], sr.runs(name)
         st = _stats(rs)
         method = row["method"]
-        label = METHOD_NAMES[method] + (" (own script)" if name == "lamaml/own-script" else
-                                        " (selected)" if name == "lamaml" else "")
+        label = PAPER_NAMES.get(method, method) + (" (own script)" if name == "lamaml/own-script" else
+                                                   " (selected)" if name == "lamaml" else "")
         if name == "lamaml/own-script" and _selected_is(sr, "lamaml", rs[0]["config"]):
-            label = METHOD_NAMES[method] + " (own script, also the one selected)"
+            label = PAPER_NAMES.get(method, method) + " (own script, also the one selected)"
         if method in paper and name != "lamaml":
             pa, psd, pb, pbsd, dag = paper[method]
             mark = " †" if dag else ""

@@ -18,8 +18,8 @@ METHODS = {
     "ewc": "emcl_continual.methods.ewc:EWC",
     "agem": "emcl_continual.methods.agem:AGEM",
     "er": "emcl_continual.methods.er:ER",
-    "emcl": "emcl_continual.methods.emcl:EMCL",
     "gem": "emcl_continual.methods.gem:GEM",
+    "emcl": "emcl_continual.methods.emcl:EMCL",
     "lamaml": "emcl_continual.methods.lamaml:LaMAML",
     "mer": "emcl_continual.methods.mer:MER",
 }
