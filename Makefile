@@ -10,7 +10,7 @@
 #   make bench      setup, then the kernel benchmark (--quick)
 #   make gpu-check-1 OUT=dir   on a machine with a CUDA GPU and torch >= 2.11 (no .venv, no
 #   make gpu-check-2 OUT=dir   index needed): the two stages of the GPU check, each within one
-#                              10-minute command; summary and archive in OUT (README, GPU)
+#                              10-minute command; summary and archive in OUT (docs/gpu-check.md)
 #   make gpu-check  every full stage without a time budget (30+ minutes): build against that
 #                   torch, every test, memcheck, the benchmarks, the main job on GPU and CPU;
 #                   results in benchmarks/results/ (tools/gpu_check.py --help).

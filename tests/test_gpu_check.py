@@ -255,8 +255,8 @@ def test_run_logs_output_exit_status_and_timeout(tmp_path):
 
 
 def test_the_readme_gpu_numbers_come_from_the_committed_smoke_run():
-    """README's GPU paragraph and benchmarks/results/gpu/README.md quote the bandwidth rows of
-    the latest committed smoke run (tools/gpu_smoke.py), number for number."""
+    """docs/gpu-check.md's GPU paragraph and benchmarks/results/gpu/README.md quote the
+    bandwidth rows of the latest committed smoke run (tools/gpu_smoke.py), number for number."""
     import glob
     runs = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "gpu", "*",
                                          "gpu_check_*_smoke.jsonl")))
@@ -264,7 +264,7 @@ def test_the_readme_gpu_numbers_come_from_the_committed_smoke_run():
         pytest.skip("no GPU run is committed")
     rows = [json.loads(line) for line in open(runs[-1]) if line.strip()]
     bw = {r["backend"]: r for r in rows if r["check"] == "bandwidth" and r["ok"]}
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    readme = open(os.path.join(ROOT, "docs", "gpu-check.md")).read()
     table = open(os.path.join(ROOT, "benchmarks", "results", "gpu", "README.md")).read()
     for backend, r in bw.items():
         off, on = r["step_check_False_GBps"], r["step_check_True_GBps"]
