@@ -2,12 +2,18 @@
 #   make setup      .venv with the pinned set-up (requirements.txt), then the README's install,
 #                   pip install --no-build-isolation -e .  (compiles emcl_kernels._C; log in
 #                   .venv/build.log); fails unless the compiled "cpu" backend works
+#   make setup-avalanche  setup, then avalanche-lib (requirements-avalanche.txt) into .venv under
+#                   requirements.txt's pins as constraints (pip fails rather than move a pin), then
+#                   pip check: tests/test_avalanche.py and examples/avalanche_emcl.py run with it
 #   make test       setup, then the test suite
 #   make demo       setup, then the main job (EMCL on Permuted MNIST, one seed)
 #   make bench      setup, then the kernel benchmark (--quick)
-#   make gpu-check  on a machine with a CUDA GPU and torch >= 2.11 (no .venv, no index needed):
-#                   build against that torch, every test, memcheck, the benchmarks, the main job
-#                   on GPU and CPU; results in benchmarks/results/ (tools/gpu_check.py --help).
+#   make gpu-check-1 OUT=dir   on a machine with a CUDA GPU and torch >= 2.11 (no .venv, no
+#   make gpu-check-2 OUT=dir   index needed): the two stages of the GPU check, each within one
+#                              10-minute command; summary and archive in OUT (docs/gpu-check.md)
+#   make gpu-check  every full stage without a time budget (30+ minutes): build against that
+#                   torch, every test, memcheck, the benchmarks, the main job on GPU and CPU;
+#                   results in benchmarks/results/ (tools/gpu_check.py --help).
 #                   GPU_CHECK_ARGS="--quick" (or "--only build,tests", ...) selects.
 #   make clean
 PYTHON ?= python3
@@ -23,8 +29,9 @@ SETUP_CUDA_ARCH_LIST ?= $(or $(TORCH_CUDA_ARCH_LIST),8.0;9.0)
 MAX_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 export MAX_JOBS
 GPU_CHECK_ARGS ?=
+OUT ?= build/gpu-check/out
 
-.PHONY: setup demo test bench gpu-check clean
+.PHONY: setup setup-avalanche demo test bench gpu-check gpu-check-1 gpu-check-2 clean
 
 setup: $(VENV)/.installed
 
@@ -38,6 +45,13 @@ $(VENV)/.installed: requirements.txt setup.py pyproject.toml tools/ext_selfcheck
 	cd / && $(abspath $(PY)) $(abspath tools/check_install.py) --from $(CURDIR)
 	touch $@
 
+setup-avalanche: $(VENV)/.avalanche
+
+$(VENV)/.avalanche: $(VENV)/.installed requirements-avalanche.txt
+	$(PY) -m pip install -q -r requirements-avalanche.txt -c requirements.txt
+	$(PY) -m pip check
+	touch $@
+
 demo: setup
 	$(PY) -m emcl_continual --method emcl --stream permuted-mnist --seeds 0 --out runs/demo --force
 
@@ -49,6 +63,12 @@ bench: setup
 
 gpu-check:
 	$(PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)
+
+gpu-check-1:
+	$(PYTHON) tools/gpu_check.py --stage 1 --out $(OUT) $(GPU_CHECK_ARGS)
+
+gpu-check-2:
+	$(PYTHON) tools/gpu_check.py --stage 2 --out $(OUT) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info emcl_kernels/*.so runs

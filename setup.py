@@ -232,4 +232,7 @@ setup(
     cmdclass=cmdclass,
     python_requires=">=3.9",
     install_requires=["torch>=2.11", "numpy", "tqdm", "matplotlib"],
+    # emcl_continual.avalanche (EMCLStrategy); quadprog for Avalanche's own GEM. CI installs the
+    # exact versions of requirements-avalanche.txt under requirements.txt's pins (make setup-avalanche).
+    extras_require={"avalanche": ["avalanche-lib>=0.6.0,<0.7", "quadprog"]},
 )

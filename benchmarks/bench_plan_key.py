@@ -4,7 +4,9 @@ on 1,000 x 4,096 fp32 tensors (one thread).
 
 The key check is timed as ``step()`` minus the same backend calls made directly on the
 optimizer's plans, so it runs against any version of the optimizer that keeps its plans in
-``opt._plans`` or ``opt._runtime.plans``.
+``opt._plans`` or ``opt._runtime.plans``; where there is a ``Runtime``, ``gather_us`` also times
+its ``gather()`` alone (the key check and the gradients' lists: host time only, so it is far
+less noisy than the difference of two step timings on a loaded host).
 
     PYTHONPATH=.:python python benchmarks/bench_plan_key.py --out results/plan_key_after.json
 """
@@ -82,8 +84,14 @@ def main():
         s, c = statistics.median(steps), statistics.median(calls)
         results["layouts"][name] = {"step_us": s, "backend_call_us": c, "overhead_us": s - c,
                                     "step_rounds_us": steps, "call_rounds_us": calls}
+        runtime = getattr(opt, "_runtime", None)
+        if runtime is not None:  # the key check and the gathering of the gradients alone: host
+            keys = [_median_us(runtime.gather, n) for _ in range(args.rounds)]  # time only
+            results["layouts"][name].update(gather_us=statistics.median(keys),
+                                            gather_rounds_us=keys)
         print(f"{name:5s} step() {s:9.1f} us   backend call {c:9.1f} us   "
-              f"overhead {s - c:8.1f} us")
+              f"overhead {s - c:8.1f} us   gather() "
+              f"{results['layouts'][name].get('gather_us', float('nan')):8.1f} us")
     results["load_after"] = list(__import__("os").getloadavg())
     if args.out:
         with open(args.out, "w") as f:

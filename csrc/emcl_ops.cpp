@@ -333,6 +333,31 @@ PyObject* py_step(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
   END_HANDLE_TH_ERRORS
 }
 
+// emcl_kernels._C.check_step_call: the argument checks of torch.ops.emcl.step_ alone
+// (check_step_call above), for a launcher outside this library (the Triton backend) that walks
+// the same raw addresses: a C++ pass over the lists instead of one Python call per tensor and
+// property. Raises what step_ would raise; returns None.
+PyObject* py_check_step_call(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(nargs == kStepNargs, "emcl_kernels._C.check_step_call takes the ",
+                   kStepNargs, " arguments of torch.ops.emcl.step_ by position, got ", nargs);
+  const auto params = unpack_list(args[0], kStepArgs[0]);
+  const auto grads = unpack_list(args[1], kStepArgs[1]);
+  const auto anchors = unpack_list(args[2], kStepArgs[2]);
+  const auto importances = unpack_list(args[3], kStepArgs[3]);
+  const auto meta_lrs = unpack_list(args[4], kStepArgs[4]);
+  const Lists lists{params, grads, anchors, importances, meta_lrs};
+  check_step_call(lists, unpack_tensor(args[5], kStepArgs[5]),
+                  unpack_tensor(args[6], kStepArgs[6]), unpack_tensor(args[7], kStepArgs[7]),
+                  unpack_int(args[8], kStepArgs[8]), unpack_bool(args[9], kStepArgs[9]),
+                  unpack_int(args[10], kStepArgs[10]), unpack_int(args[11], kStepArgs[11]),
+                  unpack_int(args[12], kStepArgs[12]),
+                  unpack_optional(args[15], kStepArgs[15]),
+                  unpack_optional(args[16], kStepArgs[16]));
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
 PyObject* py_check_finite(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(nargs == 2, "emcl_kernels._C.check_finite takes (grads, counters), got ",
@@ -357,6 +382,11 @@ PyMethodDef kMethods[] = {
      "importance, lr_mode, meta_every, check, finalize, grad_scale, found_inf): "
      "torch.ops.emcl.step_ with its arguments by position, without torch.ops' argument "
      "parsing."},
+    {"check_step_call",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_check_step_call)),
+     METH_FASTCALL,
+     "check_step_call(<the 17 arguments of step>): the argument checks of "
+     "torch.ops.emcl.step_ alone (raises what it would raise), for the Triton launcher."},
     {"check_finite", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_check_finite)),
      METH_FASTCALL,
      "check_finite(grads, counters): torch.ops.emcl.check_finite_, without torch.ops' "

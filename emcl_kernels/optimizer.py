@@ -213,14 +213,20 @@ class FusedEMCLOptimizer(Optimizer):
     # tensors, when it traces a step (torch/_dynamo/variables/optimizer.py): that is where the
     # plans are built or refreshed, outside the graph; the lists it fills become graph inputs
     # (guarded, and marked static for CUDA graphs) and the specs it returns become constants.
-    # The traced step then makes the same backend calls as an eager one.
+    # The traced step then makes the same backend calls as an eager one, with ``hyper`` made in
+    # the graph from the groups' values ([note: compiled hyper-parameters] in plan.py), since a
+    # call of the compiled graph does not run this method.
     def _init_group(self, group: dict, params: list, grads: list, anchors: list,
                     importances: list, meta_lrs: list, extras: list) -> tuple:
         """Fill the lists with this group's plans' tensors (``extras``: steps, hyper, counters
         of each plan) and return one spec per plan: (tensors, meta_lrs, prox, importance,
         lr_mode, device)."""
         runtime = self._runtime
-        plans, all_grads = runtime.gather()
+        runtime.tracing = True
+        try:
+            plans, all_grads = runtime.gather()
+        finally:
+            runtime.tracing = False
         gi = next(i for i, g in enumerate(self.param_groups) if g is group)
         specs = []
         for plan, g in zip(plans, all_grads):

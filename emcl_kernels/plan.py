@@ -227,8 +227,9 @@ _layout = Tensor.layout.__get__
 #   ``params`` (the list's members, in order, by identity: torch's optimizers re-read the list
 #   every step) and its hyper-parameters (numbers by value, tensors by identity; a tensor's
 #   value is read at the step: [note: hyper-parameters]);
-# - ``opt.state`` (the dict by identity and its size; each planned parameter's entry and its
-#   ``anchor`` by identity: a state reset makes new state at the next step);
+# - ``opt.state`` (the dict by identity, its size, and its keys and entries in order by
+#   identity; each planned parameter's ``anchor`` by identity: a state reset makes new state at
+#   the next step);
 # - each parameter's memory (``data_ptr``: a ``.data`` swap, ``model.half()``, a memory
 #   format change, weights tied after construction) and, where the backend does not check its
 #   call's tensors itself or a step has several plans, its shape, strides and dtype;
@@ -261,11 +262,15 @@ class Runtime:
         self.skips = SkipLog(skips)
         self.mesh = None
         self.storage: dict = {}        # group index -> capturable hyper tensor (views in group)
+        self.tracing = False           # gather() runs for a step that Dynamo traces
+        self.unadopted: set = set()    # capturable groups whose values are not views yet
         # the world the plans were built for ([note: plan keys])
         self.groups: list = []
         self.lists: list = []
         self.state = None
         self.state_len = 0
+        self.state_keys: list = []     # opt.state's keys and entries, in order
+        self.state_entries: list = []
         self.without_grad: list = []   # parameters without a gradient when the plans were built
         self.grad_ptrs: Optional[list] = None
         self.spans: dict = {}          # device -> (starts, ends) of the planned tensors' memory
@@ -273,7 +278,9 @@ class Runtime:
     # -- hyper-parameters ---------------------------------------------------------------------
     def adopt_capturable(self, gi: int) -> None:
         """Make the numeric hyper-parameters of group ``gi`` 0-d views of one fp64 tensor on
-        the group's device: the ``hyper`` every plan of the group hands its kernels."""
+        the group's device: the ``hyper`` every plan of the group hands its kernels. While
+        Dynamo traces a step the group keeps its values and only the storage takes them
+        ([note: compiled hyper-parameters]); the next eager step makes the views."""
         group = self.opt.param_groups[gi]
         first = next((p for p in group["params"] if p.device.type != "meta"), None)
         device = local(first).device if first is not None else torch.device("cpu")
@@ -283,6 +290,10 @@ class Runtime:
             self.storage[gi] = storage
         hp = check_group(group, f"param group {gi}")
         storage.copy_(pack_hyper(hp, device))
+        if self.tracing:
+            self.unadopted.add(gi)
+            return
+        self.unadopted.discard(gi)
         for name, i in HYPER.items():
             if group[name] is not None:
                 group[name] = storage[i]
@@ -416,6 +427,7 @@ class Runtime:
         self.groups = list(groups)
         self.lists = [list(group["params"]) for group in groups]
         self.state, self.state_len = opt.state, len(opt.state)
+        self.state_keys, self.state_entries = list(opt.state), list(opt.state.values())
         self.without_grad = [p for group in groups for p in group["params"] if p.grad is None]
         spans: dict = {}
         for plan in plans:
@@ -449,12 +461,14 @@ class Runtime:
         for p in self.without_grad:
             if p.grad is not None:
                 return False
-        get = state.get
+        # every key and entry of opt.state, in order, as built: no entry was replaced, deleted
+        # or moved (one pass over the dict's own arrays, no hashing of the parameters)
+        if not all(map(_is, state, self.state_keys)) or \
+                not all(map(_is, state.values(), self.state_entries)):
+            return False
         for plan in self.plans:
             entries, anchors = plan.key[0], plan.key[1]
-            now = list(map(get, plan.sources))
-            if not all(map(_is, now, entries)) or \
-                    not all(map(_is, map(dict.get, now, repeat("anchor")), anchors)):
+            if not all(map(_is, map(dict.get, entries, repeat("anchor")), anchors)):
                 return False
         return True
 
@@ -473,6 +487,10 @@ class Runtime:
             self.keys[gi] = group_key(group)
         for gi in self.tensor_hyper:
             self.refresh_hyper(gi, groups[gi])
+        if self.unadopted and not self.tracing:
+            for gi in sorted(self.unadopted):
+                self.refresh_hyper(gi, groups[gi])
+                self.keys[gi] = group_key(groups[gi])
         return self.plans
 
     def _fits(self, plan: Plan, grads: list, several: bool) -> bool:
@@ -583,10 +601,8 @@ class Runtime:
     def traced_plans(self) -> tuple:
         """The plans of a step that torch.compile traces: built (or checked) by the
         optimizer's ``_init_group``, which Dynamo runs eagerly ([note: torch.compile] in
-        optimizer.py). The ``hyper`` of a group whose hyper-parameters are not capturable is
-        made in the graph from the group's current values, so that a number changed between
-        compiled calls recompiles (a guard on its value) and a 0-d tensor changed in place is
-        read at the call."""
+        optimizer.py). Every plan's ``hyper`` is made in the graph from its group's values
+        ([note: compiled hyper-parameters])."""
         opt = self.opt
         plans, grads, counters = [], [], {}
         for group in opt.param_groups:
@@ -595,9 +611,8 @@ class Runtime:
             start = mstart = 0
             for k, (n, m, prox, importance, lr_mode, device) in enumerate(specs):
                 device = torch.device(device)
-                steps, hyper, c = extras[3 * k], extras[3 * k + 1], extras[3 * k + 2]
-                if not group.get("capturable"):
-                    hyper = _traced_hyper(group, device)
+                steps, c = extras[3 * k], extras[3 * k + 2]
+                hyper = _traced_hyper(group, device)
                 plans.append(Plan(resolve_backend(opt.backend, device), device, None, [],
                                   params[start:start + n], anchors[start:start + n],
                                   importances[start:start + n], meta_lrs[mstart:mstart + m],
@@ -609,9 +624,24 @@ class Runtime:
         return plans, grads, counters
 
 
+# [note: compiled hyper-parameters] A compiled step runs ``_init_group`` (and with it the
+# per-step key and ``refresh_hyper``) only when Dynamo traces; a call of the compiled graph
+# runs neither. So the graph must not read a plan's ``hyper`` tensor, whose values are written
+# by that eager code: it makes ``hyper`` from the group's values, which Dynamo then tracks. A
+# 0-d tensor (a capturable group's views of its storage, or any tensor given by the user) is
+# an input of the graph, read at every call, changed in place or rebound; a number is a
+# constant guarded by value (or a symbolic input once Dynamo makes floats dynamic), so a new
+# number recompiles or is read at the call. The group must be read here, not asked whether it
+# is capturable: Dynamo's view of every param group says ``capturable=True``
+# (torch/_dynamo/variables/optimizer.py, ``_set_capturable``), whatever the group holds.
+# Values changed between compiled calls are not validated (as for an in-place change).
+# ``_init_group`` must not rebind a group's values either (a capturable group's number made a
+# view of its storage): Dynamo has read the group before ``_init_group`` runs, and a trace that
+# restarts would then read other values than its first attempt (SpeculationLogDivergence);
+# ``Runtime.tracing`` keeps the group as the user left it while Dynamo traces.
 def _traced_hyper(group: dict, device: torch.device) -> Tensor:
-    """``hyper`` made in a traced graph from a group's values: a number is a constant of the
-    graph (or a symbol, once Dynamo makes it dynamic), a 0-d tensor an input."""
+    """``hyper`` made in a traced graph from a group's values ([note: compiled
+    hyper-parameters])."""
     parts = []
     for name in HYPER_FIELDS:
         v = group[name]
@@ -620,7 +650,7 @@ def _traced_hyper(group: dict, device: torch.device) -> Tensor:
         if isinstance(v, Tensor):
             parts.append(v.detach().reshape(()).to(device=device, dtype=torch.float64))
         else:
-            parts.append(torch.full((), v, dtype=torch.float64, device=device))
+            parts.append(torch.ones((), dtype=torch.float64, device=device) * v)
     return torch.stack(parts)
 
 

@@ -252,3 +252,22 @@ def test_run_logs_output_exit_status_and_timeout(tmp_path):
     rc, tail = check.run(st, [sys.executable, "-c", "import time; print('sleeping', flush=True); "
                               "time.sleep(60)"], "slow", timeout=2)
     assert rc == 124 and "sleeping" in tail and "timed out after 2 s" in tail
+
+
+def test_the_readme_gpu_numbers_come_from_the_committed_smoke_run():
+    """docs/gpu-check.md's GPU paragraph and benchmarks/results/gpu/README.md quote the
+    bandwidth rows of the latest committed smoke run (tools/gpu_smoke.py), number for number."""
+    import glob
+    runs = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "gpu", "*",
+                                         "gpu_check_*_smoke.jsonl")))
+    if not runs:
+        pytest.skip("no GPU run is committed")
+    rows = [json.loads(line) for line in open(runs[-1]) if line.strip()]
+    bw = {r["backend"]: r for r in rows if r["check"] == "bandwidth" and r["ok"]}
+    readme = open(os.path.join(ROOT, "docs", "gpu-check.md")).read()
+    table = open(os.path.join(ROOT, "benchmarks", "results", "gpu", "README.md")).read()
+    for backend, r in bw.items():
+        off, on = r["step_check_False_GBps"], r["step_check_True_GBps"]
+        assert f"{off:.0f} GB/s (`{backend}`, {r['step_check_False_over_copy']:.2f}" in readme
+        assert f"{on:.0f}" in readme and f"{r['copy_GBps']:.0f}" in table
+        assert f"| {backend} | {r['copy_GBps']:.0f} | {off:.0f} |" in table

@@ -1,4 +1,4 @@
-"""EMCL's glance as a static-buffer routine (emcl_continual.graphed, issue 16).
+"""EMCL's glance as a static-buffer routine (emcl_continual.methods.emcl_graphed).
 
 On the CPU (everywhere): the routine, run eagerly, is the eager ``observe`` bit for bit
 (parameters, optimizer state, replay buffer, generator, losses) in every configuration, builds
@@ -17,7 +17,8 @@ import warnings
 import pytest
 import torch
 
-from emcl_continual import graphed, models, replay, streams, train
+from emcl_continual import models, replay, streams, train
+from emcl_continual.methods import emcl_graphed as graphed
 from emcl_continual.methods import METHODS, get_method
 
 CUDA = torch.cuda.is_available()
@@ -81,7 +82,7 @@ def _assert_same_learners(a, b, where):
         assert len(a.buffer) == len(b.buffer) and a.buffer.n_seen == b.buffer.n_seen
         for key in ("x", "y", "t"):
             assert torch.equal(getattr(a.buffer, key), getattr(b.buffer, key)), f"{where}: replay {key}"
-    assert torch.equal(a.gen.get_state(), b.gen.get_state()), f"{where}: generator state"
+    assert torch.equal(a.generator.get_state(), b.generator.get_state()), f"{where}: generator state"
 
 
 VARIANTS = [

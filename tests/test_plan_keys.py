@@ -150,31 +150,79 @@ def test_channels_last_after_state_matches_reference(backend):
 
 
 # 3: hyper-parameters changed between compiled calls
-@pytest.mark.xfail(strict=True, reason="issue 22 item 3 is open: the compiled step drifts from "
-                   "eager from its first meta step after a hyper-parameter change")
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("foreach", "cpu")])
-@pytest.mark.parametrize("how", ("tensor_in_place", "float_rebound"))
+@pytest.mark.parametrize("how", ("tensor_in_place", "tensor_rebound", "float_rebound",
+                                 "capturable_in_place", "capturable_rebound"))
 def test_hyperparameter_changed_under_compile_equals_eager(backend, how):
+    """A schedule on ``inner_lr`` (and ``meta_lr``) between calls of a compiled step gives the
+    eager result at every step: the graph reads the group's values, not a ``hyper`` tensor
+    that only the eager code refreshes. Eager steps that follow take in-place changes too."""
     results = []
+    capturable = how.startswith("capturable")
     for compiled in (False, True):
         shapes = [(6, 5), (6,)]
         ps = _params(shapes)
-        lr = torch.tensor(0.05, dtype=torch.float64) if how == "tensor_in_place" else 0.05
-        opt = FusedEMCLOptimizer(ps, backend=backend, meta_every=3, **{**HP, "inner_lr": lr})
+        lr = torch.tensor(0.05, dtype=torch.float64) if how.startswith("tensor") else 0.05
+        opt = FusedEMCLOptimizer(ps, backend=backend, meta_every=3, capturable=capturable,
+                                 **{**HP, "inner_lr": lr})
         step = opt.step
         if compiled:
             torch._dynamo.reset()
             step = torch.compile(opt.step, backend="aot_eager", fullgraph=True)
-        for s in range(6):
-            if how == "tensor_in_place":
-                opt.param_groups[0]["inner_lr"].fill_(0.05 / (1 + s))
+        trace = []
+        for s in range(10):
+            group = opt.param_groups[0]
+            inner, meta = 0.05 / (1 + s), 0.3 + 0.05 * s
+            if s >= 7:  # eager steps after compiled ones, values changed in place where they
+                step = opt.step  # are tensors (a capturable group's are views again)
+                for k, v in (("inner_lr", inner), ("meta_lr", meta)):
+                    if isinstance(group[k], torch.Tensor):
+                        group[k].fill_(v)
+                    else:
+                        group[k] = v
+            elif how in ("tensor_in_place", "capturable_in_place"):
+                group["inner_lr"].fill_(inner)
+            elif how == "tensor_rebound":
+                group["inner_lr"] = torch.tensor(inner, dtype=torch.float64)
             else:
-                opt.param_groups[0]["inner_lr"] = 0.05 / (1 + s)
+                group["inner_lr"] = inner
+            if how == "capturable_in_place":
+                group["meta_lr"].fill_(meta)
+            elif how == "capturable_rebound":
+                group["meta_lr"] = torch.tensor(meta, dtype=torch.float64)
             _grads(ps, s)
             step()
-        results.append([p.detach().clone() for p in ps])
-    for x, y in zip(*results):
-        torch.testing.assert_close(y, x, rtol=1e-6, atol=1e-7)
+            trace.append([p.detach().clone() for p in ps]
+                         + [opt.state[p][k].clone() for p in ps for k in ("anchor", "meta_lr")])
+        results.append(trace)
+    for s, (eager, comp) in enumerate(zip(*results)):
+        for i, (x, y) in enumerate(zip(eager, comp)):
+            torch.testing.assert_close(y, x, rtol=1e-6, atol=1e-7,
+                                       msg=lambda m: f"step {s}, tensor {i}: {m}")
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("foreach", "cpu")])
+def test_capturable_value_rebound_before_a_trace_is_read_by_later_eager_steps(backend):
+    """A capturable group's value rebound to a tensor of the user's, then traced: Dynamo's
+    trace leaves the group as it is, and the next eager step makes it a view of the storage
+    again, so an in-place change after that trace is taken."""
+    a, oa, b, ob = _pair([(6, 5), (6,)], backend, capturable=True)
+    _both(a, oa, b, ob, 0)
+    mine = torch.tensor(0.02, dtype=torch.float64)
+    oa.param_groups[0]["inner_lr"] = mine
+    ob.param_groups[0]["inner_lr"] = 0.02
+    torch._dynamo.reset()
+    _grads(a, 1)
+    _grads(b, 1)
+    torch.compile(oa.step, backend="aot_eager", fullgraph=True)()
+    ob.step()
+    _assert_match(a, oa, b, ob)
+    mine.fill_(0.01)
+    ob.param_groups[0]["inner_lr"] = 0.01
+    for s in range(2, 5):
+        _both(a, oa, b, ob, s)
+        _assert_match(a, oa, b, ob)
+    assert float(oa.param_groups[0]["inner_lr"]) == 0.01
 
 
 # 4: capturable=True, a hyper-parameter rebound to a number after steps
@@ -305,19 +353,30 @@ def test_refusal_in_one_group_writes_no_other_group(backend):
     _refused(opt, opt.step, RuntimeError, "parameter 0 of param group 1 has shape")
 
 
-# the Triton launcher checks its call's tensors itself
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("triton", "cpu")])
-@pytest.mark.parametrize("bad", ("grad_numel", "anchor_strides", "importance_dtype"))
-def test_native_backend_refuses_a_call_that_does_not_fit(backend, bad):
+# the Triton launcher checks its call's tensors itself: with the extension's check_step_call
+# where it is built, else in Python ([note: launcher checks])
+@pytest.mark.parametrize("backend, checker", [(b, c) for b in BACKENDS if b in ("triton", "cpu")
+                                              for c in (("native", "python") if b == "triton"
+                                                        else ("native",))])
+@pytest.mark.parametrize("bad", ("grad_numel", "anchor_strides", "importance_dtype",
+                                 "anchor_overlaps_itself"))
+def test_native_backend_refuses_a_call_that_does_not_fit(backend, checker, bad, monkeypatch):
     from emcl_kernels.interface import OP
     from emcl_kernels.plan import new_counters, pack_hyper
     mod = get_backend(backend, torch.device("cpu"))
+    if backend == "triton":
+        if checker == "native" and mod._NATIVE_CHECK is None:
+            pytest.skip("the extension (its check_step_call) is not built")
+        if checker == "python":
+            monkeypatch.setattr(mod, "_NATIVE_CHECK", None)
     p = torch.randn(4, 4)
     g, anchor, imp = torch.randn(4, 4), p.clone(), torch.rand(4, 4)
     if bad == "grad_numel":
         g = torch.randn(64, 4)
     elif bad == "anchor_strides":
         anchor = anchor.t().contiguous().t()
+    elif bad == "anchor_overlaps_itself":  # p's strides and numel, 12 elements of memory
+        anchor = p.flatten()[:12].clone().as_strided((2, 8), (4, 1))
     else:
         imp = imp.double()
     before = [t.clone() for t in (p, g, anchor, imp)]

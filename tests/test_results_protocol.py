@@ -277,7 +277,7 @@ def test_emcl_variants_are_changes_of_known_keys():
     for cell in presets.ALGORITHM_1_GRID + presets.IMPORTANCE_SEARCH:
         assert set(cell) <= known
     alg1 = presets.EMCL_VARIANTS["algorithm-1"]["overrides"]
-    assert alg1["inner_lr"] == presets.TABLE_II["emcl"]["permuted-mnist"]["inner_lr"] == 0.15
+    assert alg1["inner_lr"] == get_method("emcl").TABLE_II["permuted-mnist"]["inner_lr"] == 0.15
     assert alg1["memory"] == 0 and alg1["glances"] == 1 and alg1["lr_mode"] == "recurrent"
 
 
@@ -335,8 +335,12 @@ def test_selection_harness_end_to_end(tmp_path, tiny_protocol, capsys, monkeypat
     # the tables, from the files alone
     readme = tmp_path / "README.md"
     readme.write_text("x\n<!-- tables:permuted-mnist/headline -->\nold\n<!-- /tables:permuted-mnist/headline -->\ny\n")
+    (tmp_path / "docs").mkdir()
+    page = tmp_path / "docs" / "results.md"  # the docs page beside the README has blocks too
+    page.write_text("<!-- tables:permuted-mnist/controls -->\nold\n<!-- /tables:permuted-mnist/controls -->\n")
     changed = tables.write_all(str(tmp_path), str(readme))
-    assert str(readme) in changed and os.path.join(out, "tables.md") in changed
+    assert str(readme) in changed and os.path.join(out, "tables.md") in changed and str(page) in changed
+    assert "old" not in page.read_text() and "emcl/importance-off" in page.read_text()
     text = readme.read_text()
     assert "old" not in text and "| **EMCL** |" in text and text.startswith("x\n") and text.endswith("y\n")
     page = open(os.path.join(out, "tables.md")).read()

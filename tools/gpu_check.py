@@ -621,6 +621,17 @@ class GpuCheck:
             env["CUDA_HOME"] = self.cuda_home
         return env
 
+    def _backend_status(self) -> Dict:
+        """emcl_kernels.backend_status() of the installed package (run from /, so the import
+        is the install's), or {"error": ...}."""
+        out = subprocess.run(self._py("-c", "import json, emcl_kernels as e; "
+                                      "print(json.dumps(e.backend_status()))"),
+                             capture_output=True, text=True, env=self.env, cwd="/")
+        try:
+            return json.loads(out.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            return {"error": (out.stdout + out.stderr)[-1000:]}
+
     def _built_and_fresh(self) -> Optional[str]:
         """The compiled library when it is newer than every source of the build and loads with
         both its CPU and CUDA kernels (stage 2 on the machine stage 1 built on), else None."""
@@ -630,13 +641,7 @@ class GpuCheck:
         sources = glob.glob(os.path.join(ROOT, "csrc", "*")) + [os.path.join(ROOT, "setup.py")]
         if os.path.getmtime(libs[0]) < max(os.path.getmtime(f) for f in sources):
             return None
-        out = subprocess.run(self._py("-c", "import json, emcl_kernels as e; "
-                                      "print(json.dumps(e.backend_status()))"),
-                             capture_output=True, text=True, env=self.env, cwd="/")
-        try:
-            status = json.loads(out.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            return None
+        status = self._backend_status()
         if status.get("cpu") == "available" and status.get("cuda") == "available":
             return libs[0]
         return None
@@ -683,13 +688,7 @@ class GpuCheck:
         if self.args.dry_run:
             st.status = "passed"
             return
-        out = subprocess.run(self._py("-c", "import json, emcl_kernels as e; "
-                                      "print(json.dumps(e.backend_status()))"),
-                             capture_output=True, text=True, env=self.env, cwd="/")
-        try:
-            status = json.loads(out.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            status = {"error": (out.stdout + out.stderr)[-1000:]}
+        status = self._backend_status()
         st.data["backends"] = status
         missing = [b for b in ("cpu", "cuda") if status.get(b) != "available"]
         if rc != 0:

@@ -15,6 +15,7 @@ from torch import Tensor
 from emcl_kernels.integration import capturing
 from emcl_kernels.interface import (COUNTER, HYPER, IMPORTANCE_KINDS, LR_MODES,
                                     LR_SCALE_FROM_REG, OP)
+from emcl_kernels.backends.reference import hyper_dict  # the one decoder of `hyper` on the host
 from emcl_kernels.reference import compute_dtype
 
 __all__ = ["step", "check_finite"]
@@ -130,13 +131,6 @@ def check_finite(grads, counters: Tensor) -> None:
         counters[_FOUND].copy_(torch.maximum(counters[_FOUND], bad.to(counters.dtype)))
 
 
-def _hyper_numbers(hyper: Tensor) -> dict:
-    values = dict(zip(HYPER, hyper.tolist()))
-    if values["lr_scale"] == LR_SCALE_FROM_REG:
-        values["lr_scale"] = 1.0 / values["reg"] if values["reg"] > 0 else 1.0
-    return values
-
-
 def _hyper_tensors(hyper: Tensor) -> dict:
     """The hyper-parameters as 0-d views of ``hyper`` (read at run time: no host sync)."""
     values = {name: hyper[i] for name, i in HYPER.items()}
@@ -179,7 +173,7 @@ def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, 
             which = OP["inner_meta"] if (calls + 1) % meta_every == 0 else OP["inner"]
         if not skip:
             _update(which, params, grads, anchors, importances, meta_lrs,
-                    _hyper_numbers(hyper), grad_scale=grad_scale, **kinds)
+                    hyper_dict(hyper), grad_scale=grad_scale, **kinds)
             if which != OP["inner"] and steps.numel():
                 steps.add_(1)
     elif params:

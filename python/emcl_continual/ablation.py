@@ -3,14 +3,14 @@ and reproduces the paper's Table IV switches, on Permuted MNIST over several see
 
     python -m emcl_continual.ablation --seeds 0 1 2 3 4 --out results/ablation_permuted_mnist
 
-The reported controls and ablations are no longer made here: :mod:`emcl_continual.selection` runs
+The reported controls and ablations are made by :mod:`emcl_continual.selection`, not here: it runs
 them on report seeds that no choice used, against an EMCL configuration chosen on validation data
-(README, "Results" and "Deviations from the paper"). This script stays for quick screens of any
+(docs/results.md, "Results" and "Deviations from the paper"). This script stays for quick screens of any
 configuration; its committed table (seeds 0-4, chosen on the same seeds) is kept as a record.
 
-The committed table's base configuration is the one before ``glances=2`` became the default;
-its rows are reproduced (and extended) with ``--set glances=1 --backend foreach --default-from
-results/ablation_permuted_mnist/base_glances1/results.json``.
+The committed table's base configuration visits each batch once (``glances=1``, recorded in
+``base_glances1/results.json``); its rows are reproduced (and extended) with ``--set glances=1
+--backend foreach --default-from results/ablation_permuted_mnist/base_glances1/results.json``.
 
 Each configuration is EMCL's default configuration with a few keys changed. Finished
 (configuration, seed) runs are kept in ``OUT/ablation.json`` and skipped when the command is

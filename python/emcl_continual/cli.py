@@ -12,13 +12,15 @@ What it guarantees (details in :mod:`.config` and :mod:`.rundir`):
   after the others have trained).
 * A finished run is never lost (``runs.jsonl``), the summaries are rewritten after every seed,
   an interrupt leaves a partial folder that ``--resume`` finishes.
+* One command at a time per ``--out`` (a lock file names the command that holds it); a
+  command refused before its first run leaves no new folder behind.
 * Errors are one line on stderr, ``error: ...``, and the exit code says what kind:
 
   ====  ==========================================================================
   0     done
-  1     bad data file, a run that failed, a plot that could not be written,
-        any other error (``--debug`` shows the traceback)
-  2     bad option, hyper-parameter, seed or device; ``--out`` unusable
+  1     bad data file, a run that failed, a file or plot that could not be written
+        (the message names the file), any other error (``--debug`` shows the traceback)
+  2     bad option, hyper-parameter, seed or device; ``--out`` unusable or in use
   130   interrupted (SIGINT or SIGTERM); the finished runs are saved, ``--resume``
         continues
   ====  ==========================================================================
@@ -27,15 +29,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
-import traceback
 
-from .config import ConfigError, parse_overrides as _parse_overrides
-from .methods import METHODS
+import torch
+
+from . import report
+from .command import guarded, make_parser, one_line
+from .compare import ALL_METHODS, comparison_table, write_comparison
+from .config import (ConfigError, build_config, check_seeds, parse_overrides as _parse_overrides, resolve_device,
+                     split_overrides, validate_config, RUN_DEFAULTS)
+from .data import DataFileError, check_labels
+from .errors import EXIT_CODES, CommandInterrupted, Interrupted, PlotError, RunFailed, UsageError
+from .methods import METHODS, get_method
+from .models import build_model
 from .presets import BATCH_SIZE
-from .streams import STREAMS
+from .rundir import RunDir, execute, interrupts
+from .streams import STREAMS, make_stream
+from .train import run
 
 __all__ = ["main", "build_parser", "make_parser", "parse_overrides", "guarded", "NAMED", "EXIT_CODES",
            "UsageError", "PlotError", "RunFailed"]
@@ -46,25 +59,6 @@ NAMED = {
     "lr_scale": float, "lr_mode": str, "importance": str, "memory": int, "replay": int, "lr": float,
 }
 
-EXIT_CODES = {"ok": 0, "error": 1, "usage": 2, "interrupted": 130}
-
-
-class UsageError(ConfigError):
-    """A command-line option that cannot be used (exit code 2)."""
-
-
-class PlotError(RuntimeError):
-    """Results were written but some figures were not (exit code 1)."""
-
-
-class RunFailed(RuntimeError):
-    """A run raised; the message names it and what was saved (exit code 1)."""
-
-
-class _Interrupted(Exception):
-    """The command was interrupted; the message says what was saved and how to resume."""
-
-
 def parse_overrides(items: list) -> dict:
     """``["reg=10", "prox=False"]`` -> ``{"reg": 10, "prox": False}`` (raises SystemExit on a
     malformed item; used by :mod:`.ablation`)."""
@@ -72,18 +66,6 @@ def parse_overrides(items: list) -> dict:
         return _parse_overrides(items)[0]
     except ConfigError as exc:
         raise SystemExit(f"error: {exc}") from None
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, with usage errors raised as :class:`UsageError` (one line, exit 2)."""
-
-    def error(self, message):
-        raise UsageError(f"{message} (see --help)")
-
-
-def make_parser(**kwargs) -> argparse.ArgumentParser:
-    """An ``argparse.ArgumentParser`` whose errors are :class:`UsageError`."""
-    return _Parser(**kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,45 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# --------------------------------------------------------------------------- errors
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def guarded(fn, debug: bool = False) -> int:
-    """Run ``fn()``; turn what it raises into ``error: <one line>`` on stderr and
-    ``SystemExit`` with the exit code of :data:`EXIT_CODES` (with ``debug``, the traceback is
-    printed first). Returns ``fn``'s result (0) otherwise."""
-    try:
-        return fn()
-    except SystemExit:
-        raise
-    except BaseException as exc:  # noqa: B902 - every error becomes one line and an exit code
-        code, line = _classify(exc, debug)
-        if debug:
-            traceback.print_exception(exc)
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-        raise SystemExit(code) from None
-
-
-def _classify(exc: BaseException, debug: bool) -> tuple[int, str]:
-    from .data import DataFileError
-
-    if isinstance(exc, _Interrupted):
-        return EXIT_CODES["interrupted"], f"interrupted: {exc}"
-    if isinstance(exc, KeyboardInterrupt):  # before the handlers were installed, or after they were removed
-        return EXIT_CODES["interrupted"], "interrupted"
-    if isinstance(exc, ConfigError):  # options, hyper-parameters, seeds, device, --out
-        return EXIT_CODES["usage"], f"error: {_one_line(exc)}"
-    if isinstance(exc, (DataFileError, PlotError, RunFailed)):
-        return EXIT_CODES["error"], f"error: {_one_line(exc)}"
-    if not isinstance(exc, Exception):  # e.g. GeneratorExit: not ours to turn into a line
-        raise exc
-    return EXIT_CODES["error"], (f"error: {type(exc).__name__}: {_one_line(exc)}"
-                                 + ("" if debug else " (--debug shows the traceback)"))
-
-
 def main(argv: list | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``). Returns 0; on an error,
     prints one line on stderr and raises ``SystemExit`` with the exit code (module docstring)."""
@@ -184,8 +127,6 @@ def _methods(requested: list) -> tuple[list, bool]:
             raise UsageError(f"--method: {m} is given twice")
         seen.add(m)
     if run_all:
-        from .compare import ALL_METHODS
-
         return list(ALL_METHODS) + [m for m in requested if m != "all" and m not in ALL_METHODS], True
     return list(requested), False
 
@@ -230,23 +171,16 @@ def _check_numbers(args) -> None:
 
 
 def _abs(path):
-    import os
-
     return None if path is None else os.path.abspath(path)
 
 
 def _main(argv: list) -> int:
     args = build_parser().parse_args(argv)
     _check_numbers(args)
-    from .config import check_seeds, resolve_device, split_overrides, validate_config
-    from .methods import get_method
-
     seeds = check_seeds(args.seeds)
     methods, run_all = _methods(args.method)
     overrides, origins = _overrides(args, argv)
     per_method, notes = split_overrides(methods, args.stream, overrides, origins)
-    from .train import RUN_DEFAULTS
-
     configs = {}
     for m in methods:
         merged = {**RUN_DEFAULTS, **get_method(m).defaults(args.stream), **per_method[m]}
@@ -265,10 +199,6 @@ def _main(argv: list) -> int:
     device, device_note = resolve_device(args.device)
     if device_note:
         print(f"note: {device_note}", file=sys.stderr, flush=True)
-
-    import torch
-
-    from .rundir import Interrupted, RunDir, execute, interrupts
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -292,8 +222,10 @@ def _main(argv: list) -> int:
     try:
         with interrupts():
             if args.out:  # 1. the folder, before any data is read
+                comparison = (("training_time.png", lambda runs, folder: write_comparison(runs, folder, args.stream))
+                              if run_all else None)
                 out = RunDir(args.out, identity=identity, plan=plan, command=command,
-                             resume_command=resume_command, comparison=args.stream if run_all else None,
+                             resume_command=resume_command, extra_summary=comparison,
                              resume=args.resume, force=args.force)
                 out.check()
             done = out.done if out is not None else set()
@@ -320,20 +252,19 @@ def _main(argv: list) -> int:
             saved = f"before any run; {args.out} was left as it was"
         else:
             saved = f"{len(new_runs)} of {len(plan)} runs finished; nothing saved (no --out)"
-        raise _Interrupted(f"{exc.name}: {saved}") from None
+        raise CommandInterrupted(f"{exc.name}: {saved}") from None
     except RunFailed as exc:
         if out is not None:
             raise RunFailed(f"{exc}; the {len(out.runs)} finished run(s) are saved in {args.out}, "
                             f"--resume continues") from exc.__cause__
         raise
+    finally:
+        if out is not None:
+            out.release()
     runs = out.runs if out is not None else new_runs
     if runs:
-        from . import report
-
         print(report.format_table(report.summarize(runs)))
     if run_all and runs:
-        from .compare import comparison_table
-
         print(comparison_table(runs, args.stream))
     if out is not None:
         files = ["runs.jsonl", "results.json", "results.csv", "avg_accuracy.png", "acc_bwt.png"]
@@ -349,9 +280,6 @@ def _main(argv: list) -> int:
 
 def _stream(args, seed: int):
     """Build ``seed``'s stream; data that do not fit the stream raise :class:`DataFileError`."""
-    from .data import DataFileError
-    from .streams import make_stream
-
     try:
         return make_stream(args.stream, seed, data_root=args.data_root, task_file=args.task_file,
                            n_tasks=args.n_tasks, samples_per_task=args.samples_per_task)
@@ -365,11 +293,6 @@ def _stream(args, seed: int):
 def _first_stream(args, seed: int, methods: list, per_method: dict, device):
     """The first stream to run on, after checking its labels against the stream's classes and
     building every method on it once (a method that cannot run on it fails before any run)."""
-    from .data import check_labels
-    from .methods import get_method
-    from .models import build_model
-    from .train import build_config
-
     stream = _stream(args, seed)
     if args.task_file:
         spec = STREAMS[args.stream]
@@ -384,7 +307,7 @@ def _first_stream(args, seed: int, methods: list, per_method: dict, device):
             get_method(m)(build_model(stream.info).to(device), stream.info, config, device)
         except (ValueError, TypeError, RuntimeError) as exc:
             raise ConfigError(f"{m} cannot run on this {args.stream} stream ({stream.info.n_tasks} tasks, "
-                              f"device {device}): {_one_line(exc)}") from exc
+                              f"device {device}): {one_line(exc)}") from exc
     if not args.quiet:
         print(f"stream {args.stream}: {stream.info.n_tasks} tasks x {len(stream.train[0])} samples, "
               f"data: {stream.info.source}", flush=True)
@@ -392,16 +315,13 @@ def _first_stream(args, seed: int, methods: list, per_method: dict, device):
 
 
 def _train(args, method: str, stream, seed: int, overrides: dict, device) -> dict:
-    from .rundir import Interrupted
-    from .train import run
-
     try:
         return run(method, stream, seed, overrides=overrides, batch_size=args.batch_size, device=device,
                    progress=not args.quiet, log=print if args.verbose else None)
     except Interrupted:
         raise
     except Exception as exc:
-        raise RunFailed(f"{method} seed {seed} failed: {type(exc).__name__}: {_one_line(exc)}") from exc
+        raise RunFailed(f"{method} seed {seed} failed: {type(exc).__name__}: {one_line(exc)}") from exc
 
 
 def _report_run(args, r: dict) -> None:

@@ -20,17 +20,29 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 
+import torch
+
+from .command import guarded, make_parser
+from .config import build_config, check_seeds
+from .errors import CommandInterrupted, Interrupted, OutputError, PlotError
+from .fileio import write_atomic
+from .methods import METHODS
 from .metrics import mean_std
-from .rundir import load_runs
+from .presets import BATCH_SIZE
+from .report import write_results
+from .rundir import RunDir, execute, interrupts, load_runs
+from .streams import STREAMS, make_stream
+from .train import run
 
 __all__ = ["ALL_METHODS", "PAPER_TABLE_III", "PAPER_NAMES", "comparison_table", "plot_training_time",
            "write_comparison", "run_all", "load_runs", "main"]
 
-# Cheapest first, so that an interrupted sweep has the most methods finished.
-ALL_METHODS = ["sgd", "ewc", "agem", "er", "emcl", "gem", "lamaml", "mer"]
+# Every method, in the order of :data:`emcl_continual.methods.METHODS` (cheapest first).
+ALL_METHODS = list(METHODS)
 
 PAPER_NAMES = {"sgd": "Fine-tune (SGD)", "ewc": "EWC", "gem": "GEM", "agem": "A-GEM", "er": "ER",
                "mer": "MER", "lamaml": "La-MAML", "emcl": "EMCL"}
@@ -149,8 +161,6 @@ def write_comparison(runs: list, out_dir: str, stream: str | None = None) -> dic
         if len(streams) != 1:
             raise ValueError(f"runs cover streams {streams}; name one")
         stream = streams[0]
-    from .report import write_atomic
-
     os.makedirs(out_dir, exist_ok=True)
     table = comparison_table(runs, stream)
     write_atomic(os.path.join(out_dir, "comparison.md"), lambda fh: fh.write(table + "\n"))
@@ -159,8 +169,6 @@ def write_comparison(runs: list, out_dir: str, stream: str | None = None) -> dic
 
 
 def _identity(stream: str, methods: list, overrides: dict, batch_size: int) -> dict:
-    from .train import build_config
-
     configs = {}
     for m in methods:
         config = build_config(m, stream, 0, (overrides or {}).get(m))
@@ -180,30 +188,26 @@ def run_all(stream: str, seeds: list, out_dir: str, methods: list | None = None,
     (method, seed) pairs in it are skipped (``force``: deleted first), a folder of another
     configuration is refused (:class:`~.rundir.OutputError`). Returns every run in the folder.
     """
-    from .config import check_seeds
-    from .presets import BATCH_SIZE
-    from .rundir import RunDir, execute
-    from .streams import make_stream
-    from .train import run
-
     methods = list(methods or ALL_METHODS)
     seeds = check_seeds(list(seeds))
     identity = _identity(stream, methods, overrides, run_kwargs.get("batch_size", BATCH_SIZE))
     command = command or f"python -m emcl_continual.compare --stream {stream} --seeds {' '.join(map(str, seeds))} " \
                          f"--methods {' '.join(methods)} --out {out_dir}"
     out = RunDir(out_dir, identity=identity, plan=[(m, s) for s in seeds for m in methods], command=command,
-                 force=force, resume=not force, comparison=stream, resume_command=command)
-    out.open()
+                 force=force, resume=not force, resume_command=command,
+                 extra_summary=("training_time.png", lambda runs, folder: write_comparison(runs, folder, stream)))
 
     def on_run(r):
         if log is not None:
             log(f"{stream} {r['method']} seed {r['seed']}: ACC {r['acc']:.2f} BWT {r['bwt']:.2f} "
                 f"train {r['train_time_s']:.1f}s eval {r['eval_time_s']:.1f}s")
 
-    execute(seeds, methods, lambda seed: make_stream(stream, seed),
-            lambda m, built, seed: run(m, built, seed, overrides=(overrides or {}).get(m), progress=False,
-                                       **run_kwargs),
-            out, on_run)
+    with out:
+        out.open()
+        execute(seeds, methods, lambda seed: make_stream(stream, seed),
+                lambda m, built, seed: run(m, built, seed, overrides=(overrides or {}).get(m), progress=False,
+                                           **run_kwargs),
+                out, on_run)
     if out.stale and log is not None:
         log(f"could not write {', '.join(sorted(out.stale))}: {'; '.join(out.stale.values())}")
     return list(out.runs)
@@ -211,16 +215,11 @@ def run_all(stream: str, seeds: list, out_dir: str, methods: list | None = None,
 
 def main(argv: list | None = None) -> int:
     """``python -m emcl_continual.compare``; errors are one line on stderr (see :mod:`.cli`)."""
-    from .cli import guarded
-
     argv = sys.argv[1:] if argv is None else list(argv)
     return guarded(lambda: _main(argv), "--debug" in argv)
 
 
 def _main(argv: list) -> int:
-    from .cli import make_parser
-    from .streams import STREAMS
-
     p = make_parser(prog="python -m emcl_continual.compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--stream", default="permuted-mnist", choices=list(STREAMS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
@@ -232,16 +231,11 @@ def _main(argv: list) -> int:
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("--table-only", action="store_true", help="only rebuild the outputs from OUT/runs.jsonl")
     args = p.parse_args(argv)
-    import torch
-
     if args.threads < 0:
         p.error("argument --threads: must be >= 0 (0: torch's choice)")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.table_only:
-        from .report import write_results
-        from .rundir import OutputError
-
         runs = load_runs(args.out)
         if not runs:
             raise OutputError(f"no runs in {args.out}/runs.jsonl")
@@ -262,18 +256,13 @@ def _main(argv: list) -> int:
         obj = write_results(runs, args.out, extra=keep, stale=stale)
         return _stale_exit(obj["plot_errors"], args.out)
     started = time.perf_counter()
-    import shlex
-
-    from .cli import _Interrupted
-    from .rundir import Interrupted, interrupts
-
     command = shlex.join(["python", "-m", "emcl_continual.compare"] + [a for a in argv if a != "--force"])
     try:
         with interrupts():
             runs = run_all(args.stream, args.seeds, args.out, args.methods, force=args.force, command=command)
     except Interrupted as exc:
         n = len(load_runs(args.out)) if os.path.isdir(args.out) else 0
-        raise _Interrupted(f"{exc.name}: {n} run(s) are saved in {args.out} (results.json status 'partial'); "
+        raise CommandInterrupted(f"{exc.name}: {n} run(s) are saved in {args.out} (results.json status 'partial'); "
                            f"run the same command again to resume: {command}") from None
     print(comparison_table(runs, args.stream))
     print(f"wall time {time.perf_counter() - started:.0f}s on {platform.machine()}")
@@ -285,8 +274,6 @@ def _stale_exit(errors: dict, out: str) -> int:
     """0, or 1 after one line on stderr naming the figures that could not be written."""
     if not errors:
         return 0
-    from .cli import PlotError
-
     raise PlotError(f"could not write {', '.join(sorted(errors))} in {out} ({'; '.join(errors.values())}); "
                     f"results.json and results.csv are up to date and list them under stale_plots")
 

@@ -10,13 +10,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 
+from .fileio import write_atomic  # noqa: E402
+
 __all__ = ["plot_avg_accuracy", "plot_acc_bwt", "write_plots", "save_figure"]
 
 
 def save_figure(fig, path: str, dpi: int = 120) -> str:
     """Save ``fig`` as a PNG at ``path`` atomically (temporary file, then rename) and close it."""
-    from .report import write_atomic
-
     try:
         write_atomic(path, lambda fh: fig.savefig(fh, dpi=dpi, format="png"), binary=True)
     finally:

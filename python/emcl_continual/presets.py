@@ -1,13 +1,14 @@
-"""The paper's hyper-parameters per stream (Table II and section V), the selection protocol
-(validation and report seeds, the grid each method is tuned over) and EMCL's named variants,
-as plain data.
+"""The paper's stream-level settings (section V: memory sizes, batch size), the selection
+protocol (validation and report seeds, the grid each method is tuned over) and EMCL's named
+variants, as plain data.
 
-Methods read their defaults from here (``Method.defaults(stream)``); the CLI's
-``--set key=value`` overrides any of them; :mod:`emcl_continual.selection` runs the protocol.
+Each method declares its own hyper-parameters, Table II's among them, in its file
+(``methods/<name>.py``: ``DEFAULTS``, ``TABLE_II``); :mod:`emcl_continual.selection` runs the
+protocol.
 """
 from __future__ import annotations
 
-__all__ = ["TABLE_II", "MEMORY", "BATCH_SIZE", "paper_values", "table_ii_stream", "VALIDATION_SEEDS",
+__all__ = ["MEMORY", "BATCH_SIZE", "VALIDATION_SEEDS",
            "REPORT_SEEDS", "GRIDS", "grid", "EMCL_VARIANTS", "ALGORITHM_1_GRID", "IMPORTANCE_SEARCH",
            "STREAM_NAMES"]
 
@@ -18,41 +19,6 @@ STREAM_NAMES = ("permuted-mnist", "rotated-mnist", "many-permutations", "split-c
 MEMORY = {"permuted-mnist": 200, "rotated-mnist": 200, "many-permutations": 500, "split-cifar100": 200,
           "split-miniimagenet": 200}
 BATCH_SIZE = 10
-
-# Table II, per method and stream ("-" in the paper is left out).
-TABLE_II = {
-    "ewc": {"split-cifar100": {"lr": 0.03, "reg": 100.0}, "split-miniimagenet": {"lr": 0.03, "reg": 100.0}},
-    "gem": {"split-cifar100": {"lr": 0.03, "memory": 200}, "split-miniimagenet": {"lr": 0.03, "memory": 200}},
-    "agem": {"split-cifar100": {"lr": 0.03, "memory": 200}, "split-miniimagenet": {"lr": 0.03, "memory": 200}},
-    "lamaml": {
-        "permuted-mnist": {"alpha_init": 0.3, "eta": 0.15, "memory": 200},
-        "many-permutations": {"alpha_init": 0.1, "eta": 0.1, "memory": 500},
-        "split-cifar100": {"alpha_init": 0.1, "eta": 0.3, "memory": 200},
-        "split-miniimagenet": {"alpha_init": 0.1, "eta": 0.3, "memory": 200},
-    },
-    "emcl": {
-        "permuted-mnist": {"meta_lr": 0.3, "inner_lr": 0.15, "reg": 10.0, "gamma": 0.3},
-        "many-permutations": {"meta_lr": 0.15, "inner_lr": 0.03, "reg": 10.0, "gamma": 0.1},
-        "split-cifar100": {"meta_lr": 0.1, "inner_lr": 0.075, "reg": 50.0, "gamma": 0.1},
-        "split-miniimagenet": {"meta_lr": 0.1, "inner_lr": 0.075, "reg": 50.0, "gamma": 0.1},
-    },
-}
-
-
-def table_ii_stream(stream: str) -> str:
-    """The Table II column a stream takes its values from: Rotated MNIST has no column, it uses
-    MNIST Permutations' (same network, same task size)."""
-    return "permuted-mnist" if stream == "rotated-mnist" else stream
-
-
-def paper_values(method: str, stream: str) -> dict:
-    """Table II's values for ``method`` on ``stream`` plus the paper's memory size (a copy)."""
-    if stream not in MEMORY:
-        raise ValueError(f"unknown stream {stream!r}; choose one of {', '.join(STREAM_NAMES)}")
-    out = {"memory": MEMORY[stream]}
-    out.update(TABLE_II.get(method, {}).get(table_ii_stream(stream), {}))
-    return out
-
 
 # --------------------------------------------------------------------------- selection protocol
 # Hyper-parameters are chosen on VALIDATION_SEEDS with the validation split (images held out of
@@ -99,7 +65,7 @@ def grid(method: str, stream: str) -> list:
 
 
 # --------------------------------------------------------------------------- EMCL's named variants
-# Each is a change of EMCL's (selected) configuration: the controls and ablations of the README's
+# Each is a change of EMCL's (selected) configuration: the controls and ablations of docs/results.md's
 # "Deviations from the paper". "lr_scale_times_inv_reg" is turned into lr_scale = value / reg.
 EMCL_VARIANTS = {
     "importance-off": {
@@ -130,7 +96,7 @@ EMCL_VARIANTS = {
 # the same budget of 4 as every method.
 ALGORITHM_1_GRID = [{"lr_scale": r, "lr_max": m} for r in (1e-5, 1e-4) for m in (1e2, 1e3)]
 
-# Making the importance act (issue 17, item 3): the inner pull normalised by the mean importance,
+# Making the importance act: the inner pull normalised by the mean importance,
 # c = gamma * reg * h / mean(h), globally or per tensor, for three pull strengths gamma * reg of an
 # element of average importance (0.001, 0.01, 0.1 with reg = 10). Judged on validation against
 # the importance-off variant; the winner is reported beside importance-off and beside the same

@@ -22,9 +22,12 @@ class ReservoirBuffer:
         self.capacity = int(capacity)
         self.input_shape = tuple(int(d) for d in input_shape)
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
-        self.x = torch.zeros((self.capacity, *self.input_shape), dtype=dtype, device=device)
-        self.y = torch.zeros(self.capacity, dtype=torch.long, device=device)
-        self.t = torch.zeros(self.capacity, dtype=torch.long, device=device)
+        try:
+            self.x = torch.zeros((self.capacity, *self.input_shape), dtype=dtype, device=device)
+            self.y = torch.zeros(self.capacity, dtype=torch.long, device=device)
+            self.t = torch.zeros(self.capacity, dtype=torch.long, device=device)
+        except (RuntimeError, OverflowError, ValueError) as exc:  # the allocator, or a size torch cannot take
+            raise ValueError(_too_large(self.capacity, self.input_shape, dtype, device)) from exc
         self.n_seen = 0
         self._size = 0
 
@@ -88,3 +91,11 @@ def _numel(shape: tuple) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def _too_large(capacity: int, input_shape: tuple, dtype: torch.dtype, device) -> str:
+    """The error for a memory that cannot be allocated, in the user's terms."""
+    per_sample = _numel(input_shape) * torch.empty((), dtype=dtype).element_size() + 16  # x, y and t
+    return (f"a replay memory of {capacity} samples of shape {tuple(input_shape)} needs "
+            f"{capacity * per_sample / 2**30:.3g} GiB, which cannot be allocated on {device}; "
+            f"lower memory")

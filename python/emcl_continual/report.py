@@ -11,8 +11,8 @@ import csv
 import io
 import json
 import os
-import tempfile
 
+from .fileio import write_atomic
 from .metrics import mean_std
 
 __all__ = ["summarize", "write_results", "format_table", "write_atomic", "PLOT_FILES"]
@@ -45,37 +45,6 @@ def format_table(summary: list) -> str:
                      f"| {s['bwt_mean']:.2f} ± {s['bwt_std']:.2f} | {s['train_time_s_mean']:.1f} ± "
                      f"{s['train_time_s_std']:.1f} | {s['eval_time_s_mean']:.1f} |")
     return "\n".join(lines)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-_FILE_MODE = 0o666 & ~_umask()  # what open() would give a new file
-
-
-def write_atomic(path: str, write, binary: bool = False) -> str:
-    """Call ``write(fh)`` on a temporary file beside ``path`` (text in UTF-8, or ``binary``),
-    flush it to disk, then rename it over ``path``. On any error, or an interrupt, the
-    temporary file is removed and ``path`` is left as it was."""
-    folder, name = os.path.split(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
-    try:
-        os.fchmod(fd, _FILE_MODE)
-        with (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8", newline="")) as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
 
 
 def _csv_text(runs: list) -> str:

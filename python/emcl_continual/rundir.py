@@ -17,6 +17,13 @@ nothing finished is lost, nothing stale passes for new.
 * **Resume.** ``--resume`` reads ``runs.jsonl``, refuses when the folder was written by another
   configuration (method set, stream, hyper-parameters, data source), skips the finished
   (method, seed) pairs and appends the rest.
+* **One command at a time.** :meth:`RunDir.check` takes a lock file, ``DIR/.lock`` (the
+  process id, host and command); a second command into the same folder is refused with a
+  message naming the first. A lock whose process is gone is taken over, with a note.
+  :meth:`RunDir.release` removes it, and removes the folder too when this command created it
+  and was refused before :meth:`RunDir.start`.
+* **What to write** beside the results is the caller's: ``extra_summary`` (e.g. the
+  comparison of ``--method all``) is called with the runs and the folder after every seed.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -31,26 +39,17 @@ import time
 import warnings
 
 from . import report
-from .config import ConfigError
+from .errors import Interrupted, OutputError
+from .fileio import append_line, write_atomic
 
 __all__ = ["OutputError", "Interrupted", "RunDir", "execute", "interrupts", "deferred_interrupts", "load_runs",
-           "RESULT_FILES", "COMPARISON_FILES"]
+           "RESULT_FILES", "COMPARISON_FILES", "LOCK_FILE"]
 
+# The files the commands write into --out (--force deletes them): the results, the plots, and
+# the comparison of --method all.
 COMPARISON_FILES = ("comparison.md", "training_time.png")
 RESULT_FILES = ("results.json", "results.csv", "runs.jsonl") + report.PLOT_FILES + COMPARISON_FILES
-
-
-class OutputError(ConfigError):
-    """``--out`` cannot be used as asked (a file, not writable, holds other results)."""
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM arrived; ``signum`` says which."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-        self.name = signal.Signals(signum).name
+LOCK_FILE = ".lock"
 
 
 # --------------------------------------------------------------------------- signals
@@ -189,18 +188,84 @@ def _record_difference(run: dict, identity: dict) -> str | None:
     return None
 
 
+# --------------------------------------------------------------------------- the lock
+def _first_missing(path: str) -> str | None:
+    """The outermost folder of ``path`` that does not exist yet (None when ``path`` exists)."""
+    path = os.path.abspath(path)
+    missing = None
+    while not os.path.exists(path):
+        missing, parent = path, os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def _read_lock(path: str) -> dict:
+    """The lock's content (``{}`` when it cannot be read or parsed)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            obj = json.loads(fh.read() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _lock_alive(holder: dict, path: str) -> bool:
+    """Whether the command that wrote the lock may still be running: a process of this host
+    that exists, any lock of another host (it cannot be checked from here), or a lock without
+    content written in the last 10 s (being taken right now)."""
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool):
+        try:
+            return time.time() - os.path.getmtime(path) < 10
+        except OSError:
+            return False
+    if holder.get("host") not in (None, socket.gethostname()):
+        return True
+    return _pid_alive(pid)
+
+
+def _holder_text(holder: dict) -> str:
+    if not holder.get("pid"):
+        return "an unreadable lock"
+    text = f"`{holder.get('command', '?')}` (pid {holder['pid']}"
+    if holder.get("host") and holder["host"] != socket.gethostname():
+        text += f" on {holder['host']}"
+    if holder.get("started"):
+        text += f", started {holder['started']}"
+    return text + ")"
+
+
+def _in_use(path: str, lock: str, holder: dict) -> str:
+    return (f"--out {path} is in use by {_holder_text(holder)}; a second command would write the same runs "
+            f"twice. Wait for it to finish or name another folder (if that command is no longer running, "
+            f"delete {lock})")
+
+
 # --------------------------------------------------------------------------- the folder
 class RunDir:
     """One command's output folder.
 
     ``identity``: what makes runs comparable (``{"stream", "configs": {method: config without
     seed}, "data": {...}}``); ``plan``: the (method, seed) pairs this command runs; ``command``:
-    the command line, recorded and used in the resume hint; ``comparison``: also write
-    ``comparison.md`` and ``training_time.png`` for that stream (``--method all``).
+    the command line, recorded, used in the resume hint and written into the lock;
+    ``extra_summary``: ``(figure, write)``: ``write(runs, folder)`` is called after every seed
+    (before results.json); what it raises is recorded as the stale figure ``figure``.
     """
 
     def __init__(self, path: str, *, identity: dict, plan: list, command: str, force: bool = False,
-                 resume: bool = False, comparison: str | None = None, resume_command: str | None = None):
+                 resume: bool = False, extra_summary: tuple | None = None, resume_command: str | None = None):
         if force and resume:
             raise OutputError("--force and --resume contradict each other: --resume keeps the runs in --out, "
                               "--force deletes them")
@@ -210,11 +275,14 @@ class RunDir:
         self.command = command
         self.resume_command = resume_command
         self.force, self.resume = force, resume
-        self.comparison = comparison
+        self.extra_summary = extra_summary
         self.runs: list = []
         self.started = time.perf_counter()
         self.stale: dict = {}
         self._checked = False
+        self._started = False
+        self._created = None    # the top folder this command created (the folder or a parent), if any
+        self._locked = False
         self._rewrite_log = False
 
     # -- before any run
@@ -230,14 +298,25 @@ class RunDir:
         path = self.path
         if os.path.exists(path) and not os.path.isdir(path):
             raise OutputError(f"--out {path} is a file, not a folder; name a folder (it is created if missing)")
+        self._created = _first_missing(path)
         try:
             os.makedirs(path, exist_ok=True)
             fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=path)
             os.close(fd)
             os.unlink(probe)
         except OSError as exc:
+            self.release()
             raise OutputError(f"--out {path}: cannot write there ({exc.strerror or exc}); "
                               f"name a folder you can write") from None
+        try:
+            self._lock()
+            return self._check_contents()
+        except BaseException:
+            self.release()
+            raise
+
+    def _check_contents(self) -> list:
+        path = self.path
         holds = [f for f in ("results.json", "runs.jsonl") if os.path.isfile(os.path.join(path, f))]
         if holds and not (self.force or self.resume):
             raise OutputError(f"--out {path} already holds {_describe(path)}; pass --resume to continue it "
@@ -251,12 +330,13 @@ class RunDir:
         then write the summaries (status partial until every planned run is done)."""
         if not self._checked:
             self.check()
+        self._started = True
         with deferred_interrupts():
             if self.force:
                 self._remove_earlier()
             if self._rewrite_log:
                 text = "".join(json.dumps(r) + "\n" for r in self.runs)
-                report.write_atomic(os.path.join(self.path, "runs.jsonl"), lambda fh: fh.write(text))
+                write_atomic(os.path.join(self.path, "runs.jsonl"), lambda fh: fh.write(text))
             self.write()
         return list(self.runs)
 
@@ -303,6 +383,66 @@ class RunDir:
             seen.add(key)
         return runs
 
+    # -- the lock
+    @property
+    def lock_path(self) -> str:
+        return os.path.join(self.path, LOCK_FILE)
+
+    def _lock(self) -> None:
+        """Take ``DIR/.lock`` or raise :class:`OutputError` naming the command that holds it."""
+        mine = {"pid": os.getpid(), "host": socket.gethostname(), "command": self.command,
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        for _ in range(3):
+            try:
+                fd = os.open(self.lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = _read_lock(self.lock_path)
+                if _lock_alive(holder, self.lock_path):
+                    raise OutputError(_in_use(self.path, self.lock_path, holder)) from None
+                try:
+                    os.unlink(self.lock_path)
+                except FileNotFoundError:
+                    pass
+                print(f"note: --out {self.path}: took over the lock of "
+                      f"{_holder_text(holder)}, which is no longer running", file=sys.stderr, flush=True)
+                continue
+            except OSError as exc:
+                raise OutputError(f"--out {self.path}: cannot create the lock {self.lock_path} "
+                                  f"({exc.strerror or exc})") from None
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(json.dumps(mine))
+            self._locked = True
+            return
+        raise OutputError(f"--out {self.path}: another command keeps taking {self.lock_path}; name another folder")
+
+    def release(self) -> None:
+        """Remove the lock if this command holds it; when this command created the folder and
+        never started writing results into it (a refused command), remove the folder too."""
+        if self._locked:
+            self._locked = False
+            try:
+                if _read_lock(self.lock_path).get("pid") == os.getpid():
+                    os.unlink(self.lock_path)
+            except OSError:
+                pass
+        if self._created and not self._started:
+            top, self._created = os.path.abspath(self._created), None
+            folder = os.path.abspath(self.path)
+            while True:
+                try:
+                    os.rmdir(folder)  # only when empty: nothing but what this command made
+                except OSError:
+                    break
+                if folder == top:
+                    break
+                folder = os.path.dirname(folder)
+
+    def __enter__(self) -> "RunDir":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
     # -- as runs finish
     @property
     def done(self) -> set:
@@ -313,10 +453,7 @@ class RunDir:
         """Append ``run`` to ``runs.jsonl`` and flush it to disk."""
         line = json.dumps(run) + "\n"
         with deferred_interrupts():
-            with open(os.path.join(self.path, "runs.jsonl"), "a", encoding="utf-8") as fh:
-                fh.write(line)
-                fh.flush()
-                os.fsync(fh.fileno())
+            append_line(os.path.join(self.path, "runs.jsonl"), line)
             self.runs.append(run)
 
     def status(self) -> dict:
@@ -336,13 +473,12 @@ class RunDir:
         with deferred_interrupts():
             errors: dict = {}
             runs = self.runs
-            if self.comparison and runs:
-                from .compare import write_comparison
-
+            if self.extra_summary is not None and runs:
+                figure, write = self.extra_summary
                 try:
-                    write_comparison(runs, self.path, self.comparison)
-                except Exception as exc:  # the figure; comparison.md is written before it
-                    errors["training_time.png"] = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+                    write(runs, self.path)
+                except Exception as exc:  # the figure (its table is written before it)
+                    errors[figure] = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
             extra = dict(self.status(), command=self.command, identity=self.identity,
                          resume_command=self.resume_command,
                          wall_time_s=time.perf_counter() - self.started,

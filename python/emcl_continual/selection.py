@@ -45,6 +45,7 @@ import sys
 import time
 
 from . import presets
+from .methods import METHODS
 from .metrics import mean_std
 
 __all__ = ["STAGES", "RUN_STAGES", "Row", "run_key", "load_runs", "validation_rows_a", "validation_rows_b", "select_a",
@@ -52,7 +53,7 @@ __all__ = ["STAGES", "RUN_STAGES", "Row", "run_key", "load_runs", "validation_ro
 
 STAGES = ("validate-a", "select-a", "validate-b", "select-b", "report")
 RUN_STAGES = ("validate-a", "validate-b", "report")
-ALL_METHODS = ("sgd", "ewc", "agem", "er", "gem", "emcl", "lamaml", "mer")
+ALL_METHODS = tuple(METHODS)  # the one list of methods, in its order
 DEFAULT_OUT = os.path.join("results", "heldout")
 # The importance-off row of stage validate-b (the report stage has its own "emcl/importance-off").
 VALIDATION_OFF = "emcl/importance-off (validation)"

@@ -1,14 +1,15 @@
 """Every results table and README snippet, rebuilt from the committed files with one command.
 
     python -m emcl_continual.tables            # rewrite results/heldout/*/tables.md (and its two figures),
-                                               # results/legacy_metrics.md and the generated blocks of README.md
+                                               # results/legacy_metrics.md and the generated blocks of
+                                               # README.md and docs/results.md
     python -m emcl_continual.tables --check    # exit 1 if any of them would change
 
 Inputs: per stream ``results/heldout/STREAM/{plan.json, selected.json, validation.jsonl,
 report.jsonl}`` (written by :mod:`emcl_continual.selection`), and the earlier result files
 (``results/*/results.json``, ``runs.jsonl``, ``ablation.json``), whose metrics are recomputed from
-their accuracy matrices. In README.md, the text between ``<!-- tables:NAME -->`` and
-``<!-- /tables:NAME -->`` is replaced by the block ``NAME``; blocks are named
+their accuracy matrices. In README.md and docs/results.md, the text between
+``<!-- tables:NAME -->`` and ``<!-- /tables:NAME -->`` is replaced by the block ``NAME``; blocks are named
 ``STREAM/headline``, ``STREAM/controls``, ``STREAM/deviations``, ``STREAM/importance``,
 ``STREAM/selection``, ``STREAM/visits``, ``STREAM/provenance``.
 
@@ -30,8 +31,6 @@ from .selection import VALIDATION_OFF, load_runs, run_key
 
 __all__ = ["build_stream_blocks", "legacy_table", "write_figures", "write_all", "main"]
 
-METHOD_NAMES = {"sgd": "Fine-tune (SGD)", "ewc": "EWC", "gem": "GEM", "agem": "A-GEM", "er": "ER", "mer": "MER",
-                "lamaml": "La-MAML", "emcl": "EMCL"}
 METRIC_COLS = ("acc", "bwt", "bwt_over_t", "learning_acc", "forgetting", "fwt")
 METRIC_HEAD = "ACC | BWT ÷(T−1) | BWT ÷T | LA | forgetting | FWT"
 
@@ -128,7 +127,7 @@ def _selected_is(sr: StreamResults, method: str, config: dict) -> bool:
 
 
 def headline(sr: StreamResults) -> str:
-    from .compare import PAPER_TABLE_III
+    from .compare import PAPER_NAMES, PAPER_TABLE_III
 
     paper = PAPER_TABLE_III.get(sr.stream, {})
     lines = [f"| method | configuration (change of its defaults) | visits per sample | seeds | {METRIC_HEAD} | "
@@ -144,10 +143,10 @@ def headline(sr: StreamResults) -> str:
         row, rs = sr.rows[name], sr.runs(name)
         st = _stats(rs)
         method = row["method"]
-        label = METHOD_NAMES[method] + (" (own script)" if name == "lamaml/own-script" else
-                                        " (selected)" if name == "lamaml" else "")
+        label = PAPER_NAMES.get(method, method) + (" (own script)" if name == "lamaml/own-script" else
+                                                   " (selected)" if name == "lamaml" else "")
         if name == "lamaml/own-script" and _selected_is(sr, "lamaml", rs[0]["config"]):
-            label = METHOD_NAMES[method] + " (own script, also the one selected)"
+            label = PAPER_NAMES.get(method, method) + " (own script, also the one selected)"
         if method in paper and name != "lamaml":
             pa, psd, pb, pbsd, dag = paper[method]
             mark = " †" if dag else ""
@@ -423,8 +422,13 @@ def fill_readme(text: str, blocks: dict) -> tuple[str, list]:
     return _BLOCK.sub(sub, text), missing
 
 
-def write_all(results_dir: str = "results", readme: str | None = "README.md", check: bool = False) -> list:
-    """Rebuild every generated file; returns the paths that changed (with ``check``, that would)."""
+def write_all(results_dir: str = "results", readme: str | None = "README.md", check: bool = False,
+              pages: tuple | None = None) -> list:
+    """Rebuild every generated file and fill the generated blocks of ``readme`` and ``pages``
+    (those that exist; default: ``docs/results.md`` beside ``readme``); returns the paths that
+    changed (with ``check``, that would)."""
+    if pages is None:
+        pages = (os.path.join(os.path.dirname(readme), "docs", "results.md"),) if readme else ()
     outputs: dict = {}
     blocks: dict = {}
     for folder in sorted(glob.glob(os.path.join(results_dir, "heldout", "*"))):
@@ -436,11 +440,12 @@ def write_all(results_dir: str = "results", readme: str | None = "README.md", ch
         blocks.update(b)
         outputs[os.path.join(folder, "tables.md")] = _stream_page(folder, b)
     outputs[os.path.join(results_dir, "legacy_metrics.md")] = legacy_table(results_dir)
-    if readme and os.path.exists(readme):
-        text, missing = fill_readme(open(readme).read(), blocks)
-        if missing:
-            print(f"note: README blocks without results yet: {', '.join(missing)}", file=sys.stderr)
-        outputs[readme] = text
+    for page in ([readme] if readme else []) + list(pages or ()):
+        if os.path.exists(page):
+            text, missing = fill_readme(open(page).read(), blocks)
+            if missing:
+                print(f"note: {page} blocks without results yet: {', '.join(missing)}", file=sys.stderr)
+            outputs[page] = text
     changed = []
     for path, text in outputs.items():
         old = open(path).read() if os.path.exists(path) else None
@@ -458,9 +463,12 @@ def main(argv: list | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m emcl_continual.tables", description=__doc__.split("\n\n")[0])
     p.add_argument("--results", default="results")
     p.add_argument("--readme", default="README.md")
+    p.add_argument("--pages", nargs="*", default=None,
+                   help="more pages with generated blocks (default: docs/results.md beside --readme)")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated file is out of date")
     args = p.parse_args(argv)
-    changed = write_all(args.results, args.readme, check=args.check)
+    changed = write_all(args.results, args.readme, check=args.check,
+                        pages=None if args.pages is None else tuple(args.pages))
     for path in changed:
         print(("out of date: " if args.check else "wrote ") + path)
     if args.check and changed:

@@ -1,6 +1,7 @@
 """One continual-learning run: a method on a stream for one seed.
 
-The loop only calls ``method.observe`` per batch and times it. Before the first batch it
+Per task the loop calls ``method.begin_task(t)``, ``method.observe`` per batch and
+``method.end_task(t)``, and times them. Before the first batch it
 evaluates the untrained model on every task (``acc_before``, the ``b`` of forward transfer), and
 after each task every task's evaluation set, giving the accuracy matrix; both are timed apart
 from training. The result records every metric of :mod:`.metrics`, the full configuration, the
@@ -15,7 +16,7 @@ import time
 import torch
 
 from . import metrics
-from .config import validate_config
+from .config import RUN_DEFAULTS, build_config
 from .methods import get_method
 from .models import build_model
 from .presets import BATCH_SIZE
@@ -23,24 +24,6 @@ from .provenance import code_version, command_line
 from .streams import Stream, make_stream
 
 __all__ = ["run", "build_config", "RUN_DEFAULTS"]
-
-# Run-level options every method accepts (``--set init=xavier``): the linear layers' init
-# (:func:`emcl_continual.models.build_model`).
-RUN_DEFAULTS = {"init": "torch"}
-
-
-def build_config(method: str, stream: str, seed: int, overrides: dict | None = None) -> dict:
-    """:data:`RUN_DEFAULTS` and ``defaults(stream)`` of ``method``, updated with ``overrides``,
-    plus ``seed``; checked by :func:`.config.validate_config` (unknown keys and bad values raise
-    ``ConfigError``)."""
-    cls = get_method(method)
-    config = dict(RUN_DEFAULTS)
-    config.update(cls.defaults(stream))
-    for key, value in (overrides or {}).items():
-        config[key] = value
-    config = validate_config(method, stream, config, overrides)
-    config["seed"] = int(seed)
-    return config
 
 
 def _sync(device: torch.device) -> None:
@@ -95,6 +78,9 @@ def run(method: str, stream: str | Stream, seed: int = 0, *, overrides: dict | N
     try:
         for t in range(T):
             task_loss, n = 0.0, 0
+            start = time.perf_counter()
+            learner.begin_task(t)
+            train_time += time.perf_counter() - start
             for x, y in stream.batches(t, batch_size, device=device):  # one copy per task
                 _sync(device)
                 start = time.perf_counter()
@@ -105,6 +91,11 @@ def run(method: str, stream: str | Stream, seed: int = 0, *, overrides: dict | N
                 n += 1
                 if bar is not None:
                     bar.update(1)
+            _sync(device)
+            start = time.perf_counter()
+            learner.end_task(t)
+            _sync(device)
+            train_time += time.perf_counter() - start
             losses.append(task_loss / max(1, n))
             start = time.perf_counter()
             row = metrics.evaluate(model, stream.test, device)

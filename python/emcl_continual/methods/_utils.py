@@ -2,8 +2,8 @@
 
 Nothing here is a method: flat-gradient packing for the projection methods, a mixed-task
 loss for replay batches (multi-head streams mask logits per task), per-task ring memories
-(GEM / A-GEM / EWC keep the most recent samples of each task, as in Lopez-Paz & Ranzato's
-code), and config validation with clear errors.
+(GEM / A-GEM keep the most recent samples of each task, as in Lopez-Paz & Ranzato's
+code).
 """
 from __future__ import annotations
 
@@ -14,61 +14,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
-    "defaults_for",
-    "check_config",
     "flat_grad",
     "set_flat_grad",
     "mixed_task_loss",
     "TaskRingMemory",
-    "make_generator",
 ]
-
-
-def defaults_for(method: str, table: dict, stream: str) -> dict:
-    """Return a copy of ``table[stream]``; raise a clear error for an unknown stream name."""
-    if stream not in table:
-        raise ValueError(
-            f"{method}: no hyper-parameters for stream {stream!r}; known streams: {sorted(table)}"
-        )
-    return dict(table[stream])
-
-
-def check_config(
-    method: str,
-    config: dict,
-    *,
-    positive: Sequence[str] = (),
-    nonnegative: Sequence[str] = (),
-    positive_int: Sequence[str] = (),
-    unit: Sequence[str] = (),
-) -> None:
-    """Validate the hyper-parameters a method reads; raise ``ValueError`` naming the bad key.
-
-    ``unit`` keys must lie in (0, 1].
-    """
-    for key in (*positive, *nonnegative, *positive_int, *unit):
-        if key not in config:
-            raise ValueError(f"{method}: missing hyper-parameter {key!r} (config keys: {sorted(config)})")
-    for key in positive:
-        if not float(config[key]) > 0:
-            raise ValueError(f"{method}: {key} must be > 0, got {config[key]!r}")
-    for key in nonnegative:
-        if not float(config[key]) >= 0:
-            raise ValueError(f"{method}: {key} must be >= 0, got {config[key]!r}")
-    for key in positive_int:
-        v = config[key]
-        if isinstance(v, bool) or int(v) != v or int(v) < 1:
-            raise ValueError(f"{method}: {key} must be a positive integer, got {v!r}")
-    for key in unit:
-        if not 0 < float(config[key]) <= 1:
-            raise ValueError(f"{method}: {key} must lie in (0, 1], got {config[key]!r}")
-
-
-def make_generator(config: dict) -> torch.Generator:
-    """A CPU generator seeded from ``config['seed']`` (0 when absent) for the method's own sampling."""
-    g = torch.Generator()
-    g.manual_seed(int(config.get("seed", 0)) * 1_000_003 + 17)
-    return g
 
 
 def flat_grad(params: Sequence[nn.Parameter]) -> Tensor:

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._qp import agem_project
-from ._utils import TaskRingMemory, check_config, defaults_for, flat_grad, make_generator, mixed_task_loss, set_flat_grad
+from ..schema import float_rule, int_rule
+from ._utils import TaskRingMemory, flat_grad, mixed_task_loss, set_flat_grad
 from .base import Method
 
 _DEFAULTS = {
@@ -34,23 +35,18 @@ class AGEM(Method):
     """A-GEM with per-task ring memories."""
 
     name = "agem"
-
-    @classmethod
-    def defaults(cls, stream: str) -> dict:
-        return defaults_for(cls.name, _DEFAULTS, stream)
+    DEFAULTS = _DEFAULTS
+    TABLE_II = {"split-cifar100": {"lr": 0.03, "memory": 200}, "split-miniimagenet": {"lr": 0.03, "memory": 200}}
+    RULES = {"lr": float_rule(open_=True), "memory": int_rule(1), "ref_batch": int_rule(1)}
 
     def __init__(self, model: nn.Module, info, config: dict, device: torch.device):
         super().__init__(model, info, config, device)
-        check_config(self.name, config, positive=("lr",), positive_int=("memory", "ref_batch"))
-        self.model, self.info, self.config, self.device = model, info, dict(config), device
-        per_task = int(config["memory"]) // int(info.n_tasks)
+        per_task = int(self.config["memory"]) // int(info.n_tasks)
         if per_task < 1:
-            raise ValueError(f"agem: memory {config['memory']} is smaller than the number of tasks {info.n_tasks}")
+            raise ValueError(f"agem: memory {self.config['memory']} is smaller than the number of tasks {info.n_tasks}")
         self.memory = TaskRingMemory(per_task, info.input_shape, device)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.SGD(self.params, lr=float(config["lr"]))
-        self.ref_batch = int(config["ref_batch"])
-        self.generator = make_generator(config)
+        self.ref_batch = int(self.config["ref_batch"])
         self.n_projections = 0
 
     def _reference(self, task: int) -> tuple[Tensor, Tensor, Tensor] | None:

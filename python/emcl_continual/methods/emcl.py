@@ -19,7 +19,7 @@ meta steps per batch. The default is Algorithm 1's one visit on every stream; th
 tables show 2 and 5 beside it. ``shuffle_inner`` visits the incoming and replayed samples of
 the inner loop in a random order instead of the incoming ones first.
 
-Defaults and where they differ from the paper (the README's "Deviations from the paper" lists
+Defaults and where they differ from the paper (docs/results.md, "Deviations from the paper", lists
 each with its measured effect): Table II's α₀, λ, γ; β chosen on validation data from the grid
 of :data:`emcl_continual.presets.GRIDS` (Table II's 0.15 is one of the candidates); a 200/500-sample
 reservoir memory with 10 replayed samples visited by the inner loop and the meta-loss (the
@@ -32,12 +32,12 @@ the inner loop; each inner step is θ ← θ − α ⊙ g with α the per-elemen
 rates the optimizer holds (La-MAML style), clipped to ``[0, modulation_lr_max]``.
 
 On a GPU (``cuda_graph="auto"``, the default) each glance is captured in a CUDA graph and
-replayed (:mod:`emcl_continual.graphed`: static input buffers, one graph per shape, the
+replayed (:mod:`emcl_continual.methods.emcl_graphed`: static input buffers, one graph per shape, the
 optimizer built with ``capturable=True``); ``cuda_graph=False`` keeps the eager loop below,
 ``cuda_graph=True`` also runs the static-buffer routine on the CPU (eagerly, bit for bit the
 eager loop).
 
-Controls of what the Taylor importance h does (README, "Deviations from the paper"):
+Controls of what the Taylor importance h does (docs/results.md, "Deviations from the paper"):
 
 * ``fixed_importance=h̄`` (with ``decay=1``): h is held at the constant h̄ in every element for
   the whole run (the optimizer's state is created by a zero-gradient inner step, an exact
@@ -67,12 +67,17 @@ import warnings
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from emcl_kernels.backends import BACKENDS
+from emcl_kernels.functional import check_hyperparameters
+from emcl_kernels.interface import IMPORTANCE_KINDS, LR_MODES
+from emcl_kernels.validation import resolve_lr_scale
 
-from .. import presets
-from ..graphed import GlanceRoutine, graph_plan
+from ..presets import BATCH_SIZE, MEMORY
 from ..replay import ReservoirBuffer
+from ..schema import BOOL, Rule, float_rule, int_rule
 from ..streams import StreamInfo
 from .base import Method
+from .emcl_graphed import GlanceRoutine, graph_plan
 
 __all__ = ["EMCL", "OPTIMIZER_KEYS"]
 
@@ -86,73 +91,113 @@ ABLATION_DEFAULTS = {"lr_mode": "inverse", "lr_scale": None, "decay": 0.9}
 
 IMPORTANCE_NORMS = (None, "global", "tensor")
 
-# β on MNIST Permutations / Rotated MNIST. Set to the candidate the selection on validation data
-# chose once it has run (a test checks it against results/heldout/); until then SPEC section
-# 6's 0.03 (Table II's 0.15 diverges from one-sample inner steps there).
+# β on MNIST Permutations / Rotated MNIST: the candidate the selection on validation data chose
+# (presets.GRIDS; a test checks it against results/heldout/). Table II's 0.15 diverges from
+# one-sample inner steps there.
 SELECTED_INNER_LR = 0.03
+
+# Table II: α₀ (meta_lr), β (inner_lr), λ (reg), γ (gamma) per stream.
+TABLE_II = {
+    "permuted-mnist": {"meta_lr": 0.3, "inner_lr": 0.15, "reg": 10.0, "gamma": 0.3},
+    "many-permutations": {"meta_lr": 0.15, "inner_lr": 0.03, "reg": 10.0, "gamma": 0.1},
+    "split-cifar100": {"meta_lr": 0.1, "inner_lr": 0.075, "reg": 50.0, "gamma": 0.1},
+    "split-miniimagenet": {"meta_lr": 0.1, "inner_lr": 0.075, "reg": 50.0, "gamma": 0.1},
+}
 
 
 class EMCL(Method):
     """Efficient Meta-learning for Continual Learning with the fused optimizer."""
 
     name = "emcl"
+    TABLE_II = TABLE_II
+    GENERATOR_OFFSET = 1
+    OPTIONAL = {"lr_min": 0.0, "lr_max": float("inf"), "eps": 1e-8}
+    RULES = {
+        "memory": int_rule(0, "replay memory size; 0 turns replay off"),
+        "meta_lr": float_rule(), "inner_lr": float_rule(), "reg": float_rule(), "gamma": float_rule(),
+        "lr_mode": Rule(str, choices=tuple(LR_MODES)),
+        "lr_scale": float_rule(none=True, note="None: 1/reg"),
+        "decay": float_rule(high=1.0),
+        "lr_min": float_rule(), "lr_max": float_rule(finite=False), "eps": float_rule(open_=True),
+        "importance": Rule(str, choices=tuple(IMPORTANCE_KINDS)),
+        "prox": BOOL,
+        "replay": int_rule(0, "replayed samples per incoming batch; 0 turns replay off"),
+        "inner_replay": BOOL, "meta_replay": BOOL, "shuffle_inner": BOOL,
+        "glances": int_rule(1),
+        "inner_lr_modulation": BOOL,
+        "modulation_lr_max": float_rule(none=True, note="None: meta_lr"),
+        "fixed_importance": float_rule(open_=True, none=True, note="None: h is the Taylor moving average"),
+        "importance_norm": Rule(str, choices=("global", "tensor"), none=True, note="None: the pull is gamma*reg*h"),
+        "backend": Rule(str, choices=("auto",) + tuple(sorted(BACKENDS))),
+        "cuda_graph": Rule(bool, choices=("auto",), note="'auto': capture on a GPU, eager on a CPU"),
+    }
 
     @classmethod
     def defaults(cls, stream: str) -> dict:
-        cfg = presets.paper_values("emcl", stream)  # Table II: meta_lr, inner_lr, reg, gamma; memory
-        if presets.table_ii_stream(stream) == "permuted-mnist":
-            # Table II's β = 0.15 is one of the four candidates of the selection on validation data
-            # (presets.GRIDS, results/heldout/); SELECTED_INNER_LR is the one it chose.
-            cfg["inner_lr"] = SELECTED_INNER_LR
-        glances = 1  # Algorithm 1: one inner loop and one meta step per incoming batch
+        if stream not in MEMORY:
+            raise ValueError(f"emcl: no hyper-parameters for stream {stream!r}; known streams: {sorted(MEMORY)}")
+        # Rotated MNIST has no Table II column: it takes MNIST Permutations' (same network and task size)
+        column = "permuted-mnist" if stream == "rotated-mnist" else stream
+        cfg = {"memory": MEMORY[stream], **TABLE_II[column]}
+        if column == "permuted-mnist":
+            cfg["inner_lr"] = SELECTED_INNER_LR  # Table II's β = 0.15 is one of the selection's candidates
         cfg.update(ABLATION_DEFAULTS)
         cfg.update({
             "importance": "taylor",
             "prox": True,
-            "replay": presets.BATCH_SIZE,  # replayed samples per incoming batch
+            "replay": BATCH_SIZE,          # replayed samples per incoming batch
             "inner_replay": True,          # the inner loop also visits the replayed samples
             "meta_replay": True,           # the meta-loss also covers them
             "shuffle_inner": False,        # inner loop in random order (else: incoming samples first)
-            "glances": glances,            # inner loop + meta step repeated on each incoming batch
+            "glances": 1,                  # Algorithm 1: one inner loop and one meta step per incoming batch
             "inner_lr_modulation": False,  # Table IV ablation: α as inner lr, no inner regularization
             "modulation_lr_max": None,     # clip of α in that ablation (None: meta_lr)
             "fixed_importance": None,      # control: h held at this constant (needs decay=1)
             "importance_norm": None,       # pull c = γλh/mean(h): "global" or "tensor" (None: γλh)
             "backend": "auto",
-            "cuda_graph": "auto",          # glances replayed from CUDA graphs on a GPU (graphed.py)
+            "cuda_graph": "auto",          # glances replayed from CUDA graphs on a GPU (emcl_graphed.py)
         })
         return cfg
 
-    def __init__(self, model: nn.Module, info: StreamInfo, config: dict, device: torch.device):
-        super().__init__(model, info, config, device)
+    @classmethod
+    def validate(cls, config: dict) -> None:
+        """The optimizer's own checks of its keys (cross-key rules such as lr_max >= lr_min), and
+        fixed_importance's need of decay=1."""
+        check_hyperparameters(**{k: config[k] for k in OPTIMIZER_KEYS if config.get(k) is not None})
+        if config.get("fixed_importance") is not None and float(config.get("decay", 0.9)) != 1.0:
+            raise ValueError("fixed_importance holds h constant, which needs decay=1 "
+                             "(eq. 7: h <- 1*h + 0*Omega); add --set decay=1.0")
+
+    def make_optimizer(self):
+        """:class:`emcl_kernels.FusedEMCLOptimizer` with the optimizer keys of the configuration
+        (``lr_scale=None``: :func:`emcl_kernels.validation.resolve_lr_scale`, 1/reg), one param
+        group per tensor for ``importance_norm="tensor"``, ``capturable`` when the glances are
+        captured in CUDA graphs."""
         from emcl_kernels import FusedEMCLOptimizer
 
         cfg = self.config
         hyper = {k: cfg[k] for k in OPTIMIZER_KEYS if k in cfg and cfg[k] is not None}
-        if "lr_scale" not in hyper:
-            hyper["lr_scale"] = 1.0 / float(cfg["reg"]) if float(cfg.get("reg", 0.0)) > 0 else 1.0
+        hyper["lr_scale"] = resolve_lr_scale(hyper.get("lr_scale"), float(cfg.get("reg", 0.0)))
         self.hyper = hyper
-        self.fixed_importance = cfg.get("fixed_importance")
-        if self.fixed_importance is not None:
-            if isinstance(self.fixed_importance, bool) or not float(self.fixed_importance) > 0:
-                raise ValueError(f"emcl: fixed_importance must be a number > 0 (or None), got {self.fixed_importance!r}")
-            if float(hyper.get("decay", 0.9)) != 1.0:
-                raise ValueError("emcl: fixed_importance holds h constant, which needs decay=1 "
-                                 "(eq. 7: h <- 1*h + 0*Omega); add --set decay=1.0")
         self.importance_norm = cfg.get("importance_norm")
-        if self.importance_norm not in IMPORTANCE_NORMS:
-            raise ValueError(f"emcl: importance_norm must be one of {IMPORTANCE_NORMS}, got {self.importance_norm!r}")
         use_routine, capture, why_not = graph_plan(cfg, self.device)
         if self.importance_norm is not None and use_routine:
             # the normalised pull sets γ on the host after every meta step: not in a captured graph
             use_routine, capture = False, False
             why_not = why_not or "importance_norm changes gamma between glances"
+        self.graph_choice = (use_routine, capture, why_not)
         if self.importance_norm == "tensor":
-            params = [{"params": [p]} for p in model.parameters()]
+            params = [{"params": [p]} for p in self.model.parameters()]
         else:
-            params = list(model.parameters())
-        self.opt = FusedEMCLOptimizer(params, backend=cfg.get("backend", "auto"), capturable=capture, **hyper)
-        self.base_gamma = float(hyper.get("gamma", 0.0))
+            params = list(self.model.parameters())
+        return FusedEMCLOptimizer(params, backend=cfg.get("backend", "auto"), capturable=capture, **hyper)
+
+    def __init__(self, model: nn.Module, info: StreamInfo, config: dict, device: torch.device):
+        super().__init__(model, info, config, device)
+        cfg = self.config
+        use_routine, capture, why_not = self.graph_choice
+        self.fixed_importance = cfg.get("fixed_importance")
+        self.base_gamma = float(self.hyper.get("gamma", 0.0))
         if self.fixed_importance is not None:
             self._fix_importance(float(self.fixed_importance))
         self._normalize_pull()
@@ -161,14 +206,11 @@ class EMCL(Method):
         self.inner_replay = bool(cfg.get("inner_replay", True))
         self.meta_replay = bool(cfg.get("meta_replay", True))
         self.shuffle_inner = bool(cfg.get("shuffle_inner", False))
-        self.glances = cfg.get("glances", 1)
-        if isinstance(self.glances, bool) or not isinstance(self.glances, int) or self.glances < 1:
-            raise ValueError(f"emcl: glances must be an integer >= 1, got {self.glances!r}")
+        self.glances = int(cfg.get("glances", 1))
         self.modulation = bool(cfg.get("inner_lr_modulation", False))
         mod_max = cfg.get("modulation_lr_max")
-        self.modulation_lr_max = float(hyper["meta_lr"] if mod_max is None else mod_max)
-        self.gen = self._generator(1)
-        self.buffer = ReservoirBuffer(self.memory, info.input_shape, self.gen, device=self.device) \
+        self.modulation_lr_max = float(self.hyper["meta_lr"] if mod_max is None else mod_max)
+        self.buffer = ReservoirBuffer(self.memory, info.input_shape, self.generator, device=self.device) \
             if self.memory > 0 else None
         self.routine = GlanceRoutine(self, capture=capture) if use_routine else None
         if why_not is not None:
@@ -287,7 +329,7 @@ class EMCL(Method):
         else:
             xi, yi, ti = x, y, tb
         if self.shuffle_inner:
-            order = torch.randperm(xi.shape[0], generator=self.gen).to(xi.device)
+            order = torch.randperm(xi.shape[0], generator=self.generator).to(xi.device)
             xi, yi, ti = xi[order], yi[order], ti[order]
         self.model.zero_grad(set_to_none=True)
         for k in range(xi.shape[0]):

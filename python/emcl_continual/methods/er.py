@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..replay import ReservoirBuffer
-from ._utils import check_config, defaults_for, make_generator, mixed_task_loss
+from ..schema import float_rule, int_rule
+from ._utils import mixed_task_loss
 from .base import Method
 
 _DEFAULTS = {
@@ -33,20 +34,14 @@ class ER(Method):
     """Reservoir experience replay."""
 
     name = "er"
-
-    @classmethod
-    def defaults(cls, stream: str) -> dict:
-        return defaults_for(cls.name, _DEFAULTS, stream)
+    DEFAULTS = _DEFAULTS
+    RULES = {"lr": float_rule(open_=True), "memory": int_rule(1), "replay_batch": int_rule(1)}
 
     def __init__(self, model: nn.Module, info, config: dict, device: torch.device):
         super().__init__(model, info, config, device)
-        check_config(self.name, config, positive=("lr",), positive_int=("memory", "replay_batch"))
-        self.model, self.info, self.config, self.device = model, info, dict(config), device
-        self.opt = torch.optim.SGD(model.parameters(), lr=float(config["lr"]))
-        self.generator = make_generator(config)
-        self.buffer = ReservoirBuffer(int(config["memory"]), tuple(info.input_shape), self.generator,
+        self.buffer = ReservoirBuffer(int(self.config["memory"]), tuple(info.input_shape), self.generator,
                                       device=device)  # on the model's device: no host round trips
-        self.replay_batch = int(config["replay_batch"])
+        self.replay_batch = int(self.config["replay_batch"])
 
     def observe(self, x: Tensor, y: Tensor, task: int) -> float:
         self.model.train()

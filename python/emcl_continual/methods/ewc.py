@@ -1,8 +1,8 @@
 r"""Elastic Weight Consolidation (Kirkpatrick et al. 2017), as in the GEM code the paper adopts.
 
 The EMCL paper takes EWC from https://github.com/facebookresearch/GradientEpisodicMemory
-(footnote 1). That version keeps the last ``n_memories`` samples of the running task; when a
-new task starts it stores, for the task just finished, the parameters :math:`\theta^*_k` and a
+(footnote 1). That version keeps the first ``n_memories`` samples of the running task; when the
+task ends (:meth:`EWC.end_task`) it stores, for that task, the parameters :math:`\theta^*_k` and a
 diagonal Fisher estimate :math:`F_k = (\nabla_\theta \ell(\text{memory}_k))^2` (the squared
 gradient of the mean loss on those samples), then trains with
 
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._utils import check_config, defaults_for
+from ..schema import float_rule, int_rule
 from .base import Method
 
 _DEFAULTS = {
@@ -48,20 +48,15 @@ class EWC(Method):
     """EWC with one (Fisher, anchor) pair per finished task."""
 
     name = "ewc"
-
-    @classmethod
-    def defaults(cls, stream: str) -> dict:
-        return defaults_for(cls.name, _DEFAULTS, stream)
+    DEFAULTS = _DEFAULTS
+    TABLE_II = {"split-cifar100": {"lr": 0.03, "reg": 100.0}, "split-miniimagenet": {"lr": 0.03, "reg": 100.0}}
+    RULES = {"lr": float_rule(open_=True), "reg": float_rule(), "n_memories": int_rule(1)}
 
     def __init__(self, model: nn.Module, info, config: dict, device: torch.device):
         super().__init__(model, info, config, device)
-        check_config(self.name, config, positive=("lr",), nonnegative=("reg",), positive_int=("n_memories",))
-        self.model, self.info, self.config, self.device = model, info, dict(config), device
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.SGD(self.params, lr=float(config["lr"]))
-        self.reg = float(config["reg"])
-        self.n_memories = int(config["n_memories"])
-        self.current_task: int | None = None
+        self.reg = float(self.config["reg"])
+        self.n_memories = int(self.config["n_memories"])
         self.mem_x: Tensor | None = None
         self.mem_y: Tensor | None = None
         self.n_consolidated = 0
@@ -69,10 +64,23 @@ class EWC(Method):
         self.weighted_anchor = [torch.zeros_like(p) for p in self.params]  # sum_k F_k theta*_k
         self.anchor = [torch.zeros_like(p) for p in self.params]           # theta-bar
 
-    def _consolidate(self) -> None:
-        """Store the Fisher diagonal and the parameters of the task that just ended."""
+    def begin_task(self, task: int) -> None:
+        """Start the memory of ``task`` empty."""
+        self.mem_x = self.mem_y = None
+
+    def end_task(self, task: int) -> None:
+        """Consolidate ``task``: store its Fisher diagonal and the parameters (when any of its
+        batches were seen)."""
+        if self.mem_x is not None:
+            self.model.train()
+            self._consolidate(task)
+        self.mem_x = self.mem_y = None
+
+    def _consolidate(self, task: int) -> None:
+        """Add the Fisher diagonal of the memory of ``task`` (the squared gradient of its mean
+        loss) and the parameters now to the summed quadratic."""
         self.model.zero_grad(set_to_none=True)
-        F.cross_entropy(self.model(self.mem_x, self.current_task), self.mem_y).backward()
+        F.cross_entropy(self.model(self.mem_x, task), self.mem_y).backward()
         with torch.no_grad():
             for p, fs, wa, a in zip(self.params, self.fisher_sum, self.weighted_anchor, self.anchor):
                 f = p.grad.pow(2) if p.grad is not None else torch.zeros_like(p)
@@ -91,10 +99,6 @@ class EWC(Method):
 
     def observe(self, x: Tensor, y: Tensor, task: int) -> float:
         self.model.train()
-        if self.current_task is not None and task != self.current_task:
-            self._consolidate()
-            self.mem_x = self.mem_y = None
-        self.current_task = task
         if self.mem_x is None:
             self.mem_x, self.mem_y = x.detach()[: self.n_memories].clone(), y.detach()[: self.n_memories].clone()
         elif self.mem_x.shape[0] < self.n_memories:

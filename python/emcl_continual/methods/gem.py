@@ -32,7 +32,8 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from ._qp import gem_project
-from ._utils import TaskRingMemory, check_config, defaults_for, flat_grad, set_flat_grad
+from ..schema import BOOL, float_rule, int_rule
+from ._utils import TaskRingMemory, flat_grad, set_flat_grad
 from .base import Method
 
 _DEFAULTS = {
@@ -48,25 +49,23 @@ class GEM(Method):
     """GEM with per-task ring memories and the exact dual QP projection."""
 
     name = "gem"
-
-    @classmethod
-    def defaults(cls, stream: str) -> dict:
-        return defaults_for(cls.name, _DEFAULTS, stream)
+    DEFAULTS = _DEFAULTS
+    TABLE_II = {"split-cifar100": {"lr": 0.03, "memory": 200}, "split-miniimagenet": {"lr": 0.03, "memory": 200}}
+    OPTIONAL = {"batched_memory_grads": True}
+    RULES = {"lr": float_rule(open_=True), "memory": int_rule(1), "margin": float_rule(), "eps": float_rule(),
+             "batched_memory_grads": BOOL}
 
     def __init__(self, model: nn.Module, info, config: dict, device: torch.device):
         super().__init__(model, info, config, device)
-        check_config(self.name, config, positive=("lr",), nonnegative=("margin", "eps"), positive_int=("memory",))
-        self.model, self.info, self.config, self.device = model, info, dict(config), device
-        per_task = int(config["memory"]) // int(info.n_tasks)
+        per_task = int(self.config["memory"]) // int(info.n_tasks)
         if per_task < 1:
-            raise ValueError(f"gem: memory {config['memory']} is smaller than the number of tasks {info.n_tasks}")
+            raise ValueError(f"gem: memory {self.config['memory']} is smaller than the number of tasks {info.n_tasks}")
         self.memory = TaskRingMemory(per_task, info.input_shape, device)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.SGD(self.params, lr=float(config["lr"]))
-        self.margin = float(config["margin"])
-        self.eps = float(config["eps"])
+        self.margin = float(self.config["margin"])
+        self.eps = float(self.config["eps"])
         self.n_projections = 0  # how many steps needed the QP (diagnostic)
-        self.batched = bool(config.get("batched_memory_grads", True)) and not any(
+        self.batched = bool(self.config.get("batched_memory_grads", True)) and not any(
             isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
         self._names = [n for n, p in model.named_parameters() if p.requires_grad]
 

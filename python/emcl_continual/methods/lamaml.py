@@ -42,7 +42,8 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ..replay import ReservoirBuffer
-from ._utils import check_config, defaults_for, make_generator, mixed_task_loss
+from ..schema import BOOL, float_rule, int_rule
+from ._utils import mixed_task_loss
 from .base import Method
 
 _DEFAULTS = {
@@ -59,37 +60,37 @@ _DEFAULTS = {
 }
 
 
-# The EMCL paper's Table II values for MNIST Permutations (swapped against La-MAML's script).
-TABLE_II_PERMUTED = {"alpha_init": 0.3, "eta": 0.15}
-
-
 class LaMAML(Method):
     """La-MAML with per-parameter learnable learning rates and a reservoir memory."""
 
     name = "lamaml"
-
-    @classmethod
-    def defaults(cls, stream: str) -> dict:
-        return defaults_for(cls.name, _DEFAULTS, stream)
+    DEFAULTS = _DEFAULTS
+    TABLE_II = {"permuted-mnist": {"alpha_init": 0.3, "eta": 0.15, "memory": 200},
+                "many-permutations": {"alpha_init": 0.1, "eta": 0.1, "memory": 500},
+                "split-cifar100": {"alpha_init": 0.1, "eta": 0.3, "memory": 200},
+                "split-miniimagenet": {"alpha_init": 0.1, "eta": 0.3, "memory": 200}}
+    RULES = {"alpha_init": float_rule(open_=True), "eta": float_rule(open_=True), "memory": int_rule(1),
+             "replay_batch": int_rule(1), "glances": int_rule(1), "second_order": BOOL, "learn_lr": BOOL,
+             "grad_clip": float_rule(open_=True)}
 
     def __init__(self, model: nn.Module, info, config: dict, device: torch.device):
         super().__init__(model, info, config, device)
-        check_config(self.name, config, positive=("alpha_init", "eta", "grad_clip"),
-                     positive_int=("memory", "replay_batch", "glances"))
-        self.model, self.info, self.config, self.device = model, info, dict(config), device
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.glances = int(self.config["glances"])
+        self.replay_batch = int(self.config["replay_batch"])
+        self.second_order = bool(self.config["second_order"])
+        self.learn_lr = bool(self.config["learn_lr"])
+        self.grad_clip = float(self.config["grad_clip"])
+        self.buffer = ReservoirBuffer(int(self.config["memory"]), tuple(info.input_shape), self.generator,
+                                      device=device)  # on the model's device: no host round trips
+
+    def make_optimizer(self):
+        """SGD with lr ``eta`` on the per-parameter learning rates ``alpha`` (created here, at
+        ``alpha_init``); the weights themselves are stepped by hand in :meth:`observe`."""
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.alpha = [torch.full_like(p, float(config["alpha_init"])).requires_grad_(True) for p in self.params]
-        self.opt_lr = torch.optim.SGD(self.alpha, lr=float(config["eta"]))
-        self.glances = int(config["glances"])
-        self.replay_batch = int(config["replay_batch"])
-        self.second_order = bool(config["second_order"])
-        self.learn_lr = bool(config["learn_lr"])
-        self.grad_clip = float(config["grad_clip"])
-        self.generator = make_generator(config)
-        self.buffer = ReservoirBuffer(int(config["memory"]), tuple(info.input_shape), self.generator,
-                                      device=device)  # on the model's device: no host round trips
+        self.alpha = [torch.full_like(p, float(self.config["alpha_init"])).requires_grad_(True) for p in self.params]
+        return torch.optim.SGD(self.alpha, lr=float(self.config["eta"]))
 
     def _forward(self, weights: list[Tensor]):
         mapping = dict(zip(self.names, weights))
@@ -133,7 +134,7 @@ class LaMAML(Method):
             torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
             torch.nn.utils.clip_grad_norm_(self.alpha, self.grad_clip)
             if self.learn_lr:
-                self.opt_lr.step()
+                self.opt.step()
             with torch.no_grad():
                 for p, a in zip(self.params, self.alpha):
                     if p.grad is not None:
@@ -143,3 +144,7 @@ class LaMAML(Method):
         for p in self.params:
             p.grad = None
         return float(meta.detach())
+
+
+# The EMCL paper's Table II values for MNIST Permutations (swapped against La-MAML's script).
+TABLE_II_PERMUTED = {k: LaMAML.TABLE_II["permuted-mnist"][k] for k in ("alpha_init", "eta")}

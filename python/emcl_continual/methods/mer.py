@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..replay import ReservoirBuffer
-from ._utils import check_config, defaults_for, make_generator
+from ..schema import BOOL, float_rule, int_rule
 from .base import Method
 
 _DEFAULTS = {
@@ -152,30 +152,32 @@ class MER(Method):
     """MER Algorithm 1 (per-example Reptile over replay batches) with a reservoir memory."""
 
     name = "mer"
-
-    @classmethod
-    def defaults(cls, stream: str) -> dict:
-        return defaults_for(cls.name, _DEFAULTS, stream)
+    DEFAULTS = _DEFAULTS
+    OPTIONAL = {"fast_mlp": True}
+    RULES = {"lr": float_rule(open_=True), "beta": float_rule(open_=True), "gamma": float_rule(open_=True),
+             "memory": int_rule(1), "replay_batch": int_rule(1), "batches_per_example": int_rule(1),
+             "grad_clip": float_rule(note="0: no clipping"), "fast_mlp": BOOL}
 
     def __init__(self, model: nn.Module, info, config: dict, device: torch.device):
         super().__init__(model, info, config, device)
-        check_config(self.name, config, positive=("lr", "beta", "gamma"), nonnegative=("grad_clip",),
-                     positive_int=("memory", "replay_batch", "batches_per_example"))
-        self.model, self.info, self.config, self.device = model, info, dict(config), device
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.lr = float(config["lr"])
-        self.beta = float(config["beta"])
-        self.gamma = float(config["gamma"])
-        self.grad_clip = float(config["grad_clip"])
-        self.steps = int(config["batches_per_example"])
-        self.replay_batch = int(config["replay_batch"])
-        self.generator = make_generator(config)
-        self.buffer = ReservoirBuffer(int(config["memory"]), tuple(info.input_shape), self.generator,
+        self.lr = float(self.config["lr"])
+        self.beta = float(self.config["beta"])
+        self.gamma = float(self.config["gamma"])
+        self.grad_clip = float(self.config["grad_clip"])
+        self.steps = int(self.config["batches_per_example"])
+        self.replay_batch = int(self.config["replay_batch"])
+        self.buffer = ReservoirBuffer(int(self.config["memory"]), tuple(info.input_shape), self.generator,
                                       device=device)  # on the model's device: no host round trips
         self._snap = [torch.empty_like(p) for p in self.params]   # theta_{W_i,0}
         self._start = [torch.empty_like(p) for p in self.params]  # theta_{A_0}
-        use_fast = bool(config.get("fast_mlp", True))
+        use_fast = bool(self.config.get("fast_mlp", True))
         self._stepper = _ReluMLPStepper.build(model, info, device) if use_fast else None
+
+    def make_optimizer(self):
+        """None: MER steps the weights itself (per-sample SGD with ``lr``, then the Reptile
+        interpolations with ``beta`` and ``gamma``)."""
+        return None
 
     @property
     def uses_fast_path(self) -> bool:

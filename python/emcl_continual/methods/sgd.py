@@ -10,11 +10,10 @@ the paper has no rotation stream). The reported runs use the lr chosen on valida
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from ._utils import check_config, defaults_for
+from ..schema import float_rule
 from .base import Method
 
 _DEFAULTS = {
@@ -30,16 +29,8 @@ class FineTune(Method):
     """One SGD step per incoming batch on its cross-entropy loss."""
 
     name = "sgd"
-
-    @classmethod
-    def defaults(cls, stream: str) -> dict:
-        return defaults_for(cls.name, _DEFAULTS, stream)
-
-    def __init__(self, model: nn.Module, info, config: dict, device: torch.device):
-        super().__init__(model, info, config, device)
-        check_config(self.name, config, positive=("lr",))
-        self.model, self.info, self.config, self.device = model, info, dict(config), device
-        self.opt = torch.optim.SGD(model.parameters(), lr=float(config["lr"]))
+    DEFAULTS = _DEFAULTS
+    RULES = {"lr": float_rule(open_=True)}
 
     def observe(self, x: Tensor, y: Tensor, task: int) -> float:
         self.model.train()

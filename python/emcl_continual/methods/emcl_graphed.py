@@ -1,10 +1,9 @@
-r"""EMCL's glance as a static-buffer routine, replayed from a CUDA graph on a GPU (issue 16).
+r"""EMCL's glance as a static-buffer routine, replayed from a CUDA graph on a GPU.
 
 **Why.** Per incoming batch of 10, EMCL runs G glances (2 on the MNIST streams), each 20
 one-sample inner steps (forward, backward, ``opt.inner_step()``) and one meta step: about
 84,000 tiny forward/backward/step sequences per Permuted-MNIST run. Each costs dozens of
-kernel launches from Python. On the H100 of the first GPU run (shared/gpu-evidence,
-2026-11-26) the paper's one-sample inner step on the MLP took 716.6 µs eagerly on CUDA,
+kernel launches from Python. Measured on an H100 (shared/gpu-evidence, 2026-11-26): the paper's one-sample inner step on the MLP took 716.6 µs eagerly on CUDA,
 357.9 µs on one CPU thread and 52.8 µs replayed from a CUDA graph; the whole run took 85.4 s
 on the GPU against 57.0 s on that machine's CPU. The GPU waits on the host: EMCL's kernels
 themselves take 11.5 µs of device time per step on that MLP.
@@ -18,10 +17,10 @@ samples on every device), checks that the optimizer's state tensors are still th
 ones, copies the incoming batch and the indices into the static input buffers (the indices
 through pinned memory, without a sync) and launches one replay: a few copies and one launch
 where the eager glance costs 21 x 716.6 µs ≈ 15 ms of launches on that H100. The index draw
-and the state check cost 52 and 40 µs on the loaded 2-core CPU of this session (load 11),
+and the state check cost 52 and 40 µs on a loaded 2-core CPU (load average 11),
 far less on a quiet host, and they overlap the previous replay. Predicted from the measured
-replay cost, not measured here: 84,000 x ~53 µs ≈ 4.5 s of device time for a whole
-Permuted-MNIST run, against 57.0 s on the CPU (the issue asks for 5x). The loss is a static
+replay cost: 84,000 x ~53 µs ≈ 4.5 s of device time for a whole Permuted-MNIST run, against
+57.0 s on the CPU. The loss is a static
 output read once per batch (``observe`` returns a float).
 
 **Shapes.** A graph is built per static shape ``(batch, replayed rows)``: the first batch of
@@ -46,7 +45,7 @@ counters live on the device and its steps never sync with the host.
 **Alternatives.** ``torch.compile(mode="reduce-overhead")`` over the same routine breaks its
 graph at every ``backward()`` and at the optimizer's Python, leaving ~40 compiled pieces per
 glance with Python between them; capturing one inner step instead of the glance needs 21
-replays per glance instead of one. Neither was measured (no GPU was lent to this session).
+replays per glance instead of one. Neither has been measured.
 """
 from __future__ import annotations
 
@@ -155,7 +154,7 @@ class GlanceRoutine:
         replay = int(idx.numel()) if used else 0
         batch = int(x.shape[0])
         n_inner = batch + (replay if m.inner_replay else 0)
-        order = torch.randperm(n_inner, generator=m.gen) if m.shuffle_inner else None
+        order = torch.randperm(n_inner, generator=m.generator) if m.shuffle_inner else None
         s = self._static(batch, replay, n_inner, batch + (replay if m.meta_replay else 0), x)
         self._load(s, x, y, tb, idx if used else None, order)
         if not self.capture or self.failure is not None:
@@ -276,7 +275,7 @@ class GlanceRoutine:
         graph keeps the old ones. The other tensors it touches are written in place and never
         replaced: the parameters and batch-norm buffers (``model.load_state_dict`` copies into
         them), the reservoir's storage and the static buffers. Checked at every replay by
-        identity: 40 µs per check for the MLP on the loaded 2-core CPU (load 11), where reading
+        identity: 40 µs per check for the MLP on a loaded 2-core CPU (load average 11), where reading
         every touched tensor's address, model traversal included, took 493 µs."""
         opt = self.method.opt
         out = [v for state in opt.state.values() for v in state.values()]
