@@ -346,14 +346,17 @@ EMCL_HD void update_full_vector(const Pointers<acc_t, acc_t>& t, int64_t i, int6
 
 // Updates elements [begin, end) of one such tensor, prefetching ahead of every stream.
 template <Op kOp, bool kProx, Importance kImp, LrMode kLr, typename acc_t>
-void update_full(const Pointers<acc_t, acc_t>& t, int64_t begin, int64_t end,
+void update_full(const Pointers<acc_t, acc_t>& ptrs, int64_t begin, int64_t end,
                  const Hyper<at::vec::Vectorized<acc_t>>& hyper) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t V = Vec::size();
   constexpr bool kAlpha = has_meta(kOp) && kLr == LrMode::kRecurrent;
-  // A local copy: the stores below go through acc_t pointers, which may alias the Vectorized
-  // fields of a struct the compiler cannot see the origin of, forcing a reload per vector.
+  // Local copies: the stores below go through acc_t pointers, which may alias the fields of a
+  // struct the compiler cannot see the origin of, forcing a reload per vector (of the hyper
+  // vectors, and of the five data pointers: objdump showed them reloaded per vector once this
+  // function stopped being inlined into the pass's lambda; 5 of ~54 instructions per vector).
   const Hyper<Vec> hp = hyper;
+  const Pointers<acc_t, acc_t> t = ptrs;
   const int64_t ahead = prefetch_plan().bytes / static_cast<int64_t>(sizeof(acc_t));
   const bool w = has_meta(kOp) && prefetch_plan().write;  // the meta steps write θ₀, h (α)
   constexpr int64_t kLine = 64 / sizeof(acc_t);  // elements per cache line
@@ -411,12 +414,13 @@ EMCL_HD void update_reduced_vector(const Pointers<scalar_t, float>& t, int64_t i
 
 // Updates elements [begin, end) of one tensor of bf16/fp16 parameters.
 template <Op kOp, bool kProx, Importance kImp, LrMode kLr, typename scalar_t>
-void update_reduced(const Pointers<scalar_t, float>& t, int64_t begin, int64_t end,
+void update_reduced(const Pointers<scalar_t, float>& ptrs, int64_t begin, int64_t end,
                     const Hyper<at::vec::Vectorized<float>>& hyper) {
   using bVec = at::vec::Vectorized<scalar_t>;
   constexpr int64_t V = bVec::size();
   constexpr bool kAlpha = has_meta(kOp) && kLr == LrMode::kRecurrent;
   const Hyper<at::vec::Vectorized<float>> hp = hyper;  // see update_full
+  const Pointers<scalar_t, float> t = ptrs;
   // One vector of V elements reads V floats of θ₀ and h (and α) and V halves of θ and g: with
   // V = 16 (AVX2) a cache line of the first and half of one of the second. A range may start
   // anywhere in a line, so the phase is counted from `begin`.
