@@ -9,12 +9,23 @@ For every layout (the MLP 784-100-100-10, torchvision's ResNet-18, 1,000 x 4,096
 parameter shapes), dtype (fp32, bf16) and, on CPU, thread count, it builds one set of
 parameters with gradients and times, on those same tensors and interleaved round by round:
 
-* ``torch.optim.Adam(fused=True)``, ``Adam(foreach=True)``, ``SGD(foreach=True, momentum=0.9)``;
+* ``torch.optim.Adam(fused=True)`` three ways, the peers of SPEC section 7: plain
+  (``adam_fused``, checks nothing), skipping non-finite steps as torch does
+  (``adam_fused_checked``: GradScaler's finite check, ``torch._amp_foreach_non_finite_check_and_unscale_``
+  with an inverse scale of 1, feeding ``found_inf`` to the fused step), and under a
+  ``torch.amp.GradScaler`` (``adam_fused_scaler``: ``scaler.step(opt); scaler.update()``);
+  ``Adam(foreach=True)``, ``SGD(foreach=True, momentum=0.9)``;
 * ``FusedEMCLOptimizer(meta_every=1, backend=b)`` for every backend ``b`` available on the
   device, once with its defaults (``check_finite=True``) and once with ``check_finite=False``;
   each is timed through ``step()`` (with ``meta_every=1`` every step is the fused inner+meta
   step: 28 B per fp32 element, Adam's bytes) and through ``inner_step()`` (the inner step
-  alone: 20 B).
+  alone: 20 B); the default one also under its own ``GradScaler`` (``step() scaler``).
+
+Each EMCL row has its like-for-like peer and goal (``PEERS``, SPEC section 7): ``step()
+nocheck`` <= 1.0x ``adam_fused``, ``step()`` <= 1.0x ``adam_fused_checked``, ``step() scaler``
+<= 1.0x ``adam_fused_scaler``, ``inner_step() nocheck`` <= 0.8x ``adam_fused``; each record
+says ``ratio_to_peer`` and whether the goal is met, tied (the interquartile ranges overlap
+the goal) or missed (``verdict``).
 
 Reported per contender: the wall time of a step (median, quartiles, min), on a GPU also the
 host time of ``step()`` without synchronizing, the device time (CUDA activity durations summed
@@ -48,7 +59,14 @@ SCHEMA = "emcl-kernels/bench_step/1"
 LAYOUT_CHOICES = ("mlp", "resnet18", "many", "gpt2")
 LAYOUT_NAMES = {"mlp": "mlp-784-100-100-10", "resnet18": "resnet18", "many": "many-1000x4096",
                 "gpt2": "gpt2-124m"}
-BASELINES = ("adam_fused", "adam_foreach", "sgd_foreach")
+BASELINES = ("adam_fused", "adam_fused_checked", "adam_fused_scaler", "adam_foreach",
+             "sgd_foreach")
+# SPEC section 7: each EMCL call and setting, its like-for-like torch peer and the goal of the
+# ratio of their wall times (keys: call, check_finite, under a GradScaler).
+PEERS = {("step()", False, False): ("adam_fused", 1.0),
+         ("step()", True, False): ("adam_fused_checked", 1.0),
+         ("step()", True, True): ("adam_fused_scaler", 1.0),
+         ("inner_step()", False, False): ("adam_fused", 0.8)}
 PARAM_SCALE, GRAD_SCALE = 0.1, 1e-3   # θ ~ 0.1·N(0,1), g ~ 1e-3·N(0,1): finite over many steps
 
 
@@ -196,35 +214,101 @@ class Contender:
     estimate_s: float = 0.0                      # the last warm-up step's wall time
     block: int = 1
     error: Optional[str] = None
+    runner: Optional[Callable[[], object]] = None   # what one step is, when not optimizer.call
+    scaler: bool = False                            # stepped through a torch.amp.GradScaler
 
     @property
     def fn(self) -> Callable[[], object]:
+        if self.runner is not None:
+            return self.runner
         return getattr(self.optimizer, self.call.rstrip("()"))
 
 
+def checked_step(optimizer) -> Callable[[], object]:
+    """``optimizer.step()`` (a torch optimizer with ``_step_supports_amp_scaling``, e.g.
+    ``Adam(fused=True)``) skipping non-finite steps the way torch does, without a scale: what
+    ``torch.amp.GradScaler.step`` does for such an optimizer (``_check_inf_per_device`` then
+    ``step``, in torch/amp/grad_scaler.py): every step, the gradients grouped by device and
+    dtype, one ``torch._amp_foreach_non_finite_check_and_unscale_`` per group with an inverse
+    scale of 1.0 into a fresh ``found_inf``, the flags summed onto one device, handed to the
+    step as ``optimizer.found_inf`` with ``optimizer.grad_scale = None`` (the fused kernel then
+    skips the update, and the step counters, where ``found_inf`` is non-zero)."""
+    from collections import defaultdict
+
+    def step():
+        by_device = defaultdict(lambda: defaultdict(list))
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        by_device[p.grad.device][p.grad.dtype].append(p.grad)
+            found = []
+            for device, per_dtype in by_device.items():
+                found_inf = torch.full((), 0.0, dtype=torch.float32, device=device)
+                inv_scale = torch.full((), 1.0, dtype=torch.float32, device=device)
+                for grads in per_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+                found.append(found_inf)
+        first = found[0].device if found else torch.device("cpu")
+        optimizer.grad_scale = None
+        optimizer.found_inf = sum(t.to(first, non_blocking=True) for t in found)
+        try:
+            return optimizer.step()
+        finally:
+            del optimizer.grad_scale
+            del optimizer.found_inf
+    return step
+
+
+def scaler_step(optimizer, device: torch.device) -> Callable[[], object]:
+    """``scaler.step(optimizer); scaler.update()`` with a ``torch.amp.GradScaler`` of its own
+    (default settings; its scale made once by ``scaler.scale``, as the first backward of a
+    training loop would): torch's finite check of every gradient, then the optimizer's step with
+    the scale and ``found_inf`` (fused Adam and EMCL divide the gradients by the scale in their
+    own pass), then the scale's update."""
+    scaler = torch.amp.GradScaler(device.type)
+    scaler.scale(torch.ones((), device=device))
+
+    def step():
+        scaler.step(optimizer)
+        scaler.update()
+    return step
+
+
 def make_contenders(params: list, emcl_backends: list, log) -> tuple:
-    """(contenders, errors): torch's three baselines and, per EMCL backend, one optimizer with
-    its defaults and one with ``check_finite=False``, each timed through ``step()``
-    (``meta_every=1``) and ``inner_step()``. A constructor that raises is recorded, not fatal."""
+    """(contenders, errors): torch's baselines (fused Adam plain, checked and under a
+    GradScaler, on one ``Adam(fused=True)``; foreach Adam; foreach SGD) and, per EMCL backend,
+    one optimizer with its defaults (timed through ``step()``, ``inner_step()`` and ``step()``
+    under a GradScaler) and one with ``check_finite=False`` (``step()``, ``inner_step()``).
+    Contenders that share an optimizer share its state: they step the same tensors anyway.
+    A constructor that raises is recorded, not fatal."""
     out, errors = [], {}
+    device = params[0].device if params else torch.device("cpu")
     specs = [
-        ("adam_fused", "adam_fused", lambda: torch.optim.Adam(params, lr=1e-3, fused=True),
+        ("adam_fused", lambda: torch.optim.Adam(params, lr=1e-3, fused=True),
          {"lr": 1e-3, "fused": True}),
-        ("adam_foreach", "adam_foreach", lambda: torch.optim.Adam(params, lr=1e-3, foreach=True),
+        ("adam_foreach", lambda: torch.optim.Adam(params, lr=1e-3, foreach=True),
          {"lr": 1e-3, "foreach": True}),
-        ("sgd_foreach", "sgd_foreach",
-         lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True),
+        ("sgd_foreach", lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True),
          {"lr": 1e-3, "momentum": 0.9, "foreach": True}),
     ]
-    for name, family, build, settings in specs:
+    for name, build, settings in specs:
         try:
             opt = build()
         except Exception as exc:  # noqa: BLE001 - recorded in the results
             errors[name] = f"{type(exc).__name__}: {exc}"
             log(f"      {name}: cannot be built: {errors[name]}")
             continue
-        kind = "adam" if family.startswith("adam") else "sgd"
-        out.append(Contender(name, family, opt, "step()", kind, settings=settings))
+        kind = "adam" if name.startswith("adam") else "sgd"
+        out.append(Contender(name, name, opt, "step()", kind, settings=settings))
+        if name == "adam_fused":
+            out.append(Contender("adam_fused_checked", "adam_fused_checked", opt, "step()",
+                                 "adam", settings={**settings, "finite_check":
+                                                   "_amp_foreach_non_finite_check_and_unscale_"},
+                                 runner=checked_step(opt)))
+            out.append(Contender("adam_fused_scaler", "adam_fused_scaler", opt, "step()",
+                                 "adam", settings={**settings, "grad_scaler": "default"},
+                                 runner=scaler_step(opt, device), scaler=True))
     for backend in emcl_backends:
         for check in (True, False):
             suffix = "" if check else " nocheck"
@@ -239,6 +323,11 @@ def make_contenders(params: list, emcl_backends: list, log) -> tuple:
                                  "emcl_step", backend, check, settings))
             out.append(Contender(f"emcl[{backend}] inner_step(){suffix}", "emcl", opt,
                                  "inner_step()", "emcl_inner", backend, check, settings))
+            if check:
+                out.append(Contender(f"emcl[{backend}] step() scaler", "emcl", opt, "step()",
+                                     "emcl_step", backend, check,
+                                     {**settings, "grad_scaler": "default"},
+                                     runner=scaler_step(opt, device), scaler=True))
     return out, errors
 
 
@@ -408,7 +497,7 @@ def record_of(c: Contender, group: dict, device: torch.device, dtype: torch.dtyp
     """The JSON record of one contender in one group (ratios filled in later)."""
     rec = {"device": device.type, "device_name": common.device_name(device), **group,
            "contender": c.name, "family": c.family, "call": c.call, "backend": c.backend,
-           "check_finite": c.check_finite, "settings": c.settings,
+           "check_finite": c.check_finite, "grad_scaler": c.scaler, "settings": c.settings,
            "emcl_step": {"emcl_step": "inner+meta", "emcl_inner": "inner"}.get(c.bytes_kind),
            "bytes_per_element": bytes_per_element(c.bytes_kind, dtype),
            "error": c.error, "steps_taken": c.steps}
@@ -433,7 +522,10 @@ def add_ratios(records: list) -> None:
     """``ratio_to_<baseline>``: each record's median wall time over the baseline's in the same
     group (device, threads, layout, dtype); ``ratio_to_<baseline>_min``: the same of the
     fastest steps (on a shared machine other jobs only ever add time). None where either is
-    missing."""
+    missing. EMCL records with a SPEC section 7 peer (``PEERS``) also get ``peer``, ``goal``,
+    ``ratio_to_peer`` (and ``_min``) and ``verdict``: "met" (median ratio <= goal), "tie"
+    (above it, but the interquartile ranges reach it: EMCL's lower quartile over the peer's
+    upper quartile <= goal) or "missed"."""
     groups = {}
     for r in records:
         groups.setdefault((r["device"], r["threads"], r["layout"], r["dtype"]), []).append(r)
@@ -445,6 +537,23 @@ def add_ratios(records: list) -> None:
                 r[f"ratio_to_{b}"] = r["wall_ms"] / base[b]["wall_ms"] if ok else None
                 r[f"ratio_to_{b}_min"] = (r["wall_ms_min"] / base[b]["wall_ms_min"]
                                           if ok else None)
+            if r.get("family") != "emcl":
+                continue
+            peer = PEERS.get((r.get("call"), r.get("check_finite"), bool(r.get("grad_scaler"))))
+            if peer is None:
+                continue
+            name, goal = peer
+            ratio = r.get(f"ratio_to_{name}")
+            r.update({"peer": name, "goal": goal, "ratio_to_peer": ratio,
+                      "ratio_to_peer_min": r.get(f"ratio_to_{name}_min"), "verdict": None})
+            if ratio is None:
+                continue
+            p = base[name]
+            spread = (r["wall_ms_q25"] / p["wall_ms_q75"]
+                      if r.get("wall_ms_q25") and p.get("wall_ms_q75") else None)
+            r["ratio_to_peer_spread"] = spread
+            r["verdict"] = ("met" if ratio <= goal else
+                            "tie" if spread is not None and spread <= goal else "missed")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -533,7 +642,14 @@ def _log_group(records: list, log) -> None:
         log(f"      {r['threads']}t {r['contender']:<34} {r['wall_ms']:10.4f} ms "
             f"[{r['wall_ms_q25']:.4f}, {r['wall_ms_q75']:.4f}] "
             f"{'-' if ratio is None else f'{ratio:.2f}'}x Adam-fused, {r['gbps']:.2f} GB/s"
-            f"{extra}{'' if r['finite'] else '  NOT FINITE'}")
+            f"{_peer_text(r)}{extra}{'' if r['finite'] else '  NOT FINITE'}")
+
+
+def _peer_text(r: dict) -> str:
+    """", 0.93x adam_fused_checked (goal 1.0: met)" for a record with a peer, else ""."""
+    if r.get("ratio_to_peer") is None:
+        return ""
+    return f", {r['ratio_to_peer']:.2f}x {r['peer']} (goal {r['goal']}: {r['verdict']})"
 
 
 def _devices(name: str) -> torch.device:
@@ -716,12 +832,12 @@ def contender_order(records: list) -> list:
     """The contenders in a stable order: the baselines, then EMCL per backend."""
     names = list(dict.fromkeys(r["contender"] for r in records))
     return sorted(names, key=lambda n: (0, BASELINES.index(n)) if n in BASELINES else
-                  (1, n.split("]")[0], "inner_step()" in n, "nocheck" in n, n))
+                  (1, n.split("]")[0], "inner_step()" in n, "nocheck" in n, "scaler" in n, n))
 
 
 def format_table(result: dict) -> str:
     """The terminal table: per thread count and layout/dtype, every contender's median wall
-    time and its ratio to Adam-fused."""
+    time, its ratio to Adam-fused and, for EMCL, to its SPEC section 7 peer."""
     recs = result["records"]
     lines = [f"\n{result['device_name']}  |  {result['settings']['mode']} run  |  wall ms per "
              "step (median) and x Adam-fused"]
@@ -747,14 +863,20 @@ def format_table(result: dict) -> str:
                         continue
                     ratio = r.get("ratio_to_adam_fused")
                     lines.append(f"    {n:<34} {r['wall_ms']:10.4f} ms  "
-                                 f"{'-' if ratio is None else f'{ratio:5.2f}x'}")
+                                 f"{'-' if ratio is None else f'{ratio:5.2f}x'}"
+                                 f"{_peer_text(r)}")
     return "\n".join(lines)
 
 
 def plot(result: dict, path: str) -> None:
-    """One panel per (thread count, dtype): per layout, every contender's wall time over
-    Adam-fused's (log scale), the lines at 1.0 (the goal for EMCL's step) and 0.8 (the goal for
-    its inner step)."""
+    """One panel per (thread count, dtype): per layout, every contender's wall time over its
+    like-for-like peer's (EMCL rows with a SPEC section 7 peer: that peer; every other row:
+    Adam-fused's), log scale, the lines at 1.0 (the goal of the step rows) and 0.8 (the goal
+    of ``inner_step()`` without the check)."""
+
+    def ratio(r):
+        return r["ratio_to_peer"] if r.get("ratio_to_peer") is not None \
+            else r["ratio_to_adam_fused"]
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -786,8 +908,11 @@ def plot(result: dict, path: str) -> None:
                               and r["layout"] == lay and r["contender"] == n), None)
                     if r is not None:
                         xs.append(x - 0.4 + width * (k + 0.5))
-                        ys.append(r["ratio_to_adam_fused"])
-                ax.bar(xs, ys, width, label=n, color=colour[n.replace(" nocheck", "")],
+                        ys.append(ratio(r))
+                peer = next((r.get("peer") for r in recs if r["contender"] == n
+                             and r.get("peer")), None)
+                ax.bar(xs, ys, width, label=n + (f" / {peer}" if peer else ""),
+                       color=colour[n.replace(" nocheck", "")],
                        hatch="//" if "nocheck" in n else None, edgecolor="white", lw=0)
             ax.axhline(1.0, color="k", lw=1)
             ax.axhline(0.8, color="k", lw=1, ls=":")
@@ -799,14 +924,14 @@ def plot(result: dict, path: str) -> None:
                 labels.append(lay + (f"\nAdam-fused {base['wall_ms']:.3g} ms" if base else ""))
             ax.set_xticks(range(len(layouts)))
             ax.set_xticklabels(labels, fontsize=8)
-            ax.set_ylabel("wall time / Adam-fused's")
+            ax.set_ylabel("wall time / peer's (else Adam-fused's)")
             where = result["device"] if result["device"] == "cuda" else f"{t} thread(s)"
             ax.set_title(f"{where}, {dt}", fontsize=10)
             ax.grid(True, axis="y", which="both", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
     fig.suptitle(f"optimizer step on {result['device_name']} ({result['settings']['mode']} run, "
-                 f"{result['created_utc']}); lines: 1.0 and 0.8 of Adam-fused", fontsize=10)
+                 f"{result['created_utc']}); lines: 1.0 and 0.8 of the peer", fontsize=10)
     fig.tight_layout(rect=(0, legend_in / height, 1, 1 - 0.4 / height))
     fig.savefig(path, dpi=110)
     plt.close(fig)

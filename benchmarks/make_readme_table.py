@@ -158,9 +158,18 @@ def make_table(result: dict, *, device: Optional[str] = None, layouts=None, ops=
 # Step results (bench_step.py)
 # ---------------------------------------------------------------------------------------------
 
-STEP_BASELINES = ("adam_fused", "adam_foreach", "sgd_foreach")
-STEP_TITLES = {"adam_fused": "Adam fused", "adam_foreach": "Adam foreach",
+STEP_BASELINES = ("adam_fused", "adam_fused_checked", "adam_fused_scaler", "adam_foreach",
+                  "sgd_foreach")
+STEP_TITLES = {"adam_fused": "Adam fused", "adam_fused_checked": "Adam fused, checked",
+               "adam_fused_scaler": "Adam fused + GradScaler", "adam_foreach": "Adam foreach",
                "sgd_foreach": "SGD foreach"}
+# SPEC section 7's rows, in the table's order: (EMCL call, check_finite, under a GradScaler),
+# the column title. The peer and the goal come from each record (bench_step.PEERS).
+STEP_PAIRS = ((("step()", False, False), "`step()`, check off / Adam fused"),
+              (("step()", True, False), "`step()` / Adam fused, checked"),
+              (("step()", True, True), "`step()` + GradScaler / Adam fused + GradScaler"),
+              (("inner_step()", False, False), "`inner_step()`, check off / Adam fused"))
+VERDICT_MARK = {"met": "", "tie": " (tie)", "missed": " **(missed)**", None: ""}
 
 
 def _step_rank(name: str) -> tuple:
@@ -169,44 +178,50 @@ def _step_rank(name: str) -> tuple:
     if name in STEP_BASELINES:
         return (0, STEP_BASELINES.index(name))
     backend = name.split("]")[0]
-    return (1, backend, "inner_step()" in name, "nocheck" in name, name)
+    return (1, backend, "inner_step()" in name, "nocheck" in name, "scaler" in name, name)
 
 
 def _step_title(name: str) -> str:
     if name in STEP_TITLES:
         return STEP_TITLES[name]
     return (name.replace("emcl[", "EMCL ").replace("]", "")
-            .replace(" nocheck", ", check off"))
+            .replace(" nocheck", ", check off").replace(" scaler", " + GradScaler"))
 
 
 def _load(load) -> str:
     return "?" if not load else f"{load[0]:.1f}"
 
 
+def _pair_key(r: dict) -> tuple:
+    return (r.get("call"), r.get("check_finite"), bool(r.get("grad_scaler")))
+
+
 def step_goals(records: list) -> list:
-    """Lines saying how often EMCL met the issue's goals: ``step()`` (inner+meta, Adam's bytes)
-    at most 1.0x Adam-fused's wall time, ``inner_step()`` at most 0.8x."""
+    """Lines saying, per EMCL backend and SPEC section 7 row, in how many cells the EMCL call
+    met its goal against its like-for-like peer (``verdict`` of bench_step.add_ratios), tied
+    with it within the interquartile ranges, or missed it, and the worst cell."""
     lines = []
-    emcl = [r for r in records if r.get("family") == "emcl" and r.get("ratio_to_adam_fused")]
-    for call, goal in (("step()", 1.0), ("inner_step()", 0.8)):
-        for check in (True, False):
-            rs = [r for r in emcl if r["call"] == call and r["check_finite"] is check]
-            for backend in dict.fromkeys(r["backend"] for r in rs):
-                mine = [r for r in rs if r["backend"] == backend]
-                met = [r for r in mine if r["ratio_to_adam_fused"] <= goal]
-                worst = max(mine, key=lambda r: r["ratio_to_adam_fused"])
-                lines.append(
-                    f"- EMCL `{backend}` `{call}`{'' if check else ' with check_finite=False'}: "
-                    f"<= {goal}x Adam-fused in {len(met)} of {len(mine)} cells; worst "
-                    f"{worst['ratio_to_adam_fused']:.2f}x ({worst['layout']} {worst['dtype']}, "
-                    f"{worst['threads']} thread(s))")
+    emcl = [r for r in records if r.get("family") == "emcl" and r.get("ratio_to_peer")]
+    for key, title in STEP_PAIRS:
+        rs = [r for r in emcl if _pair_key(r) == key]
+        for backend in dict.fromkeys(r["backend"] for r in rs):
+            mine = [r for r in rs if r["backend"] == backend]
+            count = {v: sum(r.get("verdict") == v for r in mine) for v in ("met", "tie", "missed")}
+            worst = max(mine, key=lambda r: r["ratio_to_peer"])
+            lines.append(
+                f"- EMCL `{backend}` {title} (goal <= {worst['goal']}x): met in {count['met']} of "
+                f"{len(mine)} cells, a tie within the quartiles in {count['tie']}, missed in "
+                f"{count['missed']}; highest {worst['ratio_to_peer']:.2f}x ({worst['layout']} "
+                f"{worst['dtype']}, {worst['threads']} thread(s))")
     return lines
 
 
 def make_step_table(result: dict, *, backends=None, layouts=None, dtypes=None,
                     source: str = "") -> str:
     """The README's step table: per thread count (CPU) or for the GPU, one row per layout and
-    dtype; Adam-fused's median wall time per step, every other contender's as a ratio to it.
+    dtype; the three fused-Adam peers' median wall times, and per EMCL backend the median wall
+    time of each SPEC section 7 row over its peer's (in parentheses the same of the fastest
+    steps; "(tie)" where the goal lies within the interquartile ranges, "(missed)" where not).
     On a GPU a second table gives wall, host and device time and GPU activities per step."""
     recs = [r for r in result["records"]
             if (not layouts or any(r["layout"].startswith(l) for l in layouts))
@@ -214,8 +229,6 @@ def make_step_table(result: dict, *, backends=None, layouts=None, dtypes=None,
             and (r["family"] != "emcl" or not backends or r.get("backend") in backends)]
     if not recs:
         raise SystemExit("no records match the selection")
-    names = list(dict.fromkeys(r["contender"] for r in recs))
-    names = sorted(names, key=_step_rank)
     machine = result.get("machine", {})
     loads = [l for r in recs for l in (r.get("load_average_before"), r.get("load_average_after"))
              if l]
@@ -223,11 +236,12 @@ def make_step_table(result: dict, *, backends=None, layouts=None, dtypes=None,
                       for r in result.get("roofs", []))
     caption = (f"**{result['device_name']}**, torch {machine.get('torch', '?')}; "
                f"{result['settings']['mode']} run of {result['created_utc']}"
-               + (f", from `{source}`" if source else "") + ". Adam fused: median wall time "
-               "of one `step()` in ms [quartiles]; the others: median wall time of one `step()` "
-               "(`inner_step()` where named) over Adam fused's, and in parentheses the same of "
-               "the fastest steps; every contender on the same tensors, interleaved round by "
-               "round."
+               + (f", from `{source}`" if source else "") + ". The three Adam peers: median "
+               "wall time of one step in ms [quartiles] (checked: torch's finite check "
+               "`_amp_foreach_non_finite_check_and_unscale_` feeding `found_inf` to the fused "
+               "step; + GradScaler: `scaler.step(opt); scaler.update()`). EMCL: median wall time "
+               "over its like-for-like peer's (SPEC section 7), in parentheses the same of the "
+               "fastest steps; every contender on the same tensors, interleaved round by round."
                + (f" 1-minute load average during the run: {min(l[0] for l in loads):.1f} to "
                   f"{max(l[0] for l in loads):.1f} on {machine.get('cpu_count', '?')} cores."
                   if loads else "")
@@ -235,47 +249,54 @@ def make_step_table(result: dict, *, backends=None, layouts=None, dtypes=None,
     if result.get("note"):
         caption += f" Note: {result['note']}."
     lines = [caption]
+    emcl_backends = list(dict.fromkeys(r["backend"] for r in recs if r["family"] == "emcl"))
     for threads in dict.fromkeys(r["threads"] for r in recs):
         sub = [r for r in recs if r["threads"] == threads]
-        head = ["layout", "dtype", "Adam fused (ms)"] + \
-            [_step_title(n) for n in names if n != "adam_fused"]
+        head = ["layout", "dtype"] + [f"{STEP_TITLES[b]} (ms)" for b in STEP_BASELINES[:3]]
+        for backend in emcl_backends:
+            prefix = f"EMCL `{backend}` " if len(emcl_backends) > 1 else "EMCL "
+            head += [prefix + title for _, title in STEP_PAIRS]
         title = f"{threads} thread(s)" if result["device"] == "cpu" else result["device_name"]
         lines += ["", f"*{title}*", "", "| " + " | ".join(head) + " |",
                   "|" + "|".join(["---", "---"] + ["--:"] * (len(head) - 2)) + "|"]
         for layout in dict.fromkeys(r["layout"] for r in sub):
             for dtype in dict.fromkeys(r["dtype"] for r in sub):
-                by = {r["contender"]: r for r in sub if r["layout"] == layout
-                      and r["dtype"] == dtype}
-                if not by:
+                here = [r for r in sub if r["layout"] == layout and r["dtype"] == dtype]
+                if not here:
                     continue
-                base = by.get("adam_fused")
-                cells = [layout, dtype,
-                         "-" if not base or base.get("error") else
-                         f"{base['wall_ms']:.3g} [{base['wall_ms_q25']:.3g}-{base['wall_ms_q75']:.3g}]"]
-                for n in names:
-                    if n == "adam_fused":
-                        continue
-                    r = by.get(n)
-                    if r is None:
-                        cells.append("-")
-                    elif r.get("error"):
-                        cells.append("error")
-                    elif r.get("ratio_to_adam_fused") is None:
-                        cells.append(f"{r['wall_ms']:.3g} ms")
-                    else:
-                        cells.append(f"{r['ratio_to_adam_fused']:.2f}x "
-                                     f"({r['ratio_to_adam_fused_min']:.2f}x)"
-                                     + ("" if r.get("finite", True) else " (not finite)"))
+                cells = [layout, dtype]
+                for b in STEP_BASELINES[:3]:
+                    r = next((r for r in here if r["family"] == b), None)
+                    cells.append("-" if r is None else "error" if r.get("error") else
+                                 f"{r['wall_ms']:.3g} [{r['wall_ms_q25']:.3g}-"
+                                 f"{r['wall_ms_q75']:.3g}]")
+                for backend in emcl_backends:
+                    for key, _ in STEP_PAIRS:
+                        r = next((r for r in here if r["family"] == "emcl"
+                                  and r["backend"] == backend and _pair_key(r) == key), None)
+                        if r is None:
+                            cells.append("-")
+                        elif r.get("error"):
+                            cells.append("error")
+                        elif r.get("ratio_to_peer") is None:
+                            cells.append(f"{r['wall_ms']:.3g} ms")
+                        else:
+                            cells.append(f"{r['ratio_to_peer']:.2f}x "
+                                         f"({r['ratio_to_peer_min']:.2f}x)"
+                                         + VERDICT_MARK.get(r.get("verdict"), "")
+                                         + ("" if r.get("finite", True) else " (not finite)"))
                 lines.append("| " + " | ".join(cells) + " |")
     gpu = [r for r in recs if r.get("device_ms") is not None]
     if gpu:
         lines += ["", "| layout | dtype | contender | wall ms | host ms | device ms | "
-                  "GPU activities / step | x Adam fused |", "|---|---|---|--:|--:|--:|--:|--:|"]
+                  "GPU activities / step | x Adam fused | x peer |",
+                  "|---|---|---|--:|--:|--:|--:|--:|--:|"]
         for r in gpu:
+            peer = "-" if r.get("ratio_to_peer") is None else f"{r['ratio_to_peer']:.2f}x"
             lines.append(f"| {r['layout']} | {r['dtype']} | {_step_title(r['contender'])} | "
                          f"{r['wall_ms']:.3g} | {r['host_ms']:.3g} | {r['device_ms']:.3g} | "
                          f"{r['gpu_activities_per_step']:.3g} | "
-                         f"{r['ratio_to_adam_fused']:.2f}x |")
+                         f"{r['ratio_to_adam_fused']:.2f}x | {peer} |")
     errors = {(r["contender"], r["error"]) for r in recs if r.get("error")}
     goals = step_goals(recs)
     if goals or errors:

@@ -31,7 +31,7 @@
 
 #include "emcl_ops.h"
 
-#pragma GCC target("avx,avx2,fma,f16c")
+#pragma GCC target("avx,avx2,fma,f16c,prfchw")
 // The pragma does not define the feature macros that at::vec and sleef.h test; the code below
 // is compiled for exactly these features, so define them.
 #ifndef __AVX__

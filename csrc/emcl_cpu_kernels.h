@@ -9,11 +9,12 @@
 // and, for the benchmarks only, stream_probe(...): the memory roof's prefetching probes
 // ([note: stream probes] at the end of this file).
 // A pass sees the call's tensors as one flat index space (tensor k holds elements
-// [offsets[k], offsets[k + 1])) and gives each of torch's intra-op threads one contiguous,
-// equal share of it in one at::parallel_for (many small tensors parallelize as well as one big
-// one, and one big tensor among small ones does not unbalance the threads); a call with fewer
-// than kGrain elements runs on the calling thread, and every thread gets at least about
-// kGrain / 2. Shares start at multiples of kAlign elements. Every element's result depends only
+// [offsets[k], offsets[k + 1])) cut into pieces of at most kPiece elements, which torch's
+// intra-op threads take in one at::parallel_for: thread t starts with piece t, then each claims
+// the next unclaimed piece ([note: pieces]; many small tensors parallelize as well as one big
+// one, and a thread that the machine slows down leaves its share to the others); a call with
+// fewer than kGrain elements runs on the calling thread. Pieces start at multiples of kAlign
+// elements. Every element's result depends only
 // on its own inputs, computed by the same vector instructions whichever thread and lane does
 // it: the results are bitwise the same at any thread count. Parameters in bf16/fp16 are widened
 // to fp32 vectors, updated in fp32 and rounded once on store; fp32 and fp64 parameters are
@@ -29,6 +30,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <type_traits>
 #include <vector>
 
@@ -51,14 +53,24 @@ void stream_probe(float* a, const float* b, float* c, float* d, int64_t n, Strea
 
 namespace {
 
-// A call with fewer elements runs on one thread; a thread gets at least about half of it.
+// A call with fewer elements runs on one thread.
 // Measured on the 2-core test machine (one fp32 inner+meta step with the check, one tensor,
 // medians of 300 interleaved calls, load 1.0): 2 threads over 1 took 0.68x of the time at
 // 89,610 elements (the MLP 784-100-100-10; 97 -> 66 us), 0.59x at 300,000, 0.50x at 2**20.
 // (An earlier note here said the MLP gained nothing from two threads: that build had no
 // OpenMP, so at::parallel_for never split anything; see [note: OpenMP] in setup.py.)
 constexpr int64_t kGrain = 65536;
-constexpr int64_t kAlign = 64;           // thread shares start at multiples of this
+// [note: pieces] The index space is cut into pieces of kPiece elements (fewer for small calls:
+// at least kMinPiecesPerThread per thread), handed out by an atomic counter. The split was one
+// equal contiguous share per thread (at::parallel_for's static split): on the shared 2-core
+// test machine one of two threads usually shares its core with another job, and the step then
+// waited for the slowed thread's whole half, so 2 threads took as long as 1 (GPT-2 fp32, no
+// check: 111 ms at 2 threads against 108 at 1, issue 25), while a piece at a time lets the
+// unslowed thread take most of the work. One fp32 piece is 256 KiB per stream: a claim (one
+// atomic add) per 1.8 MB moved, and the prefetch ramps up again once per piece.
+constexpr int64_t kPiece = 65536;
+constexpr int64_t kMinPiecesPerThread = 4;
+constexpr int64_t kAlign = 64;           // pieces start at multiples of this
 constexpr int64_t kCheckBlock = 1 << 20;  // the finite check looks for an early exit this often
 
 // The call's tensors as one index space: offsets[k] is the first flat index of tensor k and
@@ -78,19 +90,15 @@ const std::vector<int64_t>& flat_offsets(size_t count, NumelOf numel_of) {
 }
 
 // Calls body(k, begin, end) for elements [begin, end) of tensor k, over every element of the
-// index space, in parallel for big calls (see the top of this file).
+// index space, in pieces shared by the threads for big calls (see the top of this file and
+// [note: pieces]).
 template <typename Body>
 void for_each_range(const std::vector<int64_t>& offsets, const Body& body) {
   const int64_t total = offsets.back();
   g_cpu_threads_mask.store(0, std::memory_order_relaxed);
   if (total == 0) return;
+  // elements [begin, end) of the index space, tensor by tensor
   auto run = [&](int64_t begin, int64_t end) {
-    const int tid = std::min(at::get_thread_num(), 63);
-    g_cpu_threads_mask.fetch_or(uint64_t{1} << tid, std::memory_order_relaxed);
-    // The same rounding of every split point: the shares still cover [0, total) exactly once.
-    begin = begin == 0 ? 0 : std::min(total, (begin + kAlign - 1) / kAlign * kAlign);
-    end = end == total ? total : std::min(total, (end + kAlign - 1) / kAlign * kAlign);
-    if (begin >= end) return;
     // the tensor holding `begin` (the last k with offsets[k] <= begin; empty tensors skipped)
     size_t k = static_cast<size_t>(
         std::upper_bound(offsets.begin(), offsets.end() - 1, begin) - offsets.begin() - 1);
@@ -101,11 +109,28 @@ void for_each_range(const std::vector<int64_t>& offsets, const Body& body) {
       ++k;
     }
   };
-  if (total < kGrain) {
+  const int64_t threads = total < kGrain ? 1 : at::get_num_threads();
+  if (threads <= 1) {
+    g_cpu_threads_mask.fetch_or(uint64_t{1} << std::min(at::get_thread_num(), 63),
+                                std::memory_order_relaxed);
     run(0, total);
-  } else {
-    at::parallel_for(0, total, kGrain, run);
+    return;
   }
+  const int64_t piece = std::max(
+      kAlign, std::min(kPiece, total / (threads * kMinPiecesPerThread) / kAlign * kAlign));
+  const int64_t pieces = (total + piece - 1) / piece;
+  std::atomic<int64_t> next{threads};  // pieces [0, threads) are the threads' first ones
+  auto run_piece = [&](int64_t p) { run(p * piece, std::min(total, (p + 1) * piece)); };
+  // One index per thread: at::parallel_for gives thread t the range [t, t + 1).
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    const int tid = std::min(at::get_thread_num(), 63);
+    g_cpu_threads_mask.fetch_or(uint64_t{1} << tid, std::memory_order_relaxed);
+    for (int64_t p = first; p < std::min(last, pieces); ++p) run_piece(p);
+    for (int64_t p = next.fetch_add(1, std::memory_order_relaxed); p < pieces;
+         p = next.fetch_add(1, std::memory_order_relaxed)) {
+      run_piece(p);
+    }
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -120,9 +145,37 @@ void for_each_range(const std::vector<int64_t>& offsets, const Body& body) {
 // 78-98 ms (Adam fused 87-122 ms in the same processes) and the bf16 one from 98-133 to
 // 74-112 ms. The prefetch is a hint: it never faults, and past the end of a range it is not
 // issued.
+// Measured again for issue 25, against Adam fused in the same processes (its kernel has no
+// software prefetch), with the prefetch knobs below, GPT-2-124M fp32, processes alternating,
+// medians of 5 interleaved steps, load 1.5-2.7: at one thread the update with the prefetch
+// 1 KiB ahead took 1.21-1.24x Adam fused's time (no check; 1.38-1.46x with the check), without
+// any software prefetch 1.05-1.06x (1.18-1.33x); at two threads 140-154 ms with, 112 ms without;
+// ResNet-18 fp32 at one thread 1.18x with, 1.05x without. The update's four read streams are
+// better left to the hardware prefetcher: the default is no software prefetch.
 // ---------------------------------------------------------------------------------------------
-constexpr int64_t kPrefetchBytes = 1024;  // how far ahead of the update's streams
+constexpr int64_t kPrefetchBytes = 0;  // how far ahead of the update's streams (default: none)
+constexpr int64_t kProbePrefetchBytes = 1024;  // the roof's prefetching probes, always
 constexpr int64_t kCheckPrefetchBytes = 512;  // how far ahead of the check's streams
+
+// [note: prefetch knobs] For measuring, read once per process: EMCL_CPU_PREFETCH_BYTES, how far
+// ahead of the update's streams the software prefetch reads (0, the default: no software
+// prefetch, the hardware prefetcher alone, as torch's kernels run), and
+// EMCL_CPU_PREFETCH_WRITE=1, prefetch the streams the update writes for writing (prefetchw: the
+// line arrives owned; the roof's probes take this one too, and always prefetch 1 KiB ahead).
+struct PrefetchPlan {
+  int64_t bytes;
+  bool write;
+};
+inline const PrefetchPlan& prefetch_plan() {
+  static const PrefetchPlan plan = [] {
+    PrefetchPlan p{kPrefetchBytes, false};
+    if (const char* env = std::getenv("EMCL_CPU_PREFETCH_BYTES")) p.bytes = std::atoll(env);
+    if (const char* env = std::getenv("EMCL_CPU_PREFETCH_WRITE")) p.write = std::atoi(env) != 0;
+    p.bytes = std::max<int64_t>(0, p.bytes);
+    return p;
+  }();
+  return plan;
+}
 constexpr int kCheckStreams = 8;  // a check range is read as this many interleaved streams
 
 template <typename T>
@@ -134,10 +187,31 @@ inline void prefetch(const T* ptr) {
 #endif
 }
 
+template <typename T>
+inline void prefetch_for_write(const T* ptr) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(static_cast<const void*>(ptr), 1 /* write */, 3);
+#else
+  (void)ptr;
+#endif
+}
+
 // Prefetches the element `ahead` elements after element i of x, when it is before `end`.
 template <typename T>
 inline void prefetch_ahead(const T* x, int64_t i, int64_t ahead, int64_t end) {
   if (i + ahead < end) prefetch(x + i + ahead);
+}
+
+// The same for a stream the update writes: for writing when `write`.
+template <typename T>
+inline void prefetch_ahead(const T* x, int64_t i, int64_t ahead, int64_t end, bool write) {
+  if (i + ahead < end) {
+    if (write) {
+      prefetch_for_write(x + i + ahead);
+    } else {
+      prefetch(x + i + ahead);
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -272,24 +346,28 @@ EMCL_HD void update_full_vector(const Pointers<acc_t, acc_t>& t, int64_t i, int6
 
 // Updates elements [begin, end) of one such tensor, prefetching ahead of every stream.
 template <Op kOp, bool kProx, Importance kImp, LrMode kLr, typename acc_t>
-void update_full(const Pointers<acc_t, acc_t>& t, int64_t begin, int64_t end,
+void update_full(const Pointers<acc_t, acc_t>& ptrs, int64_t begin, int64_t end,
                  const Hyper<at::vec::Vectorized<acc_t>>& hyper) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t V = Vec::size();
   constexpr bool kAlpha = has_meta(kOp) && kLr == LrMode::kRecurrent;
-  // A local copy: the stores below go through acc_t pointers, which may alias the Vectorized
-  // fields of a struct the compiler cannot see the origin of, forcing a reload per vector.
+  // Local copies: the stores below go through acc_t pointers, which may alias the fields of a
+  // struct the compiler cannot see the origin of, forcing a reload per vector (of the hyper
+  // vectors, and of the five data pointers: objdump showed them reloaded per vector once this
+  // function stopped being inlined into the pass's lambda; 5 of ~54 instructions per vector).
   const Hyper<Vec> hp = hyper;
-  constexpr int64_t kAhead = kPrefetchBytes / sizeof(acc_t);
+  const Pointers<acc_t, acc_t> t = ptrs;
+  const int64_t ahead = prefetch_plan().bytes / static_cast<int64_t>(sizeof(acc_t));
+  const bool w = has_meta(kOp) && prefetch_plan().write;  // the meta steps write θ₀, h (α)
   constexpr int64_t kLine = 64 / sizeof(acc_t);  // elements per cache line
   const int64_t whole_end = begin + (end - begin) / V * V;
   for (int64_t i = begin; i < whole_end; i += V) {
-    if ((i - begin) % kLine == 0) {  // once per cache line of every stream
-      prefetch_ahead(t.param, i, kAhead, end);
-      prefetch_ahead(t.grad, i, kAhead, end);
-      prefetch_ahead(t.anchor, i, kAhead, end);
-      prefetch_ahead(t.importance, i, kAhead, end);
-      if constexpr (kAlpha) prefetch_ahead(t.alpha, i, kAhead, end);
+    if (ahead > 0 && (i - begin) % kLine == 0) {  // once per cache line of every stream
+      prefetch_ahead(t.param, i, ahead, end, prefetch_plan().write);
+      prefetch_ahead(t.grad, i, ahead, end);
+      prefetch_ahead(t.anchor, i, ahead, end, w);
+      prefetch_ahead(t.importance, i, ahead, end, w);
+      if constexpr (kAlpha) prefetch_ahead(t.alpha, i, ahead, end, w);
     }
     update_full_vector<kOp, kProx, kImp, kLr>(t, i, V, hp);
   }
@@ -336,27 +414,30 @@ EMCL_HD void update_reduced_vector(const Pointers<scalar_t, float>& t, int64_t i
 
 // Updates elements [begin, end) of one tensor of bf16/fp16 parameters.
 template <Op kOp, bool kProx, Importance kImp, LrMode kLr, typename scalar_t>
-void update_reduced(const Pointers<scalar_t, float>& t, int64_t begin, int64_t end,
+void update_reduced(const Pointers<scalar_t, float>& ptrs, int64_t begin, int64_t end,
                     const Hyper<at::vec::Vectorized<float>>& hyper) {
   using bVec = at::vec::Vectorized<scalar_t>;
   constexpr int64_t V = bVec::size();
   constexpr bool kAlpha = has_meta(kOp) && kLr == LrMode::kRecurrent;
   const Hyper<at::vec::Vectorized<float>> hp = hyper;  // see update_full
+  const Pointers<scalar_t, float> t = ptrs;
   // One vector of V elements reads V floats of θ₀ and h (and α) and V halves of θ and g: with
   // V = 16 (AVX2) a cache line of the first and half of one of the second. A range may start
   // anywhere in a line, so the phase is counted from `begin`.
-  constexpr int64_t kAhead = kPrefetchBytes / sizeof(float);  // in elements, fp32 streams' bytes
+  // in elements, fp32 streams' bytes
+  const int64_t ahead = prefetch_plan().bytes / static_cast<int64_t>(sizeof(float));
+  const bool w = has_meta(kOp) && prefetch_plan().write;
   constexpr int64_t kFloatLine = 64 / sizeof(float), kHalfLine = 64 / sizeof(scalar_t);
   const int64_t whole_end = begin + (end - begin) / V * V;
   for (int64_t i = begin; i < whole_end; i += V) {
-    if ((i - begin) % kFloatLine == 0) {
-      prefetch_ahead(t.anchor, i, kAhead, end);
-      prefetch_ahead(t.importance, i, kAhead, end);
-      if constexpr (kAlpha) prefetch_ahead(t.alpha, i, kAhead, end);
+    if (ahead > 0 && (i - begin) % kFloatLine == 0) {
+      prefetch_ahead(t.anchor, i, ahead, end, w);
+      prefetch_ahead(t.importance, i, ahead, end, w);
+      if constexpr (kAlpha) prefetch_ahead(t.alpha, i, ahead, end, w);
     }
-    if ((i - begin) % kHalfLine == 0) {
-      prefetch_ahead(t.param, i, kAhead, end);
-      prefetch_ahead(t.grad, i, kAhead, end);
+    if (ahead > 0 && (i - begin) % kHalfLine == 0) {
+      prefetch_ahead(t.param, i, ahead, end, prefetch_plan().write);
+      prefetch_ahead(t.grad, i, ahead, end);
     }
     update_reduced_vector<kOp, kProx, kImp, kLr>(t, i, V, hp);
   }
@@ -444,7 +525,8 @@ void update(const Lists& l, Op which, bool prox, Importance importance, LrMode l
 void stream_probe(float* a, const float* b, float* c, float* d, int64_t n, StreamProbe kind) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int64_t V = Vec::size();
-  constexpr int64_t kAhead = kPrefetchBytes / sizeof(float);
+  const int64_t ahead = kProbePrefetchBytes / static_cast<int64_t>(sizeof(float));
+  const bool w = prefetch_plan().write;
   constexpr int64_t kLine = 64 / sizeof(float);
   const Vec one(1.0f), alpha(1e-6f);
   const bool reads_b = kind != StreamProbe::kScaleInplace;
@@ -453,12 +535,12 @@ void stream_probe(float* a, const float* b, float* c, float* d, int64_t n, Strea
   for_each_range(offsets, [&](size_t, int64_t begin, int64_t end) {
     const int64_t whole_end = begin + (end - begin) / V * V;
     for (int64_t i = begin; i < whole_end; i += V) {
-      if ((i - begin) % kLine == 0) {
-        prefetch_ahead(a, i, kAhead, end);
-        if (reads_b) prefetch_ahead(b, i, kAhead, end);
+      if (ahead > 0 && (i - begin) % kLine == 0) {
+        prefetch_ahead(a, i, ahead, end, w);
+        if (reads_b) prefetch_ahead(b, i, ahead, end);
         if (four) {
-          prefetch_ahead(c, i, kAhead, end);
-          prefetch_ahead(d, i, kAhead, end);
+          prefetch_ahead(c, i, ahead, end, w);
+          prefetch_ahead(d, i, ahead, end, w);
         }
       }
       const Vec x = Vec::loadu(a + i);

@@ -493,6 +493,60 @@ def test_step_ratios_are_computed_within_each_group():
     assert recs[6]["ratio_to_adam_fused"] is None
 
 
+def test_step_peers_and_verdicts_follow_spec_section_7():
+    def rec(family, contender, wall, q25, q75, call="step()", check=None, scaler=False):
+        return {"device": "cpu", "threads": 1, "layout": "x", "dtype": "fp32",
+                "family": family, "contender": contender, "wall_ms": wall, "wall_ms_min": q25,
+                "wall_ms_q25": q25, "wall_ms_q75": q75, "call": call, "check_finite": check,
+                "grad_scaler": scaler}
+    recs = [rec("adam_fused", "adam_fused", 10.0, 9.0, 11.0),
+            rec("adam_fused_checked", "adam_fused_checked", 12.0, 11.0, 13.0),
+            rec("adam_fused_scaler", "adam_fused_scaler", 20.0, 19.0, 21.0, scaler=True),
+            rec("emcl", "emcl[cpu] step() nocheck", 9.0, 8.0, 10.0, check=False),
+            rec("emcl", "emcl[cpu] step()", 12.6, 12.9, 14.0, check=True),     # q25 12.9 <= 13
+            rec("emcl", "emcl[cpu] step() scaler", 25.0, 24.0, 26.0, check=True, scaler=True),
+            rec("emcl", "emcl[cpu] inner_step() nocheck", 7.0, 6.0, 8.0, "inner_step()", False),
+            rec("emcl", "emcl[cpu] inner_step()", 7.0, 6.0, 8.0, "inner_step()", True)]
+    bench_step.add_ratios(recs)
+    nocheck, checked, scaled, inner, inner_checked = recs[3:]
+    assert (nocheck["peer"], nocheck["goal"], nocheck["verdict"]) == ("adam_fused", 1.0, "met")
+    assert nocheck["ratio_to_peer"] == pytest.approx(0.9)
+    assert (checked["peer"], checked["verdict"]) == ("adam_fused_checked", "tie")
+    assert checked["ratio_to_peer"] == pytest.approx(1.05)
+    assert (scaled["peer"], scaled["verdict"]) == ("adam_fused_scaler", "missed")
+    assert (inner["peer"], inner["goal"], inner["verdict"]) == ("adam_fused", 0.8, "met")
+    assert "peer" not in inner_checked
+
+
+def test_checked_adam_skips_non_finite_steps_as_grad_scaler_does():
+    """The ``adam_fused_checked`` contender is torch's own skip: the same result as
+    ``GradScaler.step`` with a scale of 1, a bad gradient skips the update and the step count,
+    and the gradients are left as they were (an inverse scale of 1)."""
+    def make():
+        params = bench_step.make_params([(5, 3), (7,)], torch.float32, torch.device("cpu"),
+                                        torch.Generator().manual_seed(1))
+        return params, torch.optim.Adam(params, lr=1e-2, fused=True)
+    mine, opt = make()
+    theirs, ref = make()
+    grads = [p.grad.clone() for p in mine]
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=10 ** 6)
+    scaler.scale(torch.ones(()))
+    step = bench_step.checked_step(opt)
+    for bad in (False, True, False):
+        for ps in (mine, theirs):
+            ps[1].grad[3] = float("inf") if bad else grads[1][3]
+        before = [p.detach().clone() for p in mine]
+        step()
+        scaler.step(ref)
+        scaler.update(1.0)      # keep the scale at 1 (a skipped step would halve it)
+        for a, b in zip(mine, theirs):
+            assert torch.equal(a, b)
+        assert all(torch.equal(a, b) for a, b in zip(mine, before)) is bad
+        assert torch.equal(mine[0].grad, grads[0])
+    assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+    assert int(opt.state[mine[0]]["step"]) == int(ref.state[theirs[0]]["step"]) == 2
+
+
 def test_a_contender_that_fails_mid_run_is_recorded_and_the_rest_go_on():
     class FailsOnThirdStep(torch.optim.SGD):
         calls = 0
@@ -567,9 +621,10 @@ def test_step_run_times_every_contender_on_every_dtype(step_run):
     assert saved["records"] == json.loads(json.dumps(result["records"]))
     assert (out / "step.png").read_bytes()[:8] == PNG_MAGIC
     emcl = [b for b in ("foreach", "cpu") if b in result["emcl_backends"]]
-    expected = {"adam_fused", "adam_foreach", "sgd_foreach"} | {
+    expected = {"adam_fused", "adam_fused_checked", "adam_fused_scaler", "adam_foreach",
+                "sgd_foreach"} | {
         f"emcl[{b}] {call}{suffix}" for b in emcl for call in ("step()", "inner_step()")
-        for suffix in ("", " nocheck")}
+        for suffix in ("", " nocheck")} | {f"emcl[{b}] step() scaler" for b in emcl}
     for dtype in ("fp32", "bf16"):
         names = {r["contender"] for r in saved["records"] if r["dtype"] == dtype}
         assert names == expected
@@ -606,6 +661,15 @@ def test_step_records_are_consistent(step_run):
                 (6 if r["dtype"] == "bf16" else 0)
             assert r["settings"]["meta_every"] == 1
             assert r["check_finite"] is (not r["contender"].endswith("nocheck"))
+            assert r["grad_scaler"] is r["contender"].endswith("scaler")
+            key = (r["call"], r["check_finite"], r["grad_scaler"])
+            if key in bench_step.PEERS:
+                peer, goal = bench_step.PEERS[key]
+                assert r["peer"] == peer and r["goal"] == goal
+                assert r["ratio_to_peer"] == r[f"ratio_to_{peer}"]
+                assert r["verdict"] in ("met", "tie", "missed")
+            else:
+                assert "peer" not in r       # inner_step() with the check: no SPEC row
 
 
 def test_step_readme_table_comes_from_the_results_file(step_run):
@@ -618,11 +682,17 @@ def test_step_readme_table_comes_from_the_results_file(step_run):
         cells = [c.strip() for c in row.strip("|").split("|")]
         recs = {r["contender"]: r for r in result["records"] if r["dtype"] == cells[1]}
         assert cells[2].startswith(f"{recs['adam_fused']['wall_ms']:.3g} [")
+        assert cells[3].startswith(f"{recs['adam_fused_checked']['wall_ms']:.3g} [")
+        assert cells[4].startswith(f"{recs['adam_fused_scaler']['wall_ms']:.3g} [")
         if "cpu" in result["emcl_backends"]:
-            r = recs["emcl[cpu] step()"]
-            assert (f"{r['ratio_to_adam_fused']:.2f}x ({r['ratio_to_adam_fused_min']:.2f}x)"
-                    in cells)
-    assert "emcl[foreach]" not in text and "EMCL foreach" not in text
+            # the SPEC section 7 rows in their order, each over its own peer
+            for cell, name in zip(cells[5:], ("emcl[cpu] step() nocheck", "emcl[cpu] step()",
+                                              "emcl[cpu] step() scaler",
+                                              "emcl[cpu] inner_step() nocheck")):
+                r = recs[name]
+                assert cell.startswith(f"{r['ratio_to_peer']:.2f}x ({r['ratio_to_peer_min']:.2f}x)")
+                assert ("missed" in cell) is (r["verdict"] == "missed")
+    assert "emcl[foreach]" not in text and "EMCL `foreach`" not in text
     assert any(l.startswith("- EMCL `cpu` `step()`") for l in text.splitlines()) or \
         "cpu" not in result["emcl_backends"]
 

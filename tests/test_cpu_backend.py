@@ -166,8 +166,9 @@ def test_cpu_calls_launch_no_cuda_kernel():
 # Big calls: pieces, threads, the two copies of the kernels.
 # ---------------------------------------------------------------------------------------------
 
-# 300,007 + 65,537 + 3 elements: 12 pieces of at most 32,768 elements, odd tails, and past the
-# size below which a call runs on one thread.
+# 300,007 + 65,537 + 3 elements: past the size below which a call runs on one thread; at 2
+# threads 9 pieces of at most 45,632 elements ([note: pieces] in csrc/emcl_cpu_kernels.h), pieces that
+# span two tensors, odd tails.
 BIG = [300_007, 65_537, 3]
 
 
@@ -279,6 +280,40 @@ def test_stream_probes_compute_what_they_say(threads, n_threads, n):
             probe(a, b[:-1].contiguous(), c, d, 1)
         with pytest.raises(RuntimeError, match="different"):
             probe(a, b, c, a, 2)
+
+
+def test_prefetch_knobs_change_no_bit(tmp_path, threads):
+    """EMCL_CPU_PREFETCH_BYTES / EMCL_CPU_PREFETCH_WRITE ([note: prefetch knobs] in
+    csrc/emcl_cpu_kernels.h) change only how far ahead and how memory is read: a subprocess
+    prefetching 1 KiB ahead, and one prefetching 64 bytes ahead for writing, at 2 threads,
+    compute the same bits as this process (the default: no software prefetch; 1 thread)."""
+    cases = _scenario_cases()
+    torch.save([(c.params, c.grads, c.anchors, c.importances, c.meta_lrs, m, o)
+                for c, m, o in cases], tmp_path / "inputs.pt")
+    code = textwrap.dedent("""
+        import sys
+        import torch
+        import emcl_kernels.backends.extension
+        from emcl_testing import Case
+        import test_cpu_backend as t
+        torch.set_num_threads(2)
+        raw = torch.load(sys.argv[1], weights_only=False)
+        cases = [(Case(*lists), m, o) for (*lists, m, o) in raw]
+        torch.save(t._run_scenarios(cases), sys.argv[2])
+        print("ok")
+    """)
+    threads(1)
+    want = _run_scenarios(cases)
+    for knobs in ({"EMCL_CPU_PREFETCH_BYTES": "1024"},
+                  {"EMCL_CPU_PREFETCH_BYTES": "64", "EMCL_CPU_PREFETCH_WRITE": "1"}):
+        env = {**os.environ, **knobs,
+               "PYTHONPATH": os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])}
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "inputs.pt"),
+                              str(tmp_path / "knobs.pt")], env=env, capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-4000:]
+        _assert_same_bits(torch.load(tmp_path / "knobs.pt", weights_only=False), want,
+                          f"prefetch knobs {knobs} vs the default")
 
 
 def test_portable_and_avx2_kernels_give_the_same_bits(tmp_path):
