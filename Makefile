@@ -11,6 +11,7 @@
 #   make gpu-check-1 OUT=dir   on a machine with a CUDA GPU and torch >= 2.11 (no .venv, no
 #   make gpu-check-2 OUT=dir   index needed): the two stages of the GPU check, each within one
 #                              10-minute command; summary and archive in OUT (docs/gpu-check.md)
+#   make gpu-check-12 OUT=dir  both stages in one command (one build; fits 10 minutes)
 #   make gpu-check  every full stage without a time budget (30+ minutes): build against that
 #                   torch, every test, memcheck, the benchmarks, the main job on GPU and CPU;
 #                   results in benchmarks/results/ (tools/gpu_check.py --help).
@@ -31,7 +32,7 @@ export MAX_JOBS
 GPU_CHECK_ARGS ?=
 OUT ?= build/gpu-check/out
 
-.PHONY: setup setup-avalanche demo test bench gpu-check gpu-check-1 gpu-check-2 clean
+.PHONY: setup setup-avalanche demo test bench gpu-check gpu-check-1 gpu-check-2 gpu-check-12 clean
 
 setup: $(VENV)/.installed
 
@@ -69,6 +70,11 @@ gpu-check-1:
 
 gpu-check-2:
 	$(PYTHON) tools/gpu_check.py --stage 2 --out $(OUT) $(GPU_CHECK_ARGS)
+
+gpu-check-12:
+	rc=0; $(PYTHON) tools/gpu_check.py --stage 1 --budget 300 --out $(OUT) $(GPU_CHECK_ARGS) || rc=1; \
+	$(PYTHON) tools/gpu_check.py --stage 2 --budget 270 --out $(OUT) $(GPU_CHECK_ARGS) || rc=1; \
+	exit $$rc
 
 clean:
 	rm -rf $(VENV) build *.egg-info emcl_kernels/*.so runs

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -15,6 +16,19 @@ import torch
 
 from emcl_kernels import functional as F
 from emcl_kernels.reference import compute_dtype
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_env(*folders: str, **extra: str) -> dict:
+    """The environment of a child Python process: the repository, ``python/`` and ``folders``
+    first on ``PYTHONPATH``, the caller's own ``PYTHONPATH`` after them (the GPU check puts the
+    ``mlxtend`` it installs there), and ``extra`` variables."""
+    path = [REPO, os.path.join(REPO, "python"), *folders]
+    if os.environ.get("PYTHONPATH"):
+        path.append(os.environ["PYTHONPATH"])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), **extra}
 
 OPS = ("inner_step", "meta_step", "inner_meta_step")
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -234,7 +248,7 @@ def call_step(mod, op: str, case: Case, mode: Mode, hyper: dict, counters, *, st
     """``mod.step(...)`` of the step interface on ``case`` (op: "inner", "meta", "inner_meta"
     or "cadence"); ``meta_lrs`` are passed exactly when the mode is recurrent."""
     from emcl_kernels.interface import OP
-    device = case.params[0].device if case.params else "cpu"
+    device = case.params[0].device if case.params else counters.device
     if steps is None:
         steps = torch.zeros(0, dtype=torch.float32, device=device)
     meta_lrs = list(case.meta_lrs) if mode.lr_mode == "recurrent" else []

@@ -69,7 +69,7 @@ def test_resume_on_another_backend(src, dst, dtype):
     for p in resumed.parameters():
         st = opt2.state[p]
         assert st["anchor"].dtype == torch.float32 and st["anchor"].device == p.device
-        assert st["step"].device.type == "cpu" and st["step"].dtype == torch.float32
+        assert st["step"].device == p.device and st["step"].dtype == torch.float32  # [note: plans]
     assert opt2._step_calls == 9 and opt2.skipped_steps == 0
     _train(resumed, opt2, range(9, 18))
 

@@ -13,6 +13,7 @@ import torch
 
 from emcl_continual import cli, config, train
 from emcl_continual.config import ConfigError, SEED_LIMIT
+from emcl_testing import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--n-tasks", "2", "--samples-per-task", "20", "--threads", "1", "--quiet"]
@@ -213,7 +214,7 @@ def test_device_auto_says_what_it_picked(capsys):
 def test_process_exit_codes_and_no_traceback(tmp_path):
     """Through a real process: one stderr line, the documented exit code, no traceback;
     --debug adds the traceback."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "python")]))
+    env = child_env()
 
     def run(*argv):
         return subprocess.run([sys.executable, "-m", "emcl_continual", *argv], capture_output=True, text=True,

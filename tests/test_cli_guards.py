@@ -13,8 +13,9 @@ import textwrap
 import pytest
 import torch
 
-from emcl_continual import cli, fileio, rundir
+from emcl_continual import cli, fileio, replay, rundir
 from emcl_continual.errors import WriteError
+from emcl_testing import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--n-tasks", "2", "--samples-per-task", "20", "--threads", "1", "--quiet"]
@@ -42,7 +43,7 @@ def _holder(out) -> subprocess.Popen:
         print("locked", flush=True)
         time.sleep(120)
     """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "python")]))
+    env = child_env()
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout.readline().strip() == "locked"
     return proc
@@ -145,6 +146,25 @@ def test_a_memory_that_cannot_be_allocated_says_so_in_samples_and_gib(capsys):
     assert code == 2 and "zeros()" not in err and "Traceback" not in err
     assert "a replay memory of 2000000000 samples of shape (784,) needs" in err and "GiB" in err
     assert "lower memory" in err
+
+
+def test_a_memory_larger_than_the_device_is_refused_before_allocating(monkeypatch):
+    """Where memory is overcommitted (Linux's default), allocating an impossible buffer
+    succeeds and zeroing it gets the process killed: the size is compared with the device's
+    memory first, and nothing is allocated."""
+    assert replay.device_memory("cpu") > 2**28
+    monkeypatch.setattr(replay, "device_memory", lambda device: 10 * 2**20)  # a 10 MiB machine
+
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("allocated")
+
+    monkeypatch.setattr(replay.torch, "zeros", no_allocation)
+    with pytest.raises(ValueError) as exc:
+        replay.ReservoirBuffer(5000, (784,))                # 15 MiB
+    assert str(exc.value) == ("a replay memory of 5000 samples of shape (784,) needs 0.0147 GiB, "
+                              "which cannot be allocated on cpu (it has 0.00977 GiB); lower memory")
+    monkeypatch.undo()
+    assert len(replay.ReservoirBuffer(50, (784,))) == 0
 
 
 # --------------------------------------------------------------------------- a write that fails names its file

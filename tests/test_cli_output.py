@@ -15,6 +15,7 @@ import pytest
 
 from emcl_continual import cli
 from emcl_continual.rundir import load_runs
+from emcl_testing import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--n-tasks", "2", "--samples-per-task", "20", "--threads", "1", "--quiet"]
@@ -214,7 +215,7 @@ def test_a_plot_that_cannot_be_written_is_named_and_marked_stale(tmp_path, capsy
 
 # --------------------------------------------------------------------------- interrupts
 def _spawn(argv, cwd):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "python")]))
+    env = child_env()
     return subprocess.Popen([sys.executable, "-m", "emcl_continual", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=str(cwd))
 

@@ -35,6 +35,8 @@ finally:
 from emcl_kernels import FusedEMCLOptimizer  # noqa: E402
 from emcl_kernels import functional as F  # noqa: E402
 from emcl_kernels import validation  # noqa: E402
+from emcl_testing import child_env  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def _interpreted_triton(monkeypatch):
@@ -95,8 +97,7 @@ def _refused(opt, fn, exc, match):
 
 
 def _child(code: str, backend: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"),
-                                                       os.path.join(ROOT, "python")]))
+    env = child_env(os.path.join(ROOT, "tests"))
     if backend == "triton":
         env["TRITON_INTERPRET"] = "1"
     prog = "import torch\nfrom emcl_kernels import FusedEMCLOptimizer\n" \

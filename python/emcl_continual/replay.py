@@ -1,6 +1,8 @@
 """Reservoir replay buffer (Vitter's algorithm R over every sample ever seen)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 __all__ = ["ReservoirBuffer"]
@@ -22,6 +24,12 @@ class ReservoirBuffer:
         self.capacity = int(capacity)
         self.input_shape = tuple(int(d) for d in input_shape)
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        need = self.capacity * _bytes_per_sample(self.input_shape, dtype)
+        have = device_memory(device)
+        if have is not None and need > have:
+            # refused before allocating: where memory is overcommitted, the allocation of an
+            # impossible buffer succeeds and zeroing it gets the process killed
+            raise ValueError(_too_large(self.capacity, self.input_shape, dtype, device))
         try:
             self.x = torch.zeros((self.capacity, *self.input_shape), dtype=dtype, device=device)
             self.y = torch.zeros(self.capacity, dtype=torch.long, device=device)
@@ -93,9 +101,29 @@ def _numel(shape: tuple) -> int:
     return n
 
 
+def _bytes_per_sample(input_shape: tuple, dtype: torch.dtype) -> int:
+    return _numel(input_shape) * torch.empty((), dtype=dtype).element_size() + 16  # x, y and t
+
+
+def device_memory(device) -> int | None:
+    """All the memory of ``device`` in bytes (a GPU's, or the machine's RAM for the CPU), or
+    None where it cannot be told."""
+    device = torch.device(device)
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        if device.type == "cpu":
+            return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError, RuntimeError, AssertionError):
+        pass
+    return None
+
+
 def _too_large(capacity: int, input_shape: tuple, dtype: torch.dtype, device) -> str:
     """The error for a memory that cannot be allocated, in the user's terms."""
-    per_sample = _numel(input_shape) * torch.empty((), dtype=dtype).element_size() + 16  # x, y and t
+    need = capacity * _bytes_per_sample(input_shape, dtype)
+    have = device_memory(device)
+    has = f" (it has {have / 2**30:.3g} GiB)" if have is not None else ""
     return (f"a replay memory of {capacity} samples of shape {tuple(input_shape)} needs "
-            f"{capacity * per_sample / 2**30:.3g} GiB, which cannot be allocated on {device}; "
+            f"{need / 2**30:.3g} GiB, which cannot be allocated on {device}{has}; "
             f"lower memory")

@@ -270,7 +270,7 @@ class EMCL(Method):
             return {}
         h = torch.cat(hs)
         c = torch.cat(pulls)
-        q = torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)
+        q = torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64, device=h.device)
         hq, cq = torch.quantile(h, q).tolist(), torch.quantile(c, q).tolist()
         eps = float(self.opt.param_groups[0]["eps"])
         out = {"h_mean": float(h.mean()), "h_median": hq[0], "h_p90": hq[1], "h_p99": hq[2], "h_max": float(h.max()),
