@@ -59,7 +59,8 @@ kernels form overflows (see [note: domains] there).
 """
 from __future__ import annotations
 
-__all__ = ["HYPER_FIELDS", "HYPER", "LR_SCALE_FROM_REG", "COUNTER_FIELDS", "COUNTER", "OPS",
+__all__ = ["HYPER_FIELDS", "HYPER", "LR_SCALE_FROM_REG", "HYPER_DEFAULTS", "resolve_lr_scale",
+           "COUNTER_FIELDS", "COUNTER", "OPS",
            "OP", "LR_MODES", "LR_MODE", "IMPORTANCE_KINDS", "IMPORTANCE", "PARAM_DTYPES",
            "INTERFACE_VERSION", "STEP_ARGS", "STEP_POSITIONAL", "CHECK_FINITE_ARGS",
            "STEP_SCHEMA", "CHECK_FINITE_SCHEMA", "layout_string", "render_header"]
@@ -73,6 +74,17 @@ HYPER_FIELDS = ("inner_lr", "meta_lr", "reg", "gamma", "decay", "lr_scale", "lr_
 HYPER = {name: i for i, name in enumerate(HYPER_FIELDS)}
 #: ``hyper[LR_SCALE] == LR_SCALE_FROM_REG``: r = 1 / reg (1 when reg == 0), the default.
 LR_SCALE_FROM_REG = -1.0
+#: The value a call gets for a hyper-parameter it does not name (``lr_scale``: the sentinel).
+HYPER_DEFAULTS = {"lr_max": float("inf"), "eps": 1e-8, "lr_scale": LR_SCALE_FROM_REG}
+
+
+def resolve_lr_scale(lr_scale, reg):
+    """r from ``hyper``'s numbers: ``lr_scale``, or 1 / reg (1 when reg is 0) for None or the
+    :data:`LR_SCALE_FROM_REG` sentinel. The host's rule; the kernels' are ``lr_scale_of`` in
+    csrc/emcl_math.h and the update kernel's ``r64`` in triton_kernels.py."""
+    if lr_scale is not None and lr_scale != LR_SCALE_FROM_REG:
+        return lr_scale
+    return 1.0 / reg if reg > 0 else 1.0
 
 #: Layout of ``counters`` (int64, one per device).
 COUNTER_FIELDS = ("found", "calls", "skipped", "done")

@@ -8,7 +8,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from emcl_kernels.integration import local
-from emcl_kernels.interface import COUNTER, OP
+from emcl_kernels.interface import OP
 from emcl_kernels.plan import Runtime, check_group, resolve_backend, run
 from emcl_kernels.skips import NonFiniteGradientWarning
 from emcl_kernels.validation import (NUMERIC_KEYS, PARAM_DTYPES, check_flag, check_no_overlap,

@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from emcl_kernels.integration import is_dtensor, local
-from emcl_kernels.interface import (COUNTER, COUNTER_FIELDS, HYPER, HYPER_FIELDS, IMPORTANCE,
-                                    LR_MODE, LR_SCALE_FROM_REG, OP)
+from emcl_kernels.interface import (COUNTER, COUNTER_FIELDS, HYPER, HYPER_DEFAULTS, HYPER_FIELDS,
+                                    IMPORTANCE, LR_MODE, OP)
 from emcl_kernels.skips import SkipLog
 from emcl_kernels.validation import (IMPORTANCE_KINDS, INNER_KEYS, LR_MODES, META_KEYS,
                                      NUMERIC_KEYS, check_hyperparameters, check_like,
@@ -39,18 +39,19 @@ def new_counters(device) -> Tensor:
     return torch.zeros(len(COUNTER_FIELDS), dtype=torch.int64, device=device)
 
 
+def _hyper_entry(hp: dict, name: str):
+    """One entry of ``hyper`` from a dict of hyper-parameters (a number or a 0-d tensor): a
+    missing or None value is :data:`~emcl_kernels.interface.HYPER_DEFAULTS`' (0 otherwise).
+    The one encoder of ``hyper``: :func:`hyper_values`, :func:`pack_hyper` and the traced
+    hyper of a compiled step all build it from here."""
+    v = hp.get(name)
+    return HYPER_DEFAULTS.get(name, 0.0) if v is None else v
+
+
 def hyper_values(hp: dict) -> tuple:
     """The numbers of ``hyper`` in :data:`~emcl_kernels.interface.HYPER_FIELDS` order from a
-    dict of checked float hyper-parameters (missing ones are 0, ``lr_max`` +inf, ``eps`` 1e-8;
-    ``lr_scale=None`` is the 1/reg sentinel)."""
-    defaults = {"lr_max": float("inf"), "eps": 1e-8}
-    out = []
-    for name in HYPER_FIELDS:
-        v = hp.get(name, defaults.get(name, 0.0))
-        if name == "lr_scale" and v is None:
-            v = LR_SCALE_FROM_REG
-        out.append(float(v))
-    return tuple(out)
+    dict of checked float hyper-parameters (``lr_scale=None`` is the 1/reg sentinel)."""
+    return tuple(float(_hyper_entry(hp, name)) for name in HYPER_FIELDS)
 
 
 def pack_hyper(hp: dict, device) -> Tensor:
@@ -67,12 +68,9 @@ def pack_hyper(hp: dict, device) -> Tensor:
             host = torch.tensor(hyper_values(hp), dtype=torch.float64, pin_memory=True)
             return host.to(device, non_blocking=True)
         return torch.tensor(hyper_values(hp), dtype=torch.float64, device=device)
-    defaults = {"lr_max": float("inf"), "eps": 1e-8, "lr_scale": LR_SCALE_FROM_REG}
     parts = []
     for name in HYPER_FIELDS:
-        v = hp.get(name)
-        if v is None:
-            v = defaults.get(name, 0.0)
+        v = _hyper_entry(hp, name)
         if isinstance(v, Tensor):
             parts.append(v.detach().reshape(()).to(device=device, dtype=torch.float64))
         else:
@@ -644,9 +642,7 @@ def _traced_hyper(group: dict, device: torch.device) -> Tensor:
     hyper-parameters])."""
     parts = []
     for name in HYPER_FIELDS:
-        v = group[name]
-        if v is None:
-            v = LR_SCALE_FROM_REG
+        v = _hyper_entry(group, name)
         if isinstance(v, Tensor):
             parts.append(v.detach().reshape(()).to(device=device, dtype=torch.float64))
         else:

@@ -25,10 +25,11 @@ import torch
 from torch import Tensor
 
 from emcl_kernels.integration import capturing, is_dtensor, local
+from emcl_kernels.interface import resolve_lr_scale
 
 __all__ = ["FLT_MAX", "FLT_TINY", "PARAM_DTYPES", "LR_MODES", "IMPORTANCE_KINDS",
            "INNER_KEYS", "META_KEYS", "NUMERIC_KEYS", "check_hyperparameters", "check_flag",
-           "check_param", "check_tensor", "check_like", "check_no_overlap", "plainly_valid", "same_layout", "is_dense", "resolve_lr_scale",
+           "check_param", "check_tensor", "check_like", "check_no_overlap", "plainly_valid", "same_layout", "is_dense",
            "state_dtype"]
 
 FLT_MAX = float(torch.finfo(torch.float32).max)
@@ -126,13 +127,6 @@ def _value(v) -> Optional[float]:
     if isinstance(v, (float, int)):
         return float(v)
     return None  # a symbol under torch.compile
-
-
-def resolve_lr_scale(lr_scale, reg):
-    """``lr_scale``, or for None the default 1/reg (1 when reg is 0), as numbers."""
-    if lr_scale is not None:
-        return lr_scale
-    return 1.0 / reg if reg > 0 else 1.0
 
 
 def _check_products(out: dict) -> None:

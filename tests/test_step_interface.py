@@ -242,6 +242,30 @@ def test_hyper_layout_is_the_interface():
     assert COUNTER["found"] == 0
 
 
+@pytest.mark.parametrize("lr_scale", (None, 0.25), ids=("from-reg", "given"))
+def test_hyper_is_encoded_one_way_from_numbers_tensors_and_a_traced_group(lr_scale):
+    """The numbers, the 0-d tensors and a compiled step's group give the same ``hyper``
+    (missing fields take interface.HYPER_DEFAULTS), and the host decoder resolves the
+    sentinel as interface.resolve_lr_scale says."""
+    from emcl_kernels import plan
+    from emcl_kernels.backends.reference import hyper_dict
+    from emcl_kernels.interface import HYPER_DEFAULTS, resolve_lr_scale
+    numbers = dict(inner_lr=0.05, meta_lr=0.2, reg=2.0, gamma=0.3, decay=0.9, lr_scale=lr_scale,
+                   lr_min=0.01)                                      # no lr_max, no eps
+    tensors = {k: (torch.tensor(v, dtype=torch.float64) if v is not None else None)
+               for k, v in numbers.items()}
+    group = {**numbers, "lr_max": HYPER_DEFAULTS["lr_max"], "eps": HYPER_DEFAULTS["eps"]}
+    packed = [plan.pack_hyper(numbers, "cpu"), plan.pack_hyper(tensors, "cpu"),
+              plan._traced_hyper(group, torch.device("cpu")),
+              torch.tensor(plan.hyper_values(numbers), dtype=torch.float64)]
+    for t in packed[1:]:
+        assert torch.equal(t, packed[0])
+    decoded = hyper_dict(packed[0])
+    assert decoded["lr_scale"] == (0.25 if lr_scale else 0.5) == resolve_lr_scale(lr_scale, 2.0)
+    assert decoded["lr_max"] == float("inf") and decoded["eps"] == 1e-8
+    assert resolve_lr_scale(None, 0.0) == 1.0
+
+
 def _launch_shape():
     import emcl_kernels.backends.extension  # noqa: F401  (loads the library when it is built)
     if not hasattr(torch.ops.emcl, "cuda_launch_shape"):

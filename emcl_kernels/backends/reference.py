@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from emcl_kernels import reference as _ref
-from emcl_kernels.interface import (COUNTER, HYPER_FIELDS, IMPORTANCE_KINDS,
-                                    LR_MODES, LR_SCALE_FROM_REG, OP)
+from emcl_kernels.interface import (COUNTER, HYPER_FIELDS, IMPORTANCE_KINDS, LR_MODES, OP,
+                                    resolve_lr_scale)
 
 _FOUND, _CALLS, _SKIPPED = COUNTER["found"], COUNTER["calls"], COUNTER["skipped"]
 
@@ -20,8 +20,7 @@ def hyper_dict(hyper: torch.Tensor) -> dict:
     """The ``hyper`` tensor as a dict of floats, with ``lr_scale`` resolved (the sentinel
     :data:`~emcl_kernels.interface.LR_SCALE_FROM_REG` means 1 / reg, or 1 when reg is 0)."""
     values = dict(zip(HYPER_FIELDS, hyper.tolist()))
-    if values["lr_scale"] == LR_SCALE_FROM_REG:
-        values["lr_scale"] = 1.0 / values["reg"] if values["reg"] > 0 else 1.0
+    values["lr_scale"] = resolve_lr_scale(values["lr_scale"], values["reg"])
     return values
 
 

@@ -59,7 +59,6 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from . import presets
 from .replay import ReservoirBuffer

@@ -486,7 +486,7 @@ def main(argv: list | None = None) -> int:
     _check_version(rpath, args.allow_dirty, args.allow_mixed_versions)
     remember(rows_r)
     run_rows(rows_r, rpath, args.stream, "test", **common)
-    print(f"done; tables: python -m emcl_continual.tables")
+    print("done; tables: python -m emcl_continual.tables")
     return 0
 
 

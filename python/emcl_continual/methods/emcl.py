@@ -70,7 +70,7 @@ import torch.nn.functional as F
 from emcl_kernels.backends import BACKENDS
 from emcl_kernels.functional import check_hyperparameters
 from emcl_kernels.interface import IMPORTANCE_KINDS, LR_MODES
-from emcl_kernels.validation import resolve_lr_scale
+from emcl_kernels.interface import resolve_lr_scale
 
 from ..presets import BATCH_SIZE, MEMORY
 from ..replay import ReservoirBuffer
@@ -170,7 +170,7 @@ class EMCL(Method):
 
     def make_optimizer(self):
         """:class:`emcl_kernels.FusedEMCLOptimizer` with the optimizer keys of the configuration
-        (``lr_scale=None``: :func:`emcl_kernels.validation.resolve_lr_scale`, 1/reg), one param
+        (``lr_scale=None``: :func:`emcl_kernels.interface.resolve_lr_scale`, 1/reg), one param
         group per tensor for ``importance_norm="tensor"``, ``capturable`` when the glances are
         captured in CUDA graphs."""
         from emcl_kernels import FusedEMCLOptimizer
