@@ -254,6 +254,7 @@ class Runtime:
         self.opt = opt
         self.plans: Optional[list] = None
         self.keys: list = []           # group_key of each group when the plans were built
+        self.seen: list = []           # each group's hyper-parameter objects last found equal
         self.tensor_hyper: list = []   # groups whose tensor hyper-parameters are read per step
         self.counters: dict = {}       # device -> counters (emcl_kernels.interface)
         self.calls_base = int(calls)   # step() calls before the first counters existed
@@ -421,6 +422,7 @@ class Runtime:
         for plan in plans:
             self.counters_for(plan.device)
         self.plans, self.keys, self.tensor_hyper, self.mesh = plans, keys, tensor_hyper, mesh
+        self.seen = [None] * len(keys)
         groups = opt.param_groups
         self.groups = list(groups)
         self.lists = [list(group["params"]) for group in groups]
@@ -475,20 +477,26 @@ class Runtime:
         when a mode changed or a number became a tensor (or back)."""
         groups = self.opt.param_groups
         for gi, (group, key) in enumerate(zip(groups, self.keys)):
+            objects = list(map(group.get, HYPER_KEYS))
+            seen = self.seen[gi]
+            if seen is not None and all(map(_is, objects, seen)):
+                continue  # the very objects found equal before (numbers are immutable)
             now = group_key(group)
-            if now == key:
-                continue
-            if any(_kind(a) != _kind(b) for a, b in zip(now, key)) \
-                    or any(now[i] != key[i] for i in _MODE_INDEX):
-                return self.build()
-            self.refresh_hyper(gi, group)
-            self.keys[gi] = group_key(group)
+            if now != key:
+                if any(_kind(a) != _kind(b) for a, b in zip(now, key)) \
+                        or any(now[i] != key[i] for i in _MODE_INDEX):
+                    return self.build()
+                self.refresh_hyper(gi, group)
+                self.keys[gi] = group_key(group)
+                objects = list(map(group.get, HYPER_KEYS))
+            self.seen[gi] = objects
         for gi in self.tensor_hyper:
             self.refresh_hyper(gi, groups[gi])
         if self.unadopted and not self.tracing:
             for gi in sorted(self.unadopted):
                 self.refresh_hyper(gi, groups[gi])
                 self.keys[gi] = group_key(groups[gi])
+                self.seen[gi] = None
         return self.plans
 
     def _fits(self, plan: Plan, grads: list, several: bool) -> bool:
