@@ -187,7 +187,8 @@ def write_image_files(root: str, stream: str, samples_per_task: int, seed: int =
 def time_batches(train, get_method, method: str, stream, seed: int, overrides: dict,
                  device: torch.device, batch_size: int) -> list:
     """Seconds of each ``observe`` of ``method`` over ``stream``'s first task (device
-    synchronized around each), set up as ``emcl_continual.train.run`` sets it up."""
+    synchronized around each), set up and bracketed by ``begin_task``/``end_task`` as
+    ``emcl_continual.train.run`` does (the boundaries themselves are not timed)."""
     from emcl_continual.models import build_model
 
     info = stream.info
@@ -196,12 +197,14 @@ def time_batches(train, get_method, method: str, stream, seed: int, overrides: d
     model = build_model(info).to(device)
     learner = get_method(method)(model, info, config, device)
     out = []
+    learner.begin_task(0)
     for x, y in stream.batches(0, batch_size, device=device):
         common.synchronize(device)
         start = time.perf_counter()
         learner.observe(x, y, 0)
         common.synchronize(device)
         out.append(time.perf_counter() - start)
+    learner.end_task(0)
     return out
 
 

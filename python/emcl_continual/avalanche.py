@@ -86,7 +86,7 @@ OPTIMIZER_KEYS = ("meta_lr", "inner_lr", "reg", "gamma", "decay", "lr_scale", "l
 
 # Table II's EMCL columns, by stream name (meta_lr α₀, inner_lr β, reg λ, gamma γ) plus the paper's
 # replay memory for that stream. This project's runs use β = 0.03 on the MNIST streams (chosen on
-# validation data, README "Selection on validation data"): pass inner_lr=0.03 to get them.
+# validation data, docs/results.md "Selection on validation data"): pass inner_lr=0.03 to get them.
 # (Rotated MNIST has no column: it takes MNIST Permutations', as --method emcl does.)
 PRESETS = {stream: {"memory": presets.MEMORY[stream],
                     **EMCL_TABLE_II["permuted-mnist" if stream == "rotated-mnist" else stream]}
