@@ -14,7 +14,15 @@ the cached plans (the gradients' lists only, no key), alternating block by block
 optimizer, so that both see the same load (``keyed_step_us``, ``unkeyed_step_us``,
 ``key_share``).
 
+``--host-only`` times the host's part of a step alone, against any version of the optimizer:
+the backend's ``step`` replaced by a function that does nothing, so the memory traffic of the
+kernels leaves the number alone (the fastest round, ``*_fastest_us``, is the one least
+disturbed by other jobs on a shared machine); once with the same
+gradient tensors every step and once with gradients that change every step (a pool of three
+sets, as autograd allocates them anew), for alternating runs of two versions:
+
     PYTHONPATH=.:python python benchmarks/bench_plan_key.py --out benchmarks/results/plan_key_ab_cpu.json
+    PYTHONPATH=.:python python benchmarks/bench_plan_key.py --host-only --out host.json
 """
 from __future__ import annotations
 
@@ -63,13 +71,66 @@ def _unkeyed_gather(runtime):
     return gather
 
 
-def _median_us(fn, n):
+def _median_us(fn, n, clock=time.perf_counter):
     out = []
     for _ in range(n):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        out.append(time.perf_counter() - t)
+        out.append(clock() - t)
     return statistics.median(out) * 1e6
+
+
+def host_only(args) -> dict:
+    """Host time of ``step()`` with the backend call replaced by a no-op, per layout, with
+    the same gradients every step and with gradients that change every step."""
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for name, shapes in LAYOUTS.items():
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.01) for s in shapes]
+        pool = [[torch.randn(p.shape, generator=gen) * 1e-3 for p in params] for _ in range(3)]
+        for p, g in zip(params, pool[0]):
+            p.grad = g
+        opt = FusedEMCLOptimizer(params, meta_every=1, backend=args.backend)
+        opt.step()
+        backend = _plans(opt)[0].backend
+        real = backend.step
+        backend.step = lambda *a, **k: None
+        n = args.steps if name == "mlp" else max(40, args.steps // 10)
+        i = [0]
+
+        def fresh():
+            i[0] += 1
+            for p, g in zip(params, pool[i[0] % 3]):
+                p.grad = g
+            opt.step()
+
+        def swap_only():  # the same assignments without the step, subtracted
+            i[0] += 1
+            for p, g in zip(params, pool[i[0] % 3]):
+                p.grad = g
+
+        try:
+            same, changing, assign = [], [], []
+            for _ in range(args.rounds):
+                for p, g in zip(params, pool[0]):
+                    p.grad = g
+                same.append(_median_us(opt.step, n))
+                changing.append(_median_us(fresh, n))
+                assign.append(_median_us(swap_only, n))
+        finally:
+            backend.step = real
+        a = statistics.median(assign)
+        out[name] = {"same_grads_us": statistics.median(same),
+                     "changing_grads_us": statistics.median(changing) - a,
+                     "same_grads_fastest_us": min(same),
+                     "changing_grads_fastest_us": min(changing) - min(assign),
+                     "same_rounds_us": same, "changing_rounds_us": changing,
+                     "assign_rounds_us": assign}
+        print(f"{name:5s} host time of step(), backend call a no-op: same grads "
+              f"{out[name]['same_grads_us']:8.1f} us, changing grads "
+              f"{out[name]['changing_grads_us']:8.1f} us")
+    return out
 
 
 def main():
@@ -79,7 +140,18 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--note", default="", help="recorded in the file")
+    ap.add_argument("--host-only", action="store_true",
+                    help="the host's part of a step alone (the backend call a no-op)")
     args = ap.parse_args()
+    if args.host_only:
+        res = {"backend": args.backend, "threads": 1, "machine": platform.node(),
+               "torch": torch.__version__, "note": args.note,
+               "load_before": list(__import__("os").getloadavg()), "layouts": host_only(args)}
+        res["load_after"] = list(__import__("os").getloadavg())
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     results = {"backend": args.backend, "threads": 1, "machine": platform.node(),

@@ -403,3 +403,44 @@ def test_functional_validates_the_same_hyperparameters_once(monkeypatch):
     first = len(calls)
     F.inner_step_(p, g, anchors, imps, **kw)
     assert first > 0 and len(calls) == first
+
+
+@pytest.mark.parametrize("n", (3, 200), ids=("python-loop", "arrays"))
+def test_the_overlap_check_agrees_with_comparing_every_pair(n):
+    """plan.spans_apart (a step's gradients against each other and the planned tensors' memory)
+    against the definition, on random layouts that overlap sometimes, empty tensors included."""
+    import random
+
+    from emcl_kernels.plan import Spans, spans_apart
+    rng = random.Random(n)
+
+    def overlap(a, b):
+        return a[1] > a[0] and b[1] > b[0] and a[0] < b[1] and b[0] < a[1]
+
+    verdicts = set()
+    for trial in range(300):
+        planned, at = [], 0
+        for _ in range(rng.randrange(0, 6)):            # apart from each other, as validated
+            at += rng.randrange(0, 64)
+            size = rng.randrange(0, 64)
+            planned.append((at, at + size))
+            at += size
+        rng.shuffle(planned)
+        spread = rng.choice((4 * n * 16, 100 * n * n * 40)) + at  # crowded or sparse
+        starts = [rng.randrange(0, spread) for _ in range(n)]
+        sizes = [rng.choice((0, 1, 8, 16, 40)) for _ in range(n)]
+        grads = [(s, s + z) for s, z in zip(starts, sizes)]
+        expected = not any(overlap(grads[i], grads[j]) for i in range(n) for j in range(i))
+        expected = expected and not any(overlap(g, p) for g in grads for p in planned)
+        spans = Spans([a for a, _ in planned], [b for _, b in planned]) if planned else None
+        got = spans_apart(starts, sizes, spans)
+        assert got == expected, (trial, grads, planned)
+        verdicts.add(got)
+    assert verdicts == {True, False}                     # both answers were exercised
+    # gradients apart from each other, one of them over a planned tensor's first, middle or
+    # last byte, or just outside it
+    starts, sizes = [1000 * k for k in range(n)], [16] * n
+    planned = Spans([500, 100_000_000], [600, 100_000_100])
+    assert spans_apart(starts, sizes, planned)
+    for at, apart in ((500 - 16, True), (500 - 15, False), (550, False), (599, False), (600, True)):
+        assert spans_apart(starts + [at], sizes + [16], planned) is apart, at
