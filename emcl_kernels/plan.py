@@ -263,16 +263,21 @@ class Spans:
 _ARRAY_CHECK_FROM = 48
 
 
-def spans_apart(starts: list, sizes: list, planned: Optional[Spans]) -> bool:
+def spans_apart(starts: list, sizes, planned: Optional[Spans]) -> bool:
     """The memory ``[start, start + size)`` of each tensor overlaps no other's, nor any of
     ``planned`` (empty tensors hold no memory). Sorted by start, a tensor that overlaps an
-    earlier one overlaps the one just before it; a planned span is found by binary search."""
-    if len(starts) >= _ARRAY_CHECK_FROM:
-        s = np.array(starts, dtype=np.int64)
-        e = s + np.array(sizes, dtype=np.int64)
+    earlier one overlaps the one just before it; a planned span is found by binary search.
+    ``sizes``: a list, or an int64 array (a step's gradients have their parameters' sizes,
+    so the caller keeps the array from step to step)."""
+    n_grads = len(starts)
+    if n_grads >= _ARRAY_CHECK_FROM:
+        s = np.fromiter(starts, dtype=np.int64, count=n_grads)
+        e = s + (sizes if isinstance(sizes, np.ndarray)
+                 else np.fromiter(sizes, dtype=np.int64, count=n_grads))
         live = e > s
-        s, e = s[live], e[live]
-        order = np.argsort(s, kind="stable")
+        if not live.all():
+            s, e = s[live], e[live]
+        order = np.argsort(s)
         s, e = s[order], e[order]
         if s.size > 1 and bool((s[1:] < e[:-1]).any()):
             return False
@@ -283,7 +288,7 @@ def spans_apart(starts: list, sizes: list, planned: Optional[Spans]) -> bool:
         before = en[np.maximum(i - 1, 0)]
         after = st[np.minimum(i, n - 1)]
         return not bool((((i > 0) & (before > s)) | ((i < n) & (after < e))).any())
-    pairs = sorted((a, a + b) for a, b in zip(starts, sizes) if b > 0)
+    pairs = sorted((a, a + int(b)) for a, b in zip(starts, sizes) if b > 0)
     for (_, end), (start, _) in zip(pairs, pairs[1:]):
         if start < end:
             return False
@@ -327,6 +332,7 @@ class Runtime:
         self.without_grad: list = []   # parameters without a gradient when the plans were built
         self.grad_ptrs: Optional[list] = None
         self.spans: dict = {}          # device -> Spans of the planned tensors
+        self.grad_sizes: dict = {}     # device -> the bytes of its gradients, in plan order
 
     # -- hyper-parameters ---------------------------------------------------------------------
     def adopt_capturable(self, gi: int) -> None:
@@ -491,6 +497,11 @@ class Runtime:
                 starts.extend(map(_data_ptr, lst))
                 ends.extend(map(operator.add, map(_data_ptr, lst), map(_nbytes, lst)))
         self.spans = {device: Spans(starts, ends) for device, (starts, ends) in spans.items()}
+        sizes: dict = {}
+        for plan in plans:  # each device's gradients in _grads_apart's order
+            sizes.setdefault(plan.device, []).extend(plan.key[5])
+        self.grad_sizes = {device: np.array(v, dtype=np.int64) if len(v) >= _ARRAY_CHECK_FROM
+                           else v for device, v in sizes.items()}
         self.grad_ptrs = [list(map(_data_ptr, [local(p.grad) for p in plan.sources]))
                           for plan in plans]
         return plans
@@ -579,11 +590,9 @@ class Runtime:
             return True
         by_device: dict = {}
         for plan, pt in zip(plans, ptrs):
-            starts, sizes = by_device.setdefault(plan.device, ([], []))
-            starts.extend(pt)
-            sizes.extend(plan.key[5])
-        for device, (starts, sizes) in by_device.items():
-            if not spans_apart(starts, sizes, self.spans.get(device)):
+            by_device.setdefault(plan.device, []).extend(pt)
+        for device, starts in by_device.items():
+            if not spans_apart(starts, self.grad_sizes[device], self.spans.get(device)):
                 return False
         self.grad_ptrs = ptrs
         return True
