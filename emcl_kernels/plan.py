@@ -288,10 +288,14 @@ def spans_apart(starts: list, sizes, planned: Optional[Spans]) -> bool:
         before = en[np.maximum(i - 1, 0)]
         after = st[np.minimum(i, n - 1)]
         return not bool((((i > 0) & (before > s)) | ((i < n) & (after < e))).any())
-    pairs = sorted((a, a + int(b)) for a, b in zip(starts, sizes) if b > 0)
-    for (_, end), (start, _) in zip(pairs, pairs[1:]):
+    pairs = sorted(zip(starts, map(operator.add, starts, sizes)))
+    if 0 in sizes:
+        pairs = [(a, b) for a, b in pairs if b > a]
+    end = 0
+    for start, stop in pairs:
         if start < end:
             return False
+        end = stop
     if planned is None or not planned.starts:
         return True
     st, en, n = planned.starts, planned.ends, len(planned.starts)
