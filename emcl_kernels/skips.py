@@ -58,13 +58,15 @@ class SkipLog:
         self._event = None
         self._pending = False
         self._since_poll = 0
+        self._on_cpu = False
 
     def watch(self, counters: Tensor) -> None:
         """Count the skips of ``counters`` (the optimizer's home device) from now on."""
         self._counters = counters
         self.reported = 0
         self._pending = False
-        if counters.device.type == "cpu":
+        self._on_cpu = counters.device.type == "cpu"
+        if self._on_cpu:
             self._host = counters.numpy()  # shares the counters' memory: a read costs ~0.1 µs
         else:
             self._host = torch.zeros(1, dtype=counters.dtype, pin_memory=True)
@@ -75,8 +77,10 @@ class SkipLog:
         c = self._counters
         if c is None:
             return
-        if c.device.type == "cpu":
-            self._report(int(self._host[_SKIPPED]))
+        if self._on_cpu:
+            n = int(self._host[_SKIPPED])
+            if n > self.reported:
+                self._report(n)
             return
         if torch.cuda.is_current_stream_capturing():
             return
