@@ -85,10 +85,13 @@ def host_only(args) -> dict:
     the same gradients every step and with gradients that change every step."""
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
+    device = torch.device(args.device)
     out = {}
     for name, shapes in LAYOUTS.items():
-        params = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.01) for s in shapes]
-        pool = [[torch.randn(p.shape, generator=gen) * 1e-3 for p in params] for _ in range(3)]
+        params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.01).to(device))
+                  for s in shapes]
+        pool = [[(torch.randn(p.shape, generator=gen) * 1e-3).to(device) for p in params]
+                for _ in range(3)]
         for p, g in zip(params, pool[0]):
             p.grad = g
         opt = FusedEMCLOptimizer(params, meta_every=1, backend=args.backend)
@@ -135,7 +138,8 @@ def host_only(args) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--backend", default="auto", help="default: auto (cpu on the CPU)")
+    ap.add_argument("--device", default="cpu", help="cuda: only with --host-only")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None)
@@ -143,8 +147,11 @@ def main():
     ap.add_argument("--host-only", action="store_true",
                     help="the host's part of a step alone (the backend call a no-op)")
     args = ap.parse_args()
+    if torch.device(args.device).type != "cpu" and not args.host_only:
+        ap.error("--device other than cpu times the host alone: add --host-only")
     if args.host_only:
-        res = {"backend": args.backend, "threads": 1, "machine": platform.node(),
+        res = {"backend": args.backend, "device": args.device, "threads": 1,
+               "machine": platform.node(),
                "torch": torch.__version__, "note": args.note,
                "load_before": list(__import__("os").getloadavg()), "layouts": host_only(args)}
         res["load_after"] = list(__import__("os").getloadavg())

@@ -771,3 +771,23 @@ def test_training_benchmark_fails_clearly_without_emcl_continual(monkeypatch):
 def test_training_benchmark_rejects_missing_methods():
     with pytest.raises(SystemExit, match="unknown method"):
         bench_training.main(["--methods", "nope", "--no-plot"])
+
+
+def test_plan_key_script_times_the_host_part_of_a_step(tmp_path):
+    """bench_plan_key --host-only: the backend call made a no-op (and put back), the same and
+    changing gradients timed per layout, the file written; any device but the CPU only so."""
+    from emcl_testing import child_env
+    script = os.path.join(ROOT, "benchmarks", "bench_plan_key.py")
+    out = tmp_path / "host.json"
+    proc = subprocess.run([sys.executable, script, "--host-only", "--steps", "4", "--rounds", "1",
+                           "--out", str(out), "--note", "test"], capture_output=True, text=True,
+                          env=child_env(), cwd=str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["note"] == "test" and data["device"] == "cpu"
+    for layout in ("mlp", "many"):
+        rec = data["layouts"][layout]
+        assert rec["same_grads_us"] > 0 and len(rec["same_rounds_us"]) == 1
+    proc = subprocess.run([sys.executable, script, "--device", "cuda"], capture_output=True,
+                          text=True, env=child_env(), cwd=str(tmp_path), timeout=300)
+    assert proc.returncode == 2 and "--host-only" in proc.stderr

