@@ -163,7 +163,10 @@ def _extensions():
              f"(CUDA_HOME={cuda_home}, TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']})")
         ext = cpp_extension.CUDAExtension(
             "emcl_kernels._C",
-            sources + [os.path.join(CSRC, "emcl_cuda.cu")],
+            # the update's kernels in one file per dtype: nvcc compiles them in parallel
+            sources + [os.path.join(CSRC, f) for f in ("emcl_cuda.cu", "emcl_cuda_f32.cu",
+                                                       "emcl_cuda_f64.cu", "emcl_cuda_bf16.cu",
+                                                       "emcl_cuda_f16.cu")],
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
             extra_link_args=link,
         )
