@@ -241,8 +241,8 @@ _layout = Tensor.layout.__get__
 # The comparisons are C-level passes over lists (``map`` of an attribute, list equality) and,
 # for the gradients' memory, a sort and a binary search (``spans_apart``): host time per step
 # against the plans without a key, 0-9 us for the MLP and ~0.4 ms for 1,000 tensors on the
-# 2-core CPU (benchmarks/results/plan_key_host_before_after_cpu.json). What is not in the key: a state tensor other than the
-# anchor replaced by hand (replace state through load_state_dict), and a value written into a
+# 2-core CPU (benchmarks/results/plan_key_host_before_after_cpu.json). What is not in the
+# key: a state tensor other than the anchor replaced by hand (replace state through load_state_dict), and a value written into a
 # parameter or state tensor (the step reads the values anyway).
 
 
