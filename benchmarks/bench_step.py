@@ -275,15 +275,39 @@ def scaler_step(optimizer, device: torch.device) -> Callable[[], object]:
     return step
 
 
+def torch_check_missing(params: list) -> Optional[str]:
+    """Why torch's finite check (``torch._amp_foreach_non_finite_check_and_unscale_``, what a
+    ``GradScaler`` runs) cannot check these gradients, or None where it can: on CUDA torch 2.11
+    has no bf16 kernel for it, so neither ``adam_fused_checked`` nor any ``... scaler``
+    contender exists there (a bf16 model is trained without a scaler)."""
+    if not params:
+        return None
+    probe = torch.ones(1, dtype=params[0].dtype, device=params[0].device)
+    found = torch.zeros((), dtype=torch.float32, device=probe.device)
+    inv = torch.ones((), dtype=torch.float32, device=probe.device)
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_([probe], found, inv)
+    except (NotImplementedError, RuntimeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return (f"not timed: torch's finite check has no kernel for {probe.dtype} gradients "
+                f"on {probe.device.type} ({first})")
+    return None
+
+
 def make_contenders(params: list, emcl_backends: list, log) -> tuple:
     """(contenders, errors): torch's baselines (fused Adam plain, checked and under a
     GradScaler, on one ``Adam(fused=True)``; foreach Adam; foreach SGD) and, per EMCL backend,
     one optimizer with its defaults (timed through ``step()``, ``inner_step()`` and ``step()``
     under a GradScaler) and one with ``check_finite=False`` (``step()``, ``inner_step()``).
     Contenders that share an optimizer share its state: they step the same tensors anyway.
-    A constructor that raises is recorded, not fatal."""
+    A constructor that raises is recorded, not fatal; so are the checked and GradScaler
+    contenders where torch cannot check the gradients' dtype (:func:`torch_check_missing`)."""
     out, errors = [], {}
     device = params[0].device if params else torch.device("cpu")
+    no_check = torch_check_missing(params)
+    if no_check:
+        log(f"      adam_fused_checked and every GradScaler contender: {no_check}")
+        errors["adam_fused_checked"] = errors["adam_fused_scaler"] = no_check
     specs = [
         ("adam_fused", lambda: torch.optim.Adam(params, lr=1e-3, fused=True),
          {"lr": 1e-3, "fused": True}),
@@ -301,7 +325,7 @@ def make_contenders(params: list, emcl_backends: list, log) -> tuple:
             continue
         kind = "adam" if name.startswith("adam") else "sgd"
         out.append(Contender(name, name, opt, "step()", kind, settings=settings))
-        if name == "adam_fused":
+        if name == "adam_fused" and not no_check:
             out.append(Contender("adam_fused_checked", "adam_fused_checked", opt, "step()",
                                  "adam", settings={**settings, "finite_check":
                                                    "_amp_foreach_non_finite_check_and_unscale_"},
@@ -323,7 +347,9 @@ def make_contenders(params: list, emcl_backends: list, log) -> tuple:
                                  "emcl_step", backend, check, settings))
             out.append(Contender(f"emcl[{backend}] inner_step(){suffix}", "emcl", opt,
                                  "inner_step()", "emcl_inner", backend, check, settings))
-            if check:
+            if check and no_check:
+                errors[f"emcl[{backend}] step() scaler"] = no_check
+            elif check:
                 out.append(Contender(f"emcl[{backend}] step() scaler", "emcl", opt, "step()",
                                      "emcl_step", backend, check,
                                      {**settings, "grad_scaler": "default"},

@@ -216,6 +216,12 @@ def step_goals(records: list) -> list:
     return lines
 
 
+def _error_cell(r: dict) -> str:
+    """A contender that has no time: "n/a" where torch cannot run it (bench_step's "not
+    timed: ..."), "error" where it failed; the reason is listed under the table."""
+    return "n/a" if r["error"].startswith("not timed") else "error"
+
+
 def make_step_table(result: dict, *, backends=None, layouts=None, dtypes=None,
                     source: str = "") -> str:
     """The README's step table: per thread count (CPU) or for the GPU, one row per layout and
@@ -267,7 +273,7 @@ def make_step_table(result: dict, *, backends=None, layouts=None, dtypes=None,
                 cells = [layout, dtype]
                 for b in STEP_BASELINES[:3]:
                     r = next((r for r in here if r["family"] == b), None)
-                    cells.append("-" if r is None else "error" if r.get("error") else
+                    cells.append("-" if r is None else _error_cell(r) if r.get("error") else
                                  f"{r['wall_ms']:.3g} [{r['wall_ms_q25']:.3g}-"
                                  f"{r['wall_ms_q75']:.3g}]")
                 for backend in emcl_backends:
@@ -277,9 +283,9 @@ def make_step_table(result: dict, *, backends=None, layouts=None, dtypes=None,
                         if r is None:
                             cells.append("-")
                         elif r.get("error"):
-                            cells.append("error")
+                            cells.append(_error_cell(r))
                         elif r.get("ratio_to_peer") is None:
-                            cells.append(f"{r['wall_ms']:.3g} ms")
+                            cells.append(f"{r['wall_ms']:.3g} ms (no peer)")
                         else:
                             cells.append(f"{r['ratio_to_peer']:.2f}x "
                                          f"({r['ratio_to_peer_min']:.2f}x)"

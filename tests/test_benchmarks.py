@@ -791,3 +791,27 @@ def test_plan_key_script_times_the_host_part_of_a_step(tmp_path):
     proc = subprocess.run([sys.executable, script, "--device", "cuda"], capture_output=True,
                           text=True, env=child_env(), cwd=str(tmp_path), timeout=300)
     assert proc.returncode == 2 and "--host-only" in proc.stderr
+
+
+def test_step_contenders_without_torchs_finite_check_are_named_not_timed(monkeypatch):
+    """Where torch's finite check has no kernel for the gradients' dtype (bf16 on CUDA in torch
+    2.11), the checked and GradScaler contenders are recorded as not timed, with the reason;
+    the others are built as usual."""
+    params = [torch.nn.Parameter(torch.randn(5, 3))]
+    names = lambda cs: sorted(c.name for c in cs)  # noqa: E731
+    assert bench_step.torch_check_missing(params) is None
+    with_check, errors = bench_step.make_contenders(params, ["reference"], lambda m: None)
+    assert not errors and "adam_fused_checked" in names(with_check)
+
+    def no_kernel(grads, found_inf, inv_scale):
+        raise NotImplementedError('"_amp_foreach_non_finite_check_and_unscale_cuda" not '
+                                  "implemented for 'BFloat16'")
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", no_kernel)
+    why = bench_step.torch_check_missing(params)
+    assert "no kernel for torch.float32 gradients on cpu" in why and "BFloat16" in why
+    lines = []
+    out, errors = bench_step.make_contenders(params, ["reference"], lines.append)
+    assert sorted(errors) == ["adam_fused_checked", "adam_fused_scaler",
+                              "emcl[reference] step() scaler"]
+    assert set(errors.values()) == {why} and any(why in line for line in lines)
+    assert names(out) == sorted(n for n in names(with_check) if n not in errors)

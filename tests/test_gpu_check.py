@@ -145,7 +145,7 @@ def test_summary_files(tmp_path, junit):
     js, md = gpu_check.write_summary(summary, str(tmp_path / "out"), summary["stamp"])
     assert json.load(open(js))["tests"]["failed"] == 1
     text = open(md).read()
-    assert "**FAILED**" in text and "failed: tests" in text
+    assert "**FAILED: tests**" in text
     assert "NVIDIA H100 80GB HBM3" in text and "torch 2.11.0+cu130" in text and "triton 3.6.0" in text
     assert "3 passed, 1 failed, 1 errors, 3 skipped" in text
     assert "(for want of a GPU)" in text and "needs 2 GPUs" in text
@@ -280,3 +280,28 @@ def test_the_readme_gpu_numbers_come_from_the_committed_smoke_run():
         assert f"{off:.0f} GB/s (`{backend}`, {r['step_check_False_over_copy']:.2f}" in readme
         assert f"{on:.0f}" in readme and f"{r['copy_GBps']:.0f}" in table
         assert f"| {backend} | {r['copy_GBps']:.0f} | {off:.0f} |" in table
+
+
+def test_summary_says_incomplete_and_gives_the_step_verdicts(tmp_path):
+    """A stage cut short by the budget makes the run INCOMPLETE (not FAILED), in the summary
+    as on the console; a step benchmark file is summarised by its verdicts, not dumped."""
+    rec = {"family": "emcl", "backend": "cuda", "call": "step()", "check_finite": False,
+           "grad_scaler": False, "ratio_to_peer": 0.61, "verdict": "met", "goal": 1.0,
+           "layout": "mlp", "dtype": "fp32", "threads": 16}
+    (tmp_path / "step.json").write_text(json.dumps(
+        {"records": [rec], "roofs": [{"threads": 16, "roof_gbps": 4303.7,
+                                      "roof_kernel": "axpy_inplace"}]}))
+    summary = {
+        "schema": gpu_check.SCHEMA, "stamp": "20260101T000000Z", "command": "tools/gpu_check.py",
+        "ok": False, "failed": [], "unfinished": ["rest_tests"], "duration_s": 12.0,
+        "machine": {}, "stages": [gpu_check.StageResult("rest_tests", "incomplete", 3.0,
+                                                        "the time budget was spent").as_dict()],
+        "benchmarks": {"step": gpu_check.generic_headline(str(tmp_path / "step.json"))}}
+    assert gpu_check.verdict(summary) == "INCOMPLETE: rest_tests"
+    text = gpu_check.render_markdown(summary)
+    assert "**INCOMPLETE: rest_tests**" in text and "FAILED" not in text
+    assert "Memory roof: 16 thread(s): 4304 GB/s (axpy_inplace)." in text
+    assert ("- EMCL `cuda` `step()`, check off / Adam fused (goal <= 1.0x): met in 1 of 1 "
+            "cells") in text and '"records"' not in text
+    summary["failed"] = ["tests"]
+    assert gpu_check.verdict(summary) == "FAILED: tests"

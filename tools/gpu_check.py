@@ -256,11 +256,28 @@ def generic_headline(path: str) -> Dict:
     for key in ("headline", "ratios", "summary"):
         if isinstance(data, dict) and key in data:
             out[key] = data[key]
-    if isinstance(data, dict):
+    if isinstance(data, dict) and any("ratio_to_peer" in r for r in data.get("records", [])):
+        out["goals"] = step_goal_lines(data)
+        out["roofs"] = [f"{r['threads']} thread(s): {r['roof_gbps']:.0f} GB/s "
+                        f"({r['roof_kernel']})" for r in data.get("roofs", [])]
+    elif isinstance(data, dict):
         for key in ("roof", "copy_gbps", "roofs"):
             if key in data:
                 out[key] = data[key]
     return out
+
+
+def step_goal_lines(data: Dict) -> List[str]:
+    """bench_step's verdicts per EMCL backend and SPEC section 7 row (the lines of
+    ``benchmarks/make_readme_table.py``), or why they could not be made."""
+    sys.path.insert(0, ROOT)
+    try:
+        from benchmarks.make_readme_table import step_goals
+        return step_goals(data["records"])
+    except Exception as exc:  # noqa: BLE001 - the summary stands without them
+        return [f"(no verdicts: {type(exc).__name__}: {exc})"]
+    finally:
+        sys.path.remove(ROOT)
 
 
 def main_job_result(out_dir: str, log_text: str = "") -> Dict:
@@ -293,12 +310,19 @@ def _fmt(x, nd=2):
     return str(x)
 
 
+def verdict(summary: Dict) -> str:
+    """PASSED, "FAILED: stages" or "INCOMPLETE: stages" (a stage the budget cut short)."""
+    failed, unfinished = summary["failed"], summary.get("unfinished") or []
+    return ("PASSED" if not failed and not unfinished else
+            "FAILED: " + ", ".join(failed) if failed else
+            "INCOMPLETE: " + ", ".join(unfinished))
+
+
 def render_markdown(summary: Dict) -> str:
     """The summary as a short Markdown report."""
     m = summary.get("machine") or {}
     lines = [f"# gpu-check {summary['stamp']}", "",
-             f"**{'PASSED' if summary['ok'] else 'FAILED'}** in {summary['duration_s']:.0f} s"
-             + (f"; failed: {', '.join(summary['failed'])}" if summary["failed"] else "")
+             f"**{verdict(summary)}** in {summary['duration_s']:.0f} s"
              + (" (quick)" if summary.get("quick") else ""), "",
              f"- GPU: {m.get('gpu_name', '-')} (sm_{m.get('capability', '-')}, "
              f"{_fmt(m.get('gpu_memory_gib'), 1)} GiB), driver {m.get('driver', '-')}",
@@ -322,7 +346,9 @@ def render_markdown(summary: Dict) -> str:
             lines.append(f"- failed: `{name}`")
     k = (summary.get("benchmarks") or {}).get("kernels")
     if k:
-        lines += ["", "## Kernels", "", f"From `{k['file']}`. Copy bandwidth: "
+        lines += ["", "## Kernels", "", f"From `{k['file']}`, the largest single tensor. "
+                  "A functional call's time, CUDA events around it: its host work (checks, "
+                  "the hyper-parameters' copy) included. Copy bandwidth: "
                   + ", ".join(f"{d} {v:.0f} GB/s" for d, v in k["copy_gbps"].items()), "",
                   "| device | backend | step | dtype | elements | GB/s | of copy |",
                   "|---|---|---|---|--:|--:|--:|"]
@@ -333,6 +359,9 @@ def render_markdown(summary: Dict) -> str:
         b = (summary.get("benchmarks") or {}).get(name)
         if b:
             lines += ["", f"## {name.capitalize()} benchmark", "", f"From `{b['file']}`."]
+            if "goals" in b:
+                lines += ["", f"Memory roof: {'; '.join(b['roofs']) or '-'}.", ""] + b["goals"]
+                continue
             for key in ("headline", "ratios", "summary", "roof", "roofs", "copy_gbps"):
                 if key in b:
                     lines.append(f"- {key}: `{json.dumps(b[key])[:1500]}`")
@@ -995,15 +1024,11 @@ class GpuCheck:
         if self.args.dry_run:
             return 0
         summary, paths = self.publish(results)
-        failed, unfinished = summary["failed"], summary["unfinished"]
-        verdict = ("PASSED" if not failed and not unfinished else
-                   "FAILED: " + ", ".join(failed) if failed else
-                   "INCOMPLETE: " + ", ".join(unfinished))
-        print(f"gpu-check {verdict} in {summary['duration_s']:.0f} s; summary: {paths[1]}",
-              flush=True)
+        print(f"gpu-check {verdict(summary)} in {summary['duration_s']:.0f} s; "
+              f"summary: {paths[1]}", flush=True)
         if self.archive_path():
             print(f"gpu-check: every file of this run is in {self.archive_path()}")
-        return 1 if failed else 0
+        return 1 if summary["failed"] else 0
 
     def archive_path(self) -> Optional[str]:
         if self.args.archive:
