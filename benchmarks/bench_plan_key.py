@@ -23,6 +23,12 @@ sets, as autograd allocates them anew), for alternating runs of two versions:
 
     PYTHONPATH=.:python python benchmarks/bench_plan_key.py --out benchmarks/results/plan_key_ab_cpu.json
     PYTHONPATH=.:python python benchmarks/bench_plan_key.py --host-only --out host.json
+
+``--key-passes`` times the host's part of a step with the key's C++ passes against the same
+key in Python passes alone (as without the extension), alternating in one process:
+
+    PYTHONPATH=.:python python benchmarks/bench_plan_key.py --key-passes \\
+        --out benchmarks/results/plan_key_native_ab_cpu.json
 """
 from __future__ import annotations
 
@@ -136,6 +142,72 @@ def host_only(args) -> dict:
     return out
 
 
+def key_passes(args) -> dict:
+    """Host time of ``step()`` (the backend call a no-op) with the plan key's C++ passes
+    (``_C.plan_grads``, ``_C.identical``, ``_C.items_are``) and with its Python passes alone,
+    alternating round by round in one process on the same optimizer, so both see the same
+    load; the same gradients every step and gradients that change every step (the time of
+    assigning them subtracted)."""
+    from emcl_kernels import plan as P
+    if P._C is None:
+        raise SystemExit("--key-passes needs the compiled extension (emcl_kernels._C)")
+    variants = {"native": (P._plan_grads, P._identical, P._items_are),
+                "python": (None, P._py_identical, P._py_items_are)}
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    try:
+        for name, shapes in LAYOUTS.items():
+            params = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.01) for s in shapes]
+            pool = [[torch.randn(p.shape, generator=gen) * 1e-3 for p in params]
+                    for _ in range(3)]
+            opt = FusedEMCLOptimizer(params, meta_every=1, backend=args.backend)
+            n = args.steps if name == "mlp" else max(40, args.steps // 10)
+            times = {v: {"same": [], "changing": []} for v in variants}
+
+            def assign(i):
+                for p, g in zip(params, pool[i % 3]):
+                    p.grad = g
+
+            for r in range(2 * args.rounds):
+                order = list(variants) if r % 2 == 0 else list(variants)[::-1]
+                for label in order:
+                    P._plan_grads, P._identical, P._items_are = variants[label]
+                    assign(0)
+                    opt._runtime.plans = None   # built again, with this variant's key
+                    opt.step()
+                    backend = opt._runtime.plans[0].backend
+                    real, backend.step = backend.step, (lambda *a, **k: None)
+                    try:
+                        t = time.perf_counter()
+                        for _ in range(n):
+                            opt.step()
+                        times[label]["same"].append((time.perf_counter() - t) / n * 1e6)
+                        t = time.perf_counter()
+                        for i in range(n):
+                            assign(i)
+                            opt.step()
+                        stepped = time.perf_counter() - t
+                        t = time.perf_counter()
+                        for i in range(n):
+                            assign(i)
+                        times[label]["changing"].append(
+                            (stepped - (time.perf_counter() - t)) / n * 1e6)
+                    finally:
+                        backend.step = real
+            out[name] = {v: {m: {"min": min(x), "median": statistics.median(x), "rounds": x}
+                             for m, x in d.items()} for v, d in times.items()}
+            for v in variants:
+                print(f"{name:5s} {v:6s} key passes: same grads "
+                      f"{out[name][v]['same']['min']:7.1f} us (fastest round), "
+                      f"{out[name][v]['same']['median']:7.1f} (median); changing grads "
+                      f"{out[name][v]['changing']['min']:7.1f}, "
+                      f"{out[name][v]['changing']['median']:7.1f}")
+    finally:
+        P._plan_grads, P._identical, P._items_are = variants["native"]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="auto", help="default: auto (cpu on the CPU)")
@@ -146,7 +218,21 @@ def main():
     ap.add_argument("--note", default="", help="recorded in the file")
     ap.add_argument("--host-only", action="store_true",
                     help="the host's part of a step alone (the backend call a no-op)")
+    ap.add_argument("--key-passes", action="store_true",
+                    help="the host's part of a step with the key's C++ passes against its "
+                         "Python passes alone, alternating in one process")
     args = ap.parse_args()
+    if args.key_passes:
+        res = {"what": key_passes.__doc__.split("\n\n")[0].replace("\n    ", " "),
+               "backend": args.backend, "threads": 1, "machine": platform.node(),
+               "torch": torch.__version__, "note": args.note,
+               "load_before": list(__import__("os").getloadavg())}
+        res["layouts"] = key_passes(args)
+        res["load_after"] = list(__import__("os").getloadavg())
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     if torch.device(args.device).type != "cpu" and not args.host_only:
         ap.error("--device other than cpu times the host alone: add --host-only")
     if args.host_only:

@@ -89,7 +89,7 @@ class Plan:
 
     __slots__ = ("backend", "device", "dtype", "sources", "params", "anchors", "importances",
                  "meta_lrs", "steps", "hyper", "prox", "importance", "lr_mode", "group",
-                 "sharded", "checks_grads", "key")
+                 "sharded", "checks_grads", "key", "native_key")
 
     def __init__(self, backend, device: torch.device, dtype: torch.dtype, sources: list,
                  params: list, anchors: list, importances: list, meta_lrs: list, steps: Tensor,
@@ -106,6 +106,7 @@ class Plan:
         # the compiled backends check each call's tensors themselves (in C++ / the launcher)
         self.checks_grads = bool(getattr(backend, "CHECKS_GRADS", False))
         self.key = None
+        self.native_key = None
 
     def call(self, grads: list, counters: Tensor, *, op: int, meta_every: int, check: bool,
              finalize: bool, grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
@@ -218,6 +219,50 @@ _device = Tensor.device.__get__
 _layout = Tensor.layout.__get__
 
 
+def _native():
+    """``emcl_kernels._C`` where it is built from this source and has the key's passes, else
+    None (the same comparisons then run in Python)."""
+    try:
+        from emcl_kernels.backends import extension
+    except ImportError:
+        return None
+    if extension.LOAD_ERROR is not None or not all(
+            hasattr(extension._C, name) for name in ("plan_grads", "identical", "items_are")):
+        return None
+    return extension._C
+
+
+def _py_identical(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(map(_is, a, b))
+
+
+def _py_items_are(dicts: list, key, values: list) -> bool:
+    return len(dicts) == len(values) and all(map(_is, map(dict.get, dicts, repeat(key)), values))
+
+
+_C = _native()
+_plan_grads = _C.plan_grads if _C is not None else None
+_identical = _C.identical if _C is not None else _py_identical
+_items_are = _C.items_are if _C is not None else _py_items_are
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+
+
+def native_key(plan: Plan) -> Optional[tuple]:
+    """The arguments of ``_C.plan_grads`` after ``sources`` for a plan just built: its
+    parameters' addresses, sizes and strides as one int64 tensor, and a tensor of its dtype and
+    device; None where the C++ pass cannot stand in for the Python one (no extension, sharded
+    or subclassed parameters, whose ``.grad`` Python may compute differently)."""
+    if _plan_grads is None or plan.sharded or \
+            not all(type(p) in _PLAIN_TYPES for p in plan.sources):
+        return None
+    _, _, ptrs, shapes, strides, _ = plan.key
+    flat = []
+    for ptr, shape, stride in zip(ptrs, shapes, strides):
+        flat += (ptr, len(shape), *shape, *stride)
+    return (torch.tensor(flat, dtype=torch.int64),
+            torch.empty(0, dtype=plan.dtype, device=plan.device))
+
+
 # [note: plan keys] A plan caches what was validated when it was built; every step compares,
 # before anything is written, what the user can change since then with what the plan was built
 # for, and rebuilds the plans (validating everything again, refusing in the user's terms) on
@@ -239,11 +284,13 @@ _layout = Tensor.layout.__get__
 #   parameter and state tensor for overlap (``p.grad = p.data`` is refused).
 #
 # The comparisons are C-level passes over lists (``map`` of an attribute, list equality) and,
-# for the gradients' memory, a sort and a binary search (``spans_apart``): host time per step
-# against the plans without a key, 0-9 us for the MLP and ~0.4 ms for 1,000 tensors on the
-# 2-core CPU (benchmarks/results/plan_key_host_before_after_cpu.json). What is not in the
-# key: a state tensor other than the anchor replaced by hand (replace state through load_state_dict), and a value written into a
-# parameter or state tensor (the step reads the values anyway).
+# for the gradients' memory, a sort and a binary search (``spans_apart``). Where the extension
+# is built, the parameters' and gradients' half is one C++ pass per plan (``_C.plan_grads``),
+# which accepts only an exact match and otherwise leaves the decision to the Python passes,
+# and the identity comparisons are C++ loops (``_C.identical``, ``_C.items_are``). What is not
+# in the key: a state tensor other than the anchor replaced by hand (replace state through
+# ``load_state_dict``), and a value written into a parameter or state tensor (the step reads
+# the values anyway).
 
 
 class Spans:
@@ -484,6 +531,7 @@ class Runtime:
                 plan.key = (sts, [st["anchor"] for st in sts], list(map(_data_ptr, params)),
                             list(map(_shape, params)), list(map(_stride, params)),
                             list(map(_nbytes, params)))
+                plan.native_key = native_key(plan)
                 plans.append(plan)
         for plan in plans:
             self.counters_for(plan.device)
@@ -521,19 +569,18 @@ class Runtime:
             return False
         for group, lst in zip(groups, self.lists):
             ps = group["params"]
-            if len(ps) != len(lst) or not all(map(_is, ps, lst)):
+            if not _identical(ps if type(ps) is list else list(ps), lst):
                 return False
         for p in self.without_grad:
             if p.grad is not None:
                 return False
         # every key and entry of opt.state, in order, as built: no entry was replaced, deleted
         # or moved (one pass over the dict's own arrays, no hashing of the parameters)
-        if not all(map(_is, state, self.state_keys)) or \
-                not all(map(_is, state.values(), self.state_entries)):
+        if not _identical(list(state), self.state_keys) or \
+                not _identical(list(state.values()), self.state_entries):
             return False
         for plan in self.plans:
-            entries, anchors = plan.key[0], plan.key[1]
-            if not all(map(_is, map(dict.get, entries, repeat("anchor")), anchors)):
+            if not _items_are(plan.key[0], "anchor", plan.key[1]):
                 return False
         return True
 
@@ -583,14 +630,13 @@ class Runtime:
                 and (list(map(_stride, grads)) == strides
                      or all(map(same_layout, grads, params))))
 
-    def _grads_apart(self, plans: list, grads: list) -> bool:
+    def _grads_apart(self, plans: list, ptrs: list) -> bool:
         """No gradient shares memory with another or with a planned tensor (checked again only
         when a gradient's address is not the one checked last, which on the CPU is most steps:
         autograd allocates the gradients anew). A gradient's extent is taken to be its
         parameter's bytes: :meth:`_fits` has compared its shape, dtype and layout with the
         parameter's, or the backend does before it writes (``checks_grads``) and refuses a
         gradient of any other size."""
-        ptrs = [list(map(_data_ptr, g)) for g in grads]
         if ptrs == self.grad_ptrs:
             return True
         by_device: dict = {}
@@ -604,10 +650,17 @@ class Runtime:
 
     def _grads(self, plans: list) -> Optional[list]:
         """This step's gradients, one list per plan; None when they or the parameters no
-        longer fit the plans."""
+        longer fit the plans. A plan with a ``native_key`` is checked in one C++ pass first;
+        where that pass does not accept, the Python comparisons decide."""
         several = len(plans) > 1
-        out = []
+        out, ptrs = [], []
         for plan in plans:
+            if plan.native_key is not None:
+                got = _plan_grads(plan.sources, *plan.native_key)
+                if got is not None:
+                    out.append(got[0])
+                    ptrs.append(got[1])
+                    continue
             g = list(map(_grad_of, plan.sources))
             if any(map(_is, g, repeat(None))):
                 return None
@@ -616,7 +669,8 @@ class Runtime:
             if not self._fits(plan, g, several):
                 return None
             out.append(g)
-        if not self._grads_apart(plans, out):
+            ptrs.append(list(map(_data_ptr, g)))
+        if not self._grads_apart(plans, ptrs):
             return None
         return out
 

@@ -793,6 +793,27 @@ def test_plan_key_script_times_the_host_part_of_a_step(tmp_path):
     assert proc.returncode == 2 and "--host-only" in proc.stderr
 
 
+def test_plan_key_script_compares_the_key_passes(tmp_path):
+    """bench_plan_key --key-passes: the key's C++ and Python passes timed alternately in one
+    process, both layouts, the C++ passes put back at the end; refused without the extension."""
+    from emcl_kernels import plan
+    from emcl_testing import child_env
+    script = os.path.join(ROOT, "benchmarks", "bench_plan_key.py")
+    out = tmp_path / "passes.json"
+    proc = subprocess.run([sys.executable, script, "--key-passes", "--steps", "4", "--rounds",
+                           "1", "--out", str(out)], capture_output=True, text=True,
+                          env=child_env(), cwd=str(tmp_path), timeout=300)
+    if plan._C is None:
+        assert proc.returncode != 0 and "needs the compiled extension" in proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    for layout in ("mlp", "many"):
+        for variant in ("native", "python"):
+            rec = data["layouts"][layout][variant]
+            assert rec["same"]["min"] > 0 and len(rec["same"]["rounds"]) == 2
+
+
 def test_step_contenders_without_torchs_finite_check_are_named_not_timed(monkeypatch):
     """Where torch's finite check has no kernel for the gradients' dtype (bf16 on CUDA in torch
     2.11), the checked and GradScaler contenders are recorded as not timed, with the reason;

@@ -45,6 +45,20 @@ def _interpreted_triton(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True, params=["native", "python"])
+def key_path(request, monkeypatch):
+    """Every case with the key's C++ passes (``_C.plan_grads``, ``identical``, ``items_are``)
+    and with the Python passes alone, as without the extension: both must decide alike."""
+    from emcl_kernels import plan
+    if request.param == "python":
+        monkeypatch.setattr(plan, "_plan_grads", None)
+        monkeypatch.setattr(plan, "_identical", plan._py_identical)
+        monkeypatch.setattr(plan, "_items_are", plan._py_items_are)
+    elif plan._C is None:
+        pytest.skip("the extension is not built: the Python passes are the only ones")
+    return request.param
+
+
 HP = dict(meta_lr=0.3, inner_lr=0.05, reg=2.0, gamma=0.4, decay=0.7, lr_scale=0.5,
           lr_mode="recurrent", lr_max=0.8)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -396,6 +410,7 @@ def test_functional_validates_the_same_hyperparameters_once(monkeypatch):
     calls = []
     real = validation._number
     monkeypatch.setattr(validation, "_number", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(validation, "_CHECKED", {})   # as in a fresh process
     p, g = [torch.randn(3)], [torch.randn(3)]
     anchors, imps = [p[0].clone()], [torch.zeros(3)]
     kw = dict(inner_lr=0.0123, reg=1.25, gamma=0.375, backend="reference")
@@ -444,3 +459,68 @@ def test_the_overlap_check_agrees_with_comparing_every_pair(n):
     assert spans_apart(starts, sizes, planned)
     for at, apart in ((500 - 16, True), (500 - 15, False), (550, False), (599, False), (600, True)):
         assert spans_apart(starts + [at], sizes + [16], planned) is apart, at
+
+
+# ---------------------------------------------------------------------------------------------
+# The key's C++ passes on their own
+# ---------------------------------------------------------------------------------------------
+
+def _native_or_skip(key_path):
+    from emcl_kernels import plan
+    if key_path != "native":
+        pytest.skip("the C++ passes themselves")
+    return plan
+
+
+def test_plan_grads_accepts_only_an_exact_match(key_path):
+    """``_C.plan_grads`` returns the very gradient objects and their addresses when every
+    parameter and gradient is what the key records, and None (the Python passes decide) on any
+    difference: memory, a reshaped view of the same memory, the plan's dtype, a missing
+    gradient, or a gradient of other strides or layout."""
+    plan = _native_or_skip(key_path)
+    params = _params([(3, 5), (7,), ()])
+    _grads(params, 0)
+    opt = FusedEMCLOptimizer(params, backend="reference", meta_every=2, **HP)
+    opt.step()
+    built = opt._runtime.plans[0]
+    key, like = plan.native_key(built)
+    got = plan._C.plan_grads(built.sources, key, like)
+    assert got is not None and all(g is p.grad for g, p in zip(got[0], params))
+    assert got[1] == [p.grad.data_ptr() for p in params]
+
+    def refused(change):
+        saved = [(p.data, p.grad) for p in params]
+        change()
+        try:
+            return plan._C.plan_grads(built.sources, key, like) is None
+        finally:
+            for p, (d, g) in zip(params, saved):
+                p.data, p.grad = d, g
+
+    a = params[0]
+    assert refused(lambda: setattr(a, "data", a.data.clone()))
+    assert refused(lambda: setattr(a, "data", a.data.view(5, 3)))
+    assert refused(lambda: setattr(a, "grad", None))
+    assert refused(lambda: setattr(a, "grad", torch.randn(5, 3).t()))        # strides
+    assert refused(lambda: setattr(a, "grad", torch.randn(3, 5).to_sparse()))
+    assert plan._C.plan_grads(built.sources[:2], key, like) is None          # key longer
+    assert plan._C.plan_grads(built.sources, key[:-1].clone(), like) is None
+    assert plan._C.plan_grads(built.sources, key, like.double()) is None
+    with pytest.raises(TypeError, match="sources must be a list"):
+        plan._C.plan_grads(tuple(built.sources), key, like)
+    with pytest.raises(ValueError, match="int64 CPU tensor"):
+        plan._C.plan_grads(built.sources, key.int(), like)
+
+
+def test_identity_passes(key_path):
+    plan = _native_or_skip(key_path)
+    a, b, c = object(), object(), object()
+    for identical in (plan._C.identical, plan._py_identical):
+        assert identical([a, b], [a, b]) and identical([], [])
+        assert not identical([a, b], [b, a]) and not identical([a], [a, b])
+        assert not identical([[1]], [[1]])          # equal is not identical
+    for items_are in (plan._C.items_are, plan._py_items_are):
+        assert items_are([{"anchor": a}, {"anchor": b}], "anchor", [a, b])
+        assert not items_are([{"anchor": a}, {}], "anchor", [a, b])
+        assert not items_are([{"anchor": a}], "anchor", [a, b])
+        assert items_are([{}], "anchor", [None])    # dict.get's None, as in Python
