@@ -7,6 +7,7 @@
 // (emcl_kernels/backends/extension.py, torch.library.register_fake).
 #include <Python.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -498,6 +499,89 @@ PyObject* py_items_are(PyObject* /*module*/, PyObject* const* args, Py_ssize_t n
   END_HANDLE_TH_ERRORS
 }
 
+// emcl_kernels._C.plainly_valid_call(plain_types, params, grads, anchors, importances,
+// meta_lrs): True when a functional call's lists pass every check of
+// emcl_kernels.functional.check_lists in the common case, in one C++ pass: every tensor of an
+// exact type in `plain_types` (torch.Tensor, nn.Parameter); every parameter contiguous, of a
+// parameter dtype, with data; its gradient of its dtype and its state of the state dtype,
+// each with its device, sizes and strides; and no two non-empty tensors sharing memory.
+// False means "run the Python checks", which raise with a message naming the tensor, or pass
+// (a channels_last parameter, say). The lists have equal lengths (checked by the caller);
+// meta_lrs may be empty.
+bool is_plain(PyObject* obj, PyObject* plain_types) {
+  const Py_ssize_t n = PyTuple_GET_SIZE(plain_types);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (reinterpret_cast<PyObject*>(Py_TYPE(obj)) == PyTuple_GET_ITEM(plain_types, i)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+struct Span {
+  int64_t device;  // type * 2**16 + index + 1
+  int64_t start, end;
+  bool operator<(const Span& o) const {
+    return device != o.device ? device < o.device : start < o.start;
+  }
+};
+
+PyObject* py_plainly_valid_call(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(nargs == 6 && PyTuple_Check(args[0]),
+                   "emcl_kernels._C.plainly_valid_call takes (plain_types: tuple, params, "
+                   "grads, anchors, importances, meta_lrs)");
+  PyObject* plain = args[0];
+  PyObject* lists[5];
+  for (int j = 0; j < 5; ++j) {
+    lists[j] = args[1 + j];
+    TORCH_CHECK_TYPE(PyList_Check(lists[j]), "plainly_valid_call takes lists");
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(lists[0]);
+  const int n_lists = PyList_GET_SIZE(lists[4]) == 0 ? 4 : 5;
+  for (int j = 1; j < n_lists; ++j) {
+    if (PyList_GET_SIZE(lists[j]) != n) Py_RETURN_FALSE;
+  }
+  std::vector<Span> spans;
+  spans.reserve(static_cast<size_t>(n) * n_lists);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* pobj = PyList_GET_ITEM(lists[0], i);
+    if (!is_plain(pobj, plain)) Py_RETURN_FALSE;
+    const at::Tensor& p = THPVariable_Unpack(pobj);
+    const at::ScalarType dtype = p.scalar_type();
+    if (!is_param_dtype(dtype) || p.layout() != at::kStrided || p.device().is_meta() ||
+        !p.is_contiguous()) {
+      Py_RETURN_FALSE;
+    }
+    const at::ScalarType state = compute_dtype(dtype);
+    for (int j = 0; j < n_lists; ++j) {
+      PyObject* obj = PyList_GET_ITEM(lists[j], i);
+      if (j > 0 && !is_plain(obj, plain)) Py_RETURN_FALSE;
+      const at::Tensor& t = THPVariable_Unpack(obj);
+      if (j > 0 && (t.scalar_type() != (j == 1 ? dtype : state) ||
+                    t.layout() != at::kStrided || t.device() != p.device() ||
+                    t.sizes() != p.sizes() || t.strides() != p.strides())) {
+        Py_RETURN_FALSE;
+      }
+      const int64_t numel = t.numel();
+      if (numel == 0) continue;
+      const int64_t start = address(t);
+      spans.push_back({static_cast<int64_t>(t.device().type()) * 65536 + t.device().index() + 1,
+                       start, start + numel * static_cast<int64_t>(t.element_size())});
+    }
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t k = 1; k < spans.size(); ++k) {
+    // sorted by start within a device, and each tensor dense: a start before the previous
+    // end is an overlap
+    if (spans[k].device == spans[k - 1].device && spans[k].start < spans[k - 1].end) {
+      Py_RETURN_FALSE;
+    }
+  }
+  Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef kMethods[] = {
     {"step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_step)),
      METH_FASTCALL,
@@ -520,6 +604,12 @@ PyMethodDef kMethods[] = {
     {"items_are", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_items_are)),
      METH_FASTCALL,
      "items_are(dicts, key, values): dicts[i].get(key) is values[i] for every i."},
+    {"plainly_valid_call",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_plainly_valid_call)),
+     METH_FASTCALL,
+     "plainly_valid_call(plain_types, params, grads, anchors, importances, meta_lrs): True "
+     "when a functional call's lists pass every check of check_lists in the common case; "
+     "False: run the Python checks."},
     {"check_finite", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_check_finite)),
      METH_FASTCALL,
      "check_finite(grads, counters): torch.ops.emcl.check_finite_, without torch.ops' "

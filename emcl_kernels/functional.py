@@ -47,10 +47,31 @@ def _as_list(name: str, tensors) -> list:
     return list(tensors)
 
 
+def _native_check():
+    """``emcl_kernels._C.plainly_valid_call`` where the extension is built from this source."""
+    try:
+        from emcl_kernels.backends import extension
+    except ImportError:
+        return None
+    if extension.LOAD_ERROR is not None:
+        return None
+    return getattr(extension._C, "plainly_valid_call", None)
+
+
+_plainly_valid_call = _native_check()
+_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+_device = Tensor.device.__get__
+_dtype = Tensor.dtype.__get__
+
+
 def check_lists(params, grads, anchors, importances, meta_lrs, *, need_meta_lrs: bool):
     """The five lists of a call, checked against each other (SPEC section 4): one tensor each per
     parameter, each like its parameter, the state in the compute dtype, and no two tensors
-    sharing memory. Returns them as lists (``meta_lrs`` None unless needed)."""
+    sharing memory. Returns them as lists (``meta_lrs`` None unless needed).
+
+    Where the extension is built, one C++ pass accepts the common case (plain contiguous
+    tensors, nothing shared: ``_C.plainly_valid_call``); anything else gets the Python checks,
+    which name what is wrong."""
     params = _as_list("params", params)
     lists = {"grads": _as_list("grads", grads), "anchors": _as_list("anchors", anchors),
              "importances": _as_list("importances", importances)}
@@ -62,6 +83,11 @@ def check_lists(params, grads, anchors, importances, meta_lrs, *, need_meta_lrs:
     for name, lst in lists.items():
         if len(lst) != len(params):
             raise ValueError(f"{name} has {len(lst)} tensors but params has {len(params)}")
+    if _plainly_valid_call is not None and not torch.compiler.is_compiling() and \
+            _plainly_valid_call(_PLAIN_TENSORS, params, lists["grads"], lists["anchors"],
+                                lists["importances"], lists.get("meta_lrs", [])):
+        return params, lists["grads"], lists["anchors"], lists["importances"], \
+            lists.get("meta_lrs")
     state_roles = [name for name in ("anchors", "importances", "meta_lrs") if name in lists]
     named = []
     for i, p in enumerate(params):
@@ -87,17 +113,30 @@ def check_lists(params, grads, anchors, importances, meta_lrs, *, need_meta_lrs:
 
 def _plans(backend: str, hp: dict, params, grads, anchors, importances, meta_lrs):
     """One plan per (device, dtype) group, every backend resolved before anything runs."""
-    groups = defaultdict(list)
-    for i, p in enumerate(params):
-        groups[(local(p).device, p.dtype)].append(i)
+    plain = all(type(p) in _PLAIN_TENSORS for p in params)   # no DTensor: local() is p
+    devices = list(map(_device, params)) if plain else [local(p).device for p in params]
+    dtypes = list(map(_dtype, params))
+    if devices.count(devices[0]) == len(params) and dtypes.count(dtypes[0]) == len(params):
+        groups = {(devices[0], dtypes[0]): None}              # one group: every tensor
+    else:
+        groups = defaultdict(list)
+        for i, key in enumerate(zip(devices, dtypes)):
+            groups[key].append(i)
     plans, plan_grads = [], []
     hypers = {}
     for (device, dtype), idx in groups.items():
         mod = resolve_backend(backend, device)
         if device not in hypers:
             hypers[device] = pack_hyper(hp, device)
-        pick = (lambda lst: [local(lst[i]) for i in idx])
-        plans.append(Plan(mod, device, dtype, [params[i] for i in idx], pick(params),
+        if idx is None and plain:
+            pick = list
+        elif idx is None:
+            pick = (lambda lst: list(map(local, lst)))
+        else:
+            pick = (lambda lst: [local(lst[i]) for i in idx])
+            params_here = [params[i] for i in idx]
+        plans.append(Plan(mod, device, dtype, list(params) if idx is None else params_here,
+                          pick(params),
                           pick(anchors), pick(importances),
                           pick(meta_lrs) if meta_lrs is not None else [],
                           torch.zeros(0, dtype=torch.float32, device=device), hypers[device],
@@ -108,6 +147,8 @@ def _plans(backend: str, hp: dict, params, grads, anchors, importances, meta_lrs
 
 
 def _mesh(params):
+    if all(type(p) in _PLAIN_TENSORS for p in params):
+        return None
     for p in params:
         if is_dtensor(p):
             return p.device_mesh

@@ -814,6 +814,27 @@ def test_plan_key_script_compares_the_key_passes(tmp_path):
             assert rec["same"]["min"] > 0 and len(rec["same"]["rounds"]) == 2
 
 
+def test_functional_host_script_times_both_checks(tmp_path):
+    """bench_functional_host: a functional call's host time with the C++ acceptance and with
+    the Python checks, both layouts, the backend's step and the C++ pass put back."""
+    from benchmarks import bench_functional_host as bfh
+    from emcl_kernels import functional as F
+    from emcl_kernels.backends import get_backend
+    if F._plainly_valid_call is None:
+        with pytest.raises(SystemExit, match="needs the compiled extension"):
+            bfh.main(["--calls", "2", "--rounds", "1"])
+        return
+    native, step = F._plainly_valid_call, get_backend("cpu", torch.device("cpu")).step
+    out = tmp_path / "f.json"
+    res = bfh.main(["--calls", "2", "--rounds", "1", "--out", str(out)])
+    assert json.loads(out.read_text())["layouts"] == res["layouts"]
+    for layout in bfh.LAYOUTS:
+        for variant in ("native", "python"):
+            assert len(res["layouts"][layout][variant]["rounds_us"]) == 2
+    assert F._plainly_valid_call is native
+    assert get_backend("cpu", torch.device("cpu")).step is step
+
+
 def test_step_contenders_without_torchs_finite_check_are_named_not_timed(monkeypatch):
     """Where torch's finite check has no kernel for the gradients' dtype (bf16 on CUDA in torch
     2.11), the checked and GradScaler contenders are recorded as not timed, with the reason;

@@ -52,6 +52,17 @@ def refused(op, exc, match, **kw):
 OPS = ("inner", "meta", "inner_meta")
 
 
+@pytest.fixture(autouse=True, params=["native", "python"])
+def check_path(request, monkeypatch):
+    """Every case with the C++ pass that accepts a plainly valid call
+    (``_C.plainly_valid_call``) and with the Python checks alone, as without the extension."""
+    if request.param == "python":
+        monkeypatch.setattr(F, "_plainly_valid_call", None)
+    elif F._plainly_valid_call is None:
+        pytest.skip("the extension is not built: the Python checks are the only ones")
+    return request.param
+
+
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("name,value,exc,match", [
     ("inner_lr", NAN, ValueError, "inner_lr must be finite"),
@@ -268,3 +279,52 @@ def test_size_one_dimensions_may_have_any_stride(op):
     for lst in (case.anchors, case.importances, case.meta_lrs):
         lst[2] = lst[2].reshape(1, 12)
     call(op, case)
+
+
+def test_the_native_pass_accepts_only_plainly_valid_calls(check_path):
+    """``_C.plainly_valid_call`` says True only for plain contiguous tensors that go together
+    and share no memory; every other call goes to the Python checks (which raise, naming the
+    tensor, or accept a layout the C++ pass leaves to them)."""
+    if check_path != "native":
+        pytest.skip("the C++ pass itself")
+    ok = F._plainly_valid_call
+    plain = F._PLAIN_TENSORS
+    case = make_case([5, 7, 12], torch.float32, seed=3)
+    lists = [case.params, case.grads, case.anchors, case.importances]
+    assert ok(plain, *lists, case.meta_lrs) and ok(plain, *lists, [])
+    assert ok(plain, [], [], [], [], [])
+
+    def with_(k, i, t, meta=case.meta_lrs):
+        changed = [list(lst) for lst in lists]
+        changed[k][i] = t
+        return ok(plain, *changed, meta)
+
+    p0 = case.params[0]
+    assert not with_(1, 0, p0)                                   # a gradient is the param
+    assert not with_(2, 2, case.anchors[1])                      # one anchor twice
+    storage = torch.randn(40)
+    changed = [list(lst) for lst in lists]
+    changed[2][0], changed[3][0] = storage[:5], storage[3:8]     # overlapping views
+    assert not ok(plain, *changed, case.meta_lrs)
+    changed[3][0] = storage[5:10]                                # adjacent, apart
+    assert ok(plain, *changed, case.meta_lrs)
+    assert not with_(1, 1, case.grads[1].double())               # dtype
+    assert not with_(2, 1, case.anchors[1].to(torch.bfloat16))
+    assert not with_(1, 0, torch.randn(6))                       # shape
+    assert not with_(0, 2, torch.randn(24)[::2])                 # gaps: Python decides
+    assert not with_(0, 0, torch.empty(5, device="meta"))
+    assert not with_(1, 0, torch.randn(5).to_sparse())
+
+    class Sub(torch.Tensor):
+        pass
+    assert not with_(1, 0, case.grads[0].as_subclass(Sub))
+    assert not with_(0, 0, [1.0]) and not with_(1, 0, 2.0)
+    assert not ok(plain, *lists, case.meta_lrs[:2])              # meta_lrs too short
+    cl = torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last)
+    assert not ok(plain, [cl], [torch.randn_like(cl)], [torch.randn_like(cl)],
+                  [torch.rand_like(cl)], [])                     # channels_last: Python's
+    bf = torch.randn(5).to(torch.bfloat16)
+    assert ok(plain, [bf], [torch.randn(5).to(torch.bfloat16)], [torch.randn(5)],
+              [torch.rand(5)], [])                               # fp32 state of a bf16 param
+    with pytest.raises(TypeError, match="takes lists"):
+        ok(plain, tuple(case.params), case.grads, case.anchors, case.importances, [])
