@@ -295,12 +295,14 @@ def test_summary_says_incomplete_and_gives_the_step_verdicts(tmp_path):
     summary = {
         "schema": gpu_check.SCHEMA, "stamp": "20260101T000000Z", "command": "tools/gpu_check.py",
         "ok": False, "failed": [], "unfinished": ["rest_tests"], "duration_s": 12.0,
-        "machine": {}, "stages": [gpu_check.StageResult("rest_tests", "incomplete", 3.0,
+        "machine": {"compilers": "CXX=/opt/gcc/bin/g++: g++ 13.3.0; CC=/opt/gcc/bin/gcc",
+                    "compilers_used": "CXX=/usr/bin/g++, CC=/usr/bin/gcc"}, "stages": [gpu_check.StageResult("rest_tests", "incomplete", 3.0,
                                                         "the time budget was spent").as_dict()],
         "benchmarks": {"step": gpu_check.generic_headline(str(tmp_path / "step.json"))}}
     assert gpu_check.verdict(summary) == "INCOMPLETE: rest_tests"
     text = gpu_check.render_markdown(summary)
     assert "**INCOMPLETE: rest_tests**" in text and "FAILED" not in text
+    assert "; the build used CXX=/usr/bin/g++, CC=/usr/bin/gcc" in text
     assert "Memory roof: 16 thread(s): 4304 GB/s (axpy_inplace)." in text
     assert ("- EMCL `cuda` `step()`, check off / Adam fused (goal <= 1.0x): met in 1 of 1 "
             "cells") in text and '"records"' not in text

@@ -334,7 +334,9 @@ def render_markdown(summary: Dict) -> str:
              f"- CUDA (torch) {m.get('torch_cuda', '-')}, nvcc {m.get('nvcc', '-')}",
              f"- Python {m.get('python', '-')}, torch {m.get('torch', '-')}, "
              f"triton {m.get('triton', '-')}",
-             f"- compilers: {m.get('compilers', '-')}", f"- command: `{summary['command']}`", "",
+             f"- compilers: {m.get('compilers', '-')}"
+             + (f"; the build used {m['compilers_used']}" if m.get("compilers_used") else ""),
+             f"- command: `{summary['command']}`", "",
              "| stage | status | seconds | detail |", "|---|---|--:|---|"]
     for st in summary["stages"]:
         detail = st["detail"].replace("|", "\\|").replace("\n", " ")
@@ -709,6 +711,7 @@ class GpuCheck:
         rc, tail = self.run(st, cmd, "build", self.timeout("build"), env=env)
         st.data["compilers"] = "CXX=%s, CC=%s" % (env.get("CXX") or os.environ.get("CXX") or "c++",
                                                   env.get("CC") or os.environ.get("CC") or "unset")
+        self.machine["compilers_used"] = st.data["compilers"]
         retried = False
         if (rc != 0 and "failed its self-check" in tail and not os.environ.get("CXX")
                 and not os.environ.get("CC") and os.path.exists("/usr/bin/gcc")
