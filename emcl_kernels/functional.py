@@ -113,11 +113,12 @@ def check_lists(params, grads, anchors, importances, meta_lrs, *, need_meta_lrs:
 
 def _plans(backend: str, hp: dict, params, grads, anchors, importances, meta_lrs):
     """One plan per (device, dtype) group, every backend resolved before anything runs."""
-    plain = all(type(p) in _PLAIN_TENSORS for p in params)   # no DTensor: local() is p
+    plain = all(type(p) in _PLAIN_TENSORS for p in params)   # no DTensor: local(t) is t
     devices = list(map(_device, params)) if plain else [local(p).device for p in params]
     dtypes = list(map(_dtype, params))
-    if devices.count(devices[0]) == len(params) and dtypes.count(dtypes[0]) == len(params):
-        groups = {(devices[0], dtypes[0]): None}              # one group: every tensor
+    n = len(params)
+    if devices.count(devices[0]) == n and dtypes.count(dtypes[0]) == n:
+        groups = {(devices[0], dtypes[0]): range(n)}          # the common case: one group
     else:
         groups = defaultdict(list)
         for i, key in enumerate(zip(devices, dtypes)):
@@ -128,15 +129,11 @@ def _plans(backend: str, hp: dict, params, grads, anchors, importances, meta_lrs
         mod = resolve_backend(backend, device)
         if device not in hypers:
             hypers[device] = pack_hyper(hp, device)
-        if idx is None and plain:
+        if plain and len(idx) == n:
             pick = list
-        elif idx is None:
-            pick = (lambda lst: list(map(local, lst)))
         else:
             pick = (lambda lst: [local(lst[i]) for i in idx])
-            params_here = [params[i] for i in idx]
-        plans.append(Plan(mod, device, dtype, list(params) if idx is None else params_here,
-                          pick(params),
+        plans.append(Plan(mod, device, dtype, [params[i] for i in idx], pick(params),
                           pick(anchors), pick(importances),
                           pick(meta_lrs) if meta_lrs is not None else [],
                           torch.zeros(0, dtype=torch.float32, device=device), hypers[device],
