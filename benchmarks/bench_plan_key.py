@@ -149,7 +149,7 @@ def key_passes(args) -> dict:
     load; the same gradients every step and gradients that change every step (the time of
     assigning them subtracted)."""
     from emcl_kernels import plan as P
-    if P._C is None:
+    if P._plan_grads is None:
         raise SystemExit("--key-passes needs the compiled extension (emcl_kernels._C)")
     variants = {"native": (P._plan_grads, P._identical, P._items_are),
                 "python": (None, P._py_identical, P._py_items_are)}

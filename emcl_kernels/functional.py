@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from emcl_kernels.backends.extension import entry_point
 from emcl_kernels.integration import is_dtensor, local
 from emcl_kernels.interface import COUNTER, OP
 from emcl_kernels.plan import Plan, agree_on_found, new_counters, pack_hyper, resolve_backend, run
@@ -47,18 +48,7 @@ def _as_list(name: str, tensors) -> list:
     return list(tensors)
 
 
-def _native_check():
-    """``emcl_kernels._C.plainly_valid_call`` where the extension is built from this source."""
-    try:
-        from emcl_kernels.backends import extension
-    except ImportError:
-        return None
-    if extension.LOAD_ERROR is not None:
-        return None
-    return getattr(extension._C, "plainly_valid_call", None)
-
-
-_plainly_valid_call = _native_check()
+_plainly_valid_call = entry_point("plainly_valid_call")
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 _device = Tensor.device.__get__
 _dtype = Tensor.dtype.__get__

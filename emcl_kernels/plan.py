@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from emcl_kernels.backends.extension import entry_point
 from emcl_kernels.integration import is_dtensor, local
 from emcl_kernels.interface import (COUNTER, COUNTER_FIELDS, HYPER, HYPER_DEFAULTS, HYPER_FIELDS,
                                     IMPORTANCE, LR_MODE, OP)
@@ -219,19 +220,6 @@ _device = Tensor.device.__get__
 _layout = Tensor.layout.__get__
 
 
-def _native():
-    """``emcl_kernels._C`` where it is built from this source and has the key's passes, else
-    None (the same comparisons then run in Python)."""
-    try:
-        from emcl_kernels.backends import extension
-    except ImportError:
-        return None
-    if extension.LOAD_ERROR is not None or not all(
-            hasattr(extension._C, name) for name in ("plan_grads", "identical", "items_are")):
-        return None
-    return extension._C
-
-
 def _py_identical(a: list, b: list) -> bool:
     return len(a) == len(b) and all(map(_is, a, b))
 
@@ -240,10 +228,10 @@ def _py_items_are(dicts: list, key, values: list) -> bool:
     return len(dicts) == len(values) and all(map(_is, map(dict.get, dicts, repeat(key)), values))
 
 
-_C = _native()
-_plan_grads = _C.plan_grads if _C is not None else None
-_identical = _C.identical if _C is not None else _py_identical
-_items_are = _C.items_are if _C is not None else _py_items_are
+# the key's C++ passes where the extension is built, else the same in Python
+_plan_grads = entry_point("plan_grads")
+_identical = entry_point("identical") or _py_identical
+_items_are = entry_point("items_are") or _py_items_are
 _PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 
 

@@ -84,6 +84,15 @@ def unavailable_reason(name: str, device_type: Optional[str]) -> Optional[str]:
     return f"the extension serves the backends 'cpu' and 'cuda', not {name!r}"
 
 
+def entry_point(name: str):
+    """The direct entry point ``emcl_kernels._C.<name>`` (``step``, ``check_step_call``,
+    ``plan_grads``, ...) where the extension is loaded and built from this source, else None:
+    the caller then does the same work in Python."""
+    if LOAD_ERROR is not None:
+        return None
+    return getattr(_C, name, None)
+
+
 def launch_count() -> int:
     """CUDA kernel launches (finite checks and updates) done by the extension since it was
     loaded."""

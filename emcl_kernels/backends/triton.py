@@ -65,6 +65,7 @@ from typing import Optional
 
 import torch
 
+from emcl_kernels.backends.extension import entry_point
 from emcl_kernels.interface import LR_MODE, OP
 
 try:
@@ -186,18 +187,7 @@ _contiguous = torch.Tensor.is_contiguous
 # else ``_check_call`` does it in Python, one C-level ``map`` per list and property: one
 # Python-to-C call per tensor and property (~3-9 ms for 1,000 parameters' five lists on a
 # loaded 2-core host).
-def _native_check():
-    """The extension's ``check_step_call`` when the extension is loaded and current, else None."""
-    try:
-        from emcl_kernels.backends import extension
-    except ImportError:
-        return None
-    if extension.LOAD_ERROR is not None:
-        return None
-    return getattr(extension._C, "check_step_call", None)
-
-
-_NATIVE_CHECK = _native_check()
+_NATIVE_CHECK = entry_point("check_step_call")
 
 
 def _check_call(params, grads, anchors, importances, meta_lrs, device) -> None:
