@@ -155,11 +155,13 @@ def key_passes(args) -> dict:
                 "python": (None, P._py_identical, P._py_items_are)}
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
+    device = torch.device(args.device)
     out = {}
     try:
         for name, shapes in LAYOUTS.items():
-            params = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.01) for s in shapes]
-            pool = [[torch.randn(p.shape, generator=gen) * 1e-3 for p in params]
+            params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.01).to(device))
+                      for s in shapes]
+            pool = [[(torch.randn(p.shape, generator=gen) * 1e-3).to(device) for p in params]
                     for _ in range(3)]
             opt = FusedEMCLOptimizer(params, meta_every=1, backend=args.backend)
             n = args.steps if name == "mlp" else max(40, args.steps // 10)
@@ -224,7 +226,8 @@ def main():
     args = ap.parse_args()
     if args.key_passes:
         res = {"what": key_passes.__doc__.split("\n\n")[0].replace("\n    ", " "),
-               "backend": args.backend, "threads": 1, "machine": platform.node(),
+               "backend": args.backend, "device": args.device, "threads": 1,
+               "machine": platform.node(),
                "torch": torch.__version__, "note": args.note,
                "load_before": list(__import__("os").getloadavg())}
         res["layouts"] = key_passes(args)
@@ -233,8 +236,9 @@ def main():
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
         return
-    if torch.device(args.device).type != "cpu" and not args.host_only:
-        ap.error("--device other than cpu times the host alone: add --host-only")
+    if torch.device(args.device).type != "cpu" and not (args.host_only or args.key_passes):
+        ap.error("--device other than cpu times the host alone: add --host-only or "
+                 "--key-passes")
     if args.host_only:
         res = {"backend": args.backend, "device": args.device, "threads": 1,
                "machine": platform.node(),

@@ -914,15 +914,24 @@ class GpuCheck:
 
     def stage_plan_key(self, st: StageResult) -> None:
         """The host's part of a step on cuda (the kernels a no-op): what the per-step plan key
-        costs where host time is the step (issue 22)."""
+        costs where host time is the step (issue 22), and its C++ passes against its Python
+        passes alone (``--key-passes``)."""
         path = os.path.join(self.results, f"gpu_check_{self.stamp}_plan_key_cuda.json")
-        cmd = self._py("benchmarks/bench_plan_key.py", "--host-only", "--device", "cuda",
-                       "--rounds", "3", "--steps", "200", "--out", os.path.relpath(path, ROOT))
-        rc, tail = self.run(st, cmd, "plan_key", self.timeout("plan_key"))
+        passes = os.path.join(self.results, f"gpu_check_{self.stamp}_plan_key_passes_cuda.json")
+        rc = self.run(st, self._py("benchmarks/bench_plan_key.py", "--host-only", "--device",
+                                   "cuda", "--rounds", "3", "--steps", "200", "--out",
+                                   os.path.relpath(path, ROOT)),
+                      "plan_key", self.timeout("plan_key"))[0]
+        rc2 = self.run(st, self._py("benchmarks/bench_plan_key.py", "--key-passes", "--device",
+                                    "cuda", "--rounds", "3", "--steps", "200", "--out",
+                                    os.path.relpath(passes, ROOT)),
+                       "plan_key_passes", self.timeout("plan_key"))[0]
         if self.args.dry_run:
             st.status = "passed"
             return
-        st.status = "passed" if rc == 0 and os.path.isfile(path) else "failed"
+        ok = rc == 0 and rc2 == 0 and os.path.isfile(path) and os.path.isfile(passes)
+        st.status = "passed" if ok else "failed"
+        details = [] if ok else [f"exit {rc}, {rc2}"]
         if os.path.isfile(path):
             self.files.append(path)
             with open(path) as fh:
@@ -930,11 +939,18 @@ class GpuCheck:
             st.data = {k: {m: round(v[m], 1) for m in ("same_grads_us", "changing_grads_us")}
                        for k, v in layouts.items()}
             self.summary_extra["benchmarks"]["plan_key"] = st.data
-            st.detail = "; ".join(f"{k}: host {v['same_grads_us']} us per step (same grads), "
-                                  f"{v['changing_grads_us']} us (changing)"
-                                  for k, v in st.data.items())
-        else:
-            st.detail = f"exit {rc}; no result file"
+            details += [f"{k}: host {v['same_grads_us']} us per step (same grads), "
+                        f"{v['changing_grads_us']} us (changing)" for k, v in st.data.items()]
+        if os.path.isfile(passes):
+            self.files.append(passes)
+            with open(passes) as fh:
+                layouts = json.load(fh).get("layouts", {})
+            fastest = {k: {v: round(x["same"]["min"], 1) for v, x in d.items()}
+                       for k, d in layouts.items()}
+            self.summary_extra["benchmarks"]["plan_key_passes"] = fastest
+            details += [f"{k}, key passes (same grads, fastest): C++ {v.get('native')} us, "
+                        f"Python {v.get('python')} us" for k, v in fastest.items()]
+        st.detail = "; ".join(details) or "no result file"
 
     def stage_check_finite(self, st: StageResult) -> None:
         self._bench(st, "check_finite_overhead.py", "check_finite_*", required_device=True)
