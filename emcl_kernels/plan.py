@@ -57,6 +57,11 @@ def hyper_values(hp: dict) -> tuple:
     return tuple(float(_hyper_entry(hp, name)) for name in HYPER_FIELDS)
 
 
+def _capturing_on(device: torch.device) -> bool:
+    """A CUDA graph is being captured on ``device``'s current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def pack_hyper(hp: dict, device) -> Tensor:
     """``hyper`` for one call on ``device``: numbers are packed on the host and copied once;
     0-d tensors are stacked on the device (no host sync, so it can be captured).
@@ -64,9 +69,11 @@ def pack_hyper(hp: dict, device) -> Tensor:
     The numbers travel from pinned memory with a non-blocking copy: from pageable memory,
     ``.to(cuda)`` waits for the copy, and a float learning-rate schedule would then stall the
     host at every step. The pinned buffer is the caching host allocator's, which reuses it
-    only after the copy has run."""
-    if not any(isinstance(v, Tensor) for v in hp.values()):
-        device = torch.device(device)
+    only after the copy has run. While a CUDA graph is being captured (a functional call in a
+    captured region) the numbers are written on the device instead, one fill each: a captured
+    copy would read the pinned buffer again at every replay, after the allocator reused it."""
+    device = torch.device(device)
+    if not any(isinstance(v, Tensor) for v in hp.values()) and not _capturing_on(device):
         if device.type == "cuda":
             host = torch.tensor(hyper_values(hp), dtype=torch.float64, pin_memory=True)
             return host.to(device, non_blocking=True)

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from emcl_kernels import FusedEMCLOptimizer, available_backends
 from emcl_kernels import functional as F
+from emcl_kernels.interface import HYPER_FIELDS
 from emcl_testing import MODES, OPS, apply, assert_case_close, clone_case, fresh_grads, make_case
 
 CPU_BACKENDS = [b for b in available_backends() if b not in ("cuda", "triton")]
@@ -308,3 +309,40 @@ def test_cuda_graph_inner_step_with_found_inf():
     graph.replay()
     apply("inner_step", "reference", expected, hyper)
     assert_case_close(case, expected, torch.float32, "replay")
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_cuda_graph_functional_call_with_float_hyperparameters(backend):
+    """A functional call with numbers for its hyper-parameters, captured: the numbers are
+    constants of the graph, and every replay uses them, however much pinned host memory is
+    allocated and freed between replays (a captured copy from a pinned buffer would read
+    whatever the buffer holds by then)."""
+    case = make_case([3, 1025], torch.float32, seed=5, device="cuda")
+    hyper = MODES[1].hyper("inner_step")
+    expected = clone_case(case)
+
+    def step():
+        F.inner_step_(case.params, case.grads, case.anchors, case.importances,
+                      backend=backend, check_finite=False, **hyper)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()                                   # warm up (compiles, caches)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    apply("inner_step", "reference", expected, hyper)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        for _ in range(4):   # pinned buffers of the same size, filled with other numbers
+            junk = torch.full((len(HYPER_FIELDS),), 1e30, dtype=torch.float64,
+                              pin_memory=True)
+            junk.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        graph.replay()
+        apply("inner_step", "reference", expected, hyper)
+    torch.cuda.synchronize()
+    assert_case_close(case, expected, torch.float32, "replays")

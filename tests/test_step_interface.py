@@ -242,6 +242,21 @@ def test_hyper_layout_is_the_interface():
     assert COUNTER["found"] == 0
 
 
+def test_hyper_of_numbers_is_made_on_the_device_while_a_graph_is_captured(monkeypatch):
+    """In a captured region the numbers are filled on the device (a captured copy from the
+    pinned buffer would be read again at every replay, after the buffer was reused): the same
+    values, and no host tensor made for them."""
+    from emcl_kernels import plan
+    hp = dict(inner_lr=0.1, meta_lr=0.2, reg=1.5, gamma=0.3, decay=0.8, lr_scale=None,
+              lr_min=0.0, lr_max=float("inf"), eps=1e-8)
+    eager = plan.pack_hyper(hp, "cpu")
+    monkeypatch.setattr(plan, "_capturing_on", lambda device: True)
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: pytest.fail("a tensor was made from "
+                                                                     "host numbers"))
+    captured = plan.pack_hyper(hp, "cpu")
+    assert captured.dtype == torch.float64 and torch.equal(captured, eager)
+
+
 @pytest.mark.parametrize("lr_scale", (None, 0.25), ids=("from-reg", "given"))
 def test_hyper_is_encoded_one_way_from_numbers_tensors_and_a_traced_group(lr_scale):
     """The numbers, the 0-d tensors and a compiled step's group give the same ``hyper``
