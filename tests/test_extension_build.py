@@ -61,6 +61,17 @@ def test_package_imports_without_the_extension():
             raise AssertionError("backend='cpu' did not raise")
         from emcl_kernels.backends import auto_backend
         assert auto_backend(torch.device("cpu")) == "foreach"
+        # the plan key and the functional checks run their Python passes, and a step works
+        from emcl_kernels.backends.extension import entry_point
+        from emcl_kernels import functional, plan
+        assert entry_point("step") is None and plan._plan_grads is None
+        assert plan._identical is plan._py_identical and functional._plainly_valid_call is None
+        p = torch.nn.Parameter(torch.randn(3))
+        opt = emcl_kernels.FusedEMCLOptimizer([p], meta_every=2)
+        for _ in range(3):
+            p.grad = torch.randn(3)
+            opt.step()
+        assert opt.state[p]["step"].item() == 1
         print("ok")
     """)
     out = _run(code)
