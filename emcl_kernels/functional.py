@@ -27,7 +27,7 @@ from emcl_kernels.backends.extension import entry_point
 from emcl_kernels.integration import is_dtensor, local
 from emcl_kernels.interface import COUNTER, OP
 from emcl_kernels.plan import Plan, agree_on_found, new_counters, pack_hyper, resolve_backend, run
-from emcl_kernels.validation import (IMPORTANCE_KINDS, LR_MODES, PARAM_DTYPES,
+from emcl_kernels.validation import (IMPORTANCE_KINDS, LR_MODES, PARAM_DTYPES, PLAIN_TENSORS,
                                      check_flag, check_hyperparameters, check_no_overlap,
                                      check_param, check_tensor, plainly_valid, state_dtype)
 
@@ -49,7 +49,6 @@ def _as_list(name: str, tensors) -> list:
 
 
 _plainly_valid_call = entry_point("plainly_valid_call")
-_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 _device = Tensor.device.__get__
 _dtype = Tensor.dtype.__get__
 
@@ -74,7 +73,7 @@ def check_lists(params, grads, anchors, importances, meta_lrs, *, need_meta_lrs:
         if len(lst) != len(params):
             raise ValueError(f"{name} has {len(lst)} tensors but params has {len(params)}")
     if _plainly_valid_call is not None and not torch.compiler.is_compiling() and \
-            _plainly_valid_call(_PLAIN_TENSORS, params, lists["grads"], lists["anchors"],
+            _plainly_valid_call(PLAIN_TENSORS, params, lists["grads"], lists["anchors"],
                                 lists["importances"], lists.get("meta_lrs", [])):
         return params, lists["grads"], lists["anchors"], lists["importances"], \
             lists.get("meta_lrs")
@@ -101,9 +100,9 @@ def check_lists(params, grads, anchors, importances, meta_lrs, *, need_meta_lrs:
 # The calls
 # ---------------------------------------------------------------------------------------------
 
-def _plans(backend: str, hp: dict, params, grads, anchors, importances, meta_lrs):
-    """One plan per (device, dtype) group, every backend resolved before anything runs."""
-    plain = all(type(p) in _PLAIN_TENSORS for p in params)   # no DTensor: local(t) is t
+def _plans(backend: str, hp: dict, params, grads, anchors, importances, meta_lrs, plain: bool):
+    """One plan per (device, dtype) group, every backend resolved before anything runs.
+    ``plain``: every parameter is a plain tensor (no DTensor: ``local(t)`` is ``t``)."""
     devices = list(map(_device, params)) if plain else [local(p).device for p in params]
     dtypes = list(map(_dtype, params))
     n = len(params)
@@ -134,8 +133,6 @@ def _plans(backend: str, hp: dict, params, grads, anchors, importances, meta_lrs
 
 
 def _mesh(params):
-    if all(type(p) in _PLAIN_TENSORS for p in params):
-        return None
     for p in params:
         if is_dtensor(p):
             return p.device_mesh
@@ -153,12 +150,13 @@ def _call(op: int, hp: dict, backend, params, grads, anchors, importances, meta_
         params, grads, anchors, importances, meta_lrs, need_meta_lrs=need)
     if not params:
         return None
+    plain = all(type(p) in PLAIN_TENSORS for p in params)
     plans, plan_grads = _plans(backend, hp, params, grads, anchors, importances,
-                               meta_lrs if need else None)
+                               meta_lrs if need else None, plain)
     counters = {plan.device: None for plan in plans}
     counters = {device: new_counters(device) for device in counters}
     run(plans, plan_grads, counters, op=op, meta_every=1, check=check_finite,
-        grad_scale=grad_scale, found_inf=found_inf, mesh=_mesh(params))
+        grad_scale=grad_scale, found_inf=found_inf, mesh=None if plain else _mesh(params))
     if not check_finite and found_inf is None:
         return None
     first = counters[plans[0].device]

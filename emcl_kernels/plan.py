@@ -28,7 +28,7 @@ from emcl_kernels.interface import (COUNTER, COUNTER_FIELDS, HYPER, HYPER_DEFAUL
                                     IMPORTANCE, LR_MODE, OP)
 from emcl_kernels.skips import SkipLog
 from emcl_kernels.validation import (IMPORTANCE_KINDS, INNER_KEYS, LR_MODES, META_KEYS,
-                                     NUMERIC_KEYS, check_hyperparameters, check_like,
+                                     NUMERIC_KEYS, PLAIN_TENSORS, check_hyperparameters, check_like,
                                      check_no_overlap, check_param, same_layout, state_dtype)
 
 __all__ = ["Plan", "Runtime", "run", "new_counters", "hyper_values", "pack_hyper",
@@ -239,7 +239,6 @@ def _py_items_are(dicts: list, key, values: list) -> bool:
 _plan_grads = entry_point("plan_grads")
 _identical = entry_point("identical") or _py_identical
 _items_are = entry_point("items_are") or _py_items_are
-_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 
 
 def native_key(plan: Plan) -> Optional[tuple]:
@@ -248,7 +247,7 @@ def native_key(plan: Plan) -> Optional[tuple]:
     device; None where the C++ pass cannot stand in for the Python one (no extension, sharded
     or subclassed parameters, whose ``.grad`` Python may compute differently)."""
     if _plan_grads is None or plan.sharded or \
-            not all(type(p) in _PLAIN_TYPES for p in plan.sources):
+            not all(type(p) in PLAIN_TENSORS for p in plan.sources):
         return None
     _, _, ptrs, shapes, strides, _ = plan.key
     flat = []

@@ -255,7 +255,8 @@ def check_param(where: str, p) -> None:
                            "or channels_last): pass .contiguous() copies")
 
 
-_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+#: the tensor types whose attributes are torch's own (no subclass that may compute them)
+PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 
 
 def plainly_valid(p, grad, states) -> bool:
@@ -263,12 +264,12 @@ def plainly_valid(p, grad, states) -> bool:
     parameter's dtype) and of each of ``states`` (the state dtype), for the common case: plain
     contiguous tensors with data. False means "run the full checks" (they raise, with a
     message, or pass)."""
-    if (type(p) not in _PLAIN_TENSORS or p.dtype not in PARAM_DTYPES or p.layout != torch.strided
+    if (type(p) not in PLAIN_TENSORS or p.dtype not in PARAM_DTYPES or p.layout != torch.strided
             or not p.is_contiguous() or p.device.type == "meta"):
         return False
     device, shape, stride, sdt = p.device, p.shape, p.stride(), state_dtype(p.dtype)
     for t, dtype in ((grad, p.dtype), *((t, sdt) for t in states)):
-        if (type(t) not in _PLAIN_TENSORS or t.dtype != dtype or t.layout != torch.strided
+        if (type(t) not in PLAIN_TENSORS or t.dtype != dtype or t.layout != torch.strided
                 or t.device != device or t.shape != shape or t.stride() != stride):
             return False
     return True

@@ -288,7 +288,7 @@ def test_the_native_pass_accepts_only_plainly_valid_calls(check_path):
     if check_path != "native":
         pytest.skip("the C++ pass itself")
     ok = F._plainly_valid_call
-    plain = F._PLAIN_TENSORS
+    plain = F.PLAIN_TENSORS
     case = make_case([5, 7, 12], torch.float32, seed=3)
     lists = [case.params, case.grads, case.anchors, case.importances]
     assert ok(plain, *lists, case.meta_lrs) and ok(plain, *lists, [])
