@@ -8,7 +8,7 @@ optimizer's plans, so it runs against any version of the optimizer that keeps it
 its ``gather()`` alone (the key check and the gradients' lists: host time only, so it is far
 less noisy than the difference of two step timings on a loaded host).
 
-The key check's share of a step (issue 22's budget: at most 10 %) is measured in one process:
+The key check's share of a step (the budget: at most 10 %) is measured in one process:
 ``step()`` as it is against ``step()`` with ``Runtime.gather`` replaced by a gather that trusts
 the cached plans (the gradients' lists only, no key), alternating block by block on the same
 optimizer, so that both see the same load (``keyed_step_us``, ``unkeyed_step_us``,

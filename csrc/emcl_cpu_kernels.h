@@ -57,15 +57,15 @@ namespace {
 // Measured on the 2-core test machine (one fp32 inner+meta step with the check, one tensor,
 // medians of 300 interleaved calls, load 1.0): 2 threads over 1 took 0.68x of the time at
 // 89,610 elements (the MLP 784-100-100-10; 97 -> 66 us), 0.59x at 300,000, 0.50x at 2**20.
-// (An earlier note here said the MLP gained nothing from two threads: that build had no
-// OpenMP, so at::parallel_for never split anything; see [note: OpenMP] in setup.py.)
+// Only with OpenMP: without it at::parallel_for never splits anything (see [note: OpenMP] in
+// setup.py).
 constexpr int64_t kGrain = 65536;
 // [note: pieces] The index space is cut into pieces of kPiece elements (fewer for small calls:
 // at least kMinPiecesPerThread per thread), handed out by an atomic counter. The split was one
 // equal contiguous share per thread (at::parallel_for's static split): on the shared 2-core
 // test machine one of two threads usually shares its core with another job, and the step then
 // waited for the slowed thread's whole half, so 2 threads took as long as 1 (GPT-2 fp32, no
-// check: 111 ms at 2 threads against 108 at 1, issue 25), while a piece at a time lets the
+// check: 111 ms at 2 threads against 108 at 1), while a piece at a time lets the
 // unslowed thread take most of the work. One fp32 piece is 256 KiB per stream: a claim (one
 // atomic add) per 1.8 MB moved, and the prefetch ramps up again once per piece.
 constexpr int64_t kPiece = 65536;
@@ -145,7 +145,7 @@ void for_each_range(const std::vector<int64_t>& offsets, const Body& body) {
 // 78-98 ms (Adam fused 87-122 ms in the same processes) and the bf16 one from 98-133 to
 // 74-112 ms. The prefetch is a hint: it never faults, and past the end of a range it is not
 // issued.
-// Measured again for issue 25, against Adam fused in the same processes (its kernel has no
+// Measured against Adam fused in the same processes (its kernel has no
 // software prefetch), with the prefetch knobs below, GPT-2-124M fp32, processes alternating,
 // medians of 5 interleaved steps, load 1.5-2.7: at one thread the update with the prefetch
 // 1 KiB ahead took 1.21-1.24x Adam fused's time (no check; 1.38-1.46x with the check), without

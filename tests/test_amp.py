@@ -1,4 +1,4 @@
-"""Mixed precision (issue 9.5): grad_scale / found_inf in every backend, torch.amp.GradScaler
+"""Mixed precision: grad_scale / found_inf in every backend, torch.amp.GradScaler
 driving FusedEMCLOptimizer, bf16/fp16 models with fp32 master anchors under torch.autocast, and a
 bf16 run that tracks the fp32 run. CPU tests run everywhere; the CUDA ones when a GPU is there."""
 import copy

@@ -1,4 +1,4 @@
-"""EMCL inside Avalanche (emcl_continual.avalanche.EMCLStrategy, issue 23).
+"""EMCL inside Avalanche (emcl_continual.avalanche.EMCLStrategy).
 
 Needs avalanche-lib 0.6.0 (``make setup-avalanche``, or ``pip install --no-build-isolation -e '.[avalanche]'``);
 skipped with the reason where it is not installed, except the test of the error an absent Avalanche gives.

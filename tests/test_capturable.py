@@ -1,4 +1,4 @@
-"""Capturable mode and CUDA graphs (issue 9.4).
+"""Capturable mode and CUDA graphs.
 
 On the CPU (everywhere): hyper-parameters given as 0-d tensors give the float result in every
 backend that runs here; ``capturable=True`` (tensor hyper-parameters, device step counts,

@@ -1,4 +1,4 @@
-"""Checkpoints (issue 8, part 2): a state saved with one backend loads into any other and the
+"""Checkpoints: a state saved with one backend loads into any other and the
 run continues within tolerance; map_location works; a state for other parameters is refused
 with a clear error and changes nothing."""
 import io

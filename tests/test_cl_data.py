@@ -222,7 +222,7 @@ def test_stream_batches_single_pass_in_order():
         streams.make_stream("rotated-cifar100", 0)
 
 
-# --------------------------------------------------------------------------- defective files (issue 15)
+# --------------------------------------------------------------------------- defective files
 def test_corrupt_gz_names_the_file(tmp_path):
     root, _ = _mnist_root(tmp_path, gz=True)
     path = os.path.join(root, "MNIST", "raw", "train-images-idx3-ubyte.gz")

@@ -1,4 +1,4 @@
-"""The CLI refuses bad options before any work, in one line naming the option (issue 15):
+"""The CLI refuses bad options before any work, in one line naming the option:
 unknown or misspelled hyper-parameter keys, values outside their domains, repeated or
 out-of-range seeds, devices torch cannot use; and what it accepts reaches the runs."""
 from __future__ import annotations

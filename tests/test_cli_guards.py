@@ -13,23 +13,12 @@ import textwrap
 import pytest
 import torch
 
-from emcl_continual import cli, fileio, replay, rundir
+from emcl_continual import fileio, replay, rundir
 from emcl_continual.errors import WriteError
+from cli_testing import TINY, run_cli
 from emcl_testing import child_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--n-tasks", "2", "--samples-per-task", "20", "--threads", "1", "--quiet"]
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def _exit(capsys, argv) -> tuple[int, str, str]:
-    try:
-        code = cli.main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
 
 
 def _holder(out) -> subprocess.Popen:
@@ -54,7 +43,7 @@ def test_a_second_command_into_the_same_out_is_refused_naming_the_first(tmp_path
     out = tmp_path / "o"
     first = _holder(out)
     try:
-        code, stdout, err = _exit(capsys, ["--method", "sgd", "--out", str(out)] + TINY)
+        code, stdout, err = run_cli(capsys, ["--method", "sgd", "--out", str(out)] + TINY)
         assert code == 2
         assert f"error: --out {out} is in use by `python -m emcl_continual --method sgd --out FIRST` " \
                f"(pid {first.pid}" in err
@@ -62,13 +51,13 @@ def test_a_second_command_into_the_same_out_is_refused_naming_the_first(tmp_path
         assert "ACC" not in stdout and not (out / "runs.jsonl").exists()
         # --resume and --force are refused the same way: neither may write beside a running command
         for flag in ("--resume", "--force"):
-            code, _, err = _exit(capsys, ["--method", "sgd", "--out", str(out), flag] + TINY)
+            code, _, err = run_cli(capsys, ["--method", "sgd", "--out", str(out), flag] + TINY)
             assert code == 2 and "is in use by" in err
     finally:
         first.kill()
         first.wait()
     # the holder died without releasing: its lock is stale, taken over with a note
-    code, stdout, err = _exit(capsys, ["--method", "sgd", "--out", str(out)] + TINY)
+    code, stdout, err = run_cli(capsys, ["--method", "sgd", "--out", str(out)] + TINY)
     assert code == 0, err
     assert f"took over the lock of `python -m emcl_continual --method sgd --out FIRST` (pid {first.pid}" in err
     assert len((out / "runs.jsonl").read_text().splitlines()) == 1
@@ -77,11 +66,11 @@ def test_a_second_command_into_the_same_out_is_refused_naming_the_first(tmp_path
 
 def test_the_lock_is_released_after_a_command_and_after_a_refusal(tmp_path, capsys):
     out = tmp_path / "o"
-    assert _exit(capsys, ["--method", "sgd", "--out", str(out)] + TINY)[0] == 0
+    assert run_cli(capsys, ["--method", "sgd", "--out", str(out)] + TINY)[0] == 0
     assert not (out / rundir.LOCK_FILE).exists()
-    code, _, err = _exit(capsys, ["--method", "sgd", "--out", str(out)] + TINY)  # holds results: refused
+    code, _, err = run_cli(capsys, ["--method", "sgd", "--out", str(out)] + TINY)  # holds results: refused
     assert code == 2 and "already holds" in err and not (out / rundir.LOCK_FILE).exists()
-    assert _exit(capsys, ["--method", "sgd", "--seeds", "0", "1", "--out", str(out), "--resume"] + TINY)[0] == 0
+    assert run_cli(capsys, ["--method", "sgd", "--seeds", "0", "1", "--out", str(out), "--resume"] + TINY)[0] == 0
     assert len((out / "runs.jsonl").read_text().splitlines()) == 2
 
 
@@ -91,7 +80,7 @@ def test_an_unreadable_old_lock_is_taken_over(tmp_path, capsys):
     lock = out / rundir.LOCK_FILE
     lock.write_text("")
     os.utime(lock, (0, 0))  # written long ago, never filled in
-    code, _, err = _exit(capsys, ["--method", "sgd", "--out", str(out)] + TINY)
+    code, _, err = run_cli(capsys, ["--method", "sgd", "--out", str(out)] + TINY)
     assert code == 0 and "took over the lock of an unreadable lock" in err
 
 
@@ -115,7 +104,7 @@ def test_a_refused_command_leaves_no_folder(tmp_path, capsys, item):
         pytest.skip("the cuda backend runs here")
     out = tmp_path / "new" / "o"
     method = "er" if item == "memory=2000000000" else "emcl"
-    code, stdout, err = _exit(capsys, ["--method", method, "--set", item, "--out", str(out)] + TINY)
+    code, stdout, err = run_cli(capsys, ["--method", method, "--set", item, "--out", str(out)] + TINY)
     assert code == 2 and err.startswith("error: ") and "ACC" not in stdout
     assert not (tmp_path / "new").exists()  # nor the parent it would have created
     assert os.listdir(tmp_path) == []
@@ -126,23 +115,23 @@ def test_a_refused_command_leaves_an_existing_folder_as_it_was(tmp_path, capsys)
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     for item in ("memory=1e300", "memory=2000000000"):
-        code, _, _ = _exit(capsys, ["--method", "er", "--set", item, "--out", str(out)] + TINY)
+        code, _, _ = run_cli(capsys, ["--method", "er", "--set", item, "--out", str(out)] + TINY)
         assert code == 2 and sorted(os.listdir(out)) == ["notes.txt"]
     # a new folder inside an existing one: only the new one goes
-    code, _, _ = _exit(capsys, ["--method", "er", "--set", "memory=2000000000", "--out", str(out / "a" / "b")] + TINY)
+    code, _, _ = run_cli(capsys, ["--method", "er", "--set", "memory=2000000000", "--out", str(out / "a" / "b")] + TINY)
     assert code == 2 and sorted(os.listdir(out)) == ["notes.txt"]
 
 
 # --------------------------------------------------------------------------- messages in the user's terms
 def test_an_absurd_memory_is_refused_by_the_schema(capsys):
-    code, _, err = _exit(capsys, ["--method", "emcl", "--set", "memory=1e300"] + TINY)
+    code, _, err = run_cli(capsys, ["--method", "emcl", "--set", "memory=1e300"] + TINY)
     assert code == 2
     assert err.strip() == ("error: --set memory=1e300: memory must be an integer >= 0 and at most 2147483647, "
                            "got 1e+300 (replay memory size; 0 turns replay off)")
 
 
 def test_a_memory_that_cannot_be_allocated_says_so_in_samples_and_gib(capsys):
-    code, _, err = _exit(capsys, ["--method", "er", "--set", "memory=2000000000"] + TINY)
+    code, _, err = run_cli(capsys, ["--method", "er", "--set", "memory=2000000000"] + TINY)
     assert code == 2 and "zeros()" not in err and "Traceback" not in err
     assert "a replay memory of 2000000000 samples of shape (784,) needs" in err and "GiB" in err
     assert "lower memory" in err
@@ -175,7 +164,7 @@ def test_a_full_disk_names_the_file(tmp_path, capsys, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(fileio.os, "fsync", full)
-    code, _, err = _exit(capsys, ["--method", "sgd", "--out", str(out)] + TINY)
+    code, _, err = run_cli(capsys, ["--method", "sgd", "--out", str(out)] + TINY)
     assert code == 1
     line = err.strip().splitlines()[-1]
     assert line.startswith("error: cannot write ") and line.endswith(": No space left on device")

@@ -1,4 +1,4 @@
-"""torch.compile (issue 9.3): the optimizer's step compiles with ``fullgraph=True`` (no graph
+"""torch.compile: the optimizer's step compiles with ``fullgraph=True`` (no graph
 break), gives the eager result, and changing hyper-parameters between steps does not recompile.
 
 The recipe is torch's own for compiled optimizers: the model (forward and backward) is compiled

@@ -1,4 +1,4 @@
-"""torch.distributed (issue 9.1, 9.2): FusedEMCLOptimizer under DDP and under FSDP2
+"""torch.distributed: FusedEMCLOptimizer under DDP and under FSDP2
 (``fully_shard``, DTensor parameters), 2 processes on the gloo backend (CPU). After many steps
 the parameters are identical on every rank and equal to one process trained on the same global
 batches; under FSDP2 the kernels update the local shards and the state is sharded like the

@@ -1,4 +1,4 @@
-"""Misuse of the optimizer (issue 8, part 3): each case either works as a torch user expects or
+"""Misuse of the optimizer: each case either works as a torch user expects or
 raises a clear error, and none corrupts state."""
 import pytest
 import torch

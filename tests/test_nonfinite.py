@@ -1,4 +1,4 @@
-"""A step whose gradients hold an inf or a NaN writes nothing (issue 8, part 1), on every
+"""A step whose gradients hold an inf or a NaN writes nothing, on every
 backend: the functional API skips on the fused device flag, the optimizer also counts the skip,
 warns, and ends exactly where a run without the bad steps ends."""
 import warnings

@@ -1,4 +1,4 @@
-"""The world changing under the optimizer's plans between steps (issue 22): every change is either
+"""The world changing under the optimizer's plans between steps: every change is either
 taken at the next step (the plans are rebuilt, and each backend then matches the reference step
 by step) or refused, naming the parameter, before anything is written. Cases that once crashed
 the process run in a child process."""

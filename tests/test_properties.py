@@ -1,4 +1,4 @@
-"""Property-based tests (issue 8, part 4): random tensor lists, sizes, dtypes, modes and
+"""Property-based tests: random tensor lists, sizes, dtypes, modes and
 hyper-parameters; every backend equals the reference, and what the math guarantees holds.
 
 Reproducible: the examples are derandomized (the same ones on every run). The number per test

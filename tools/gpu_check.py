@@ -914,7 +914,7 @@ class GpuCheck:
 
     def stage_plan_key(self, st: StageResult) -> None:
         """The host's part of a step on cuda (the kernels a no-op): what the per-step plan key
-        costs where host time is the step (issue 22), and its C++ passes against its Python
+        costs where host time is the step, and its C++ passes against its Python
         passes alone (``--key-passes``)."""
         path = os.path.join(self.results, f"gpu_check_{self.stamp}_plan_key_cuda.json")
         passes = os.path.join(self.results, f"gpu_check_{self.stamp}_plan_key_passes_cuda.json")
