@@ -395,6 +395,29 @@ def test_readme_blocks_and_legacy_metrics(tmp_path):
     assert "`results/old/results.json` | emcl | permuted-mnist | 0,1 | 73.33 ± 0.00 | -17.50 ± 0.00 | -11.67 ± 0.00" in page
 
 
+def test_paired_visits_rows_are_named_by_the_visits_the_runs_made():
+    assert tables._visits_compared("1", "1") == "one visit each"
+    assert tables._visits_compared("5", "5") == "five visits each"
+    assert tables._visits_compared("5", "10") == "five visits against ten"
+    assert tables._visits_compared("3", "1") == "3 visits against one"
+    # the committed tables: each pair's words agree with the visits column of its two rows
+    heldout = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "heldout")
+    checked = 0
+    for stream in sorted(os.listdir(heldout)):
+        path = os.path.join(heldout, stream, "tables.md")
+        if not os.path.exists(path):
+            continue
+        with open(path, encoding="utf-8") as fh:
+            cells = [line.strip("|\n").split(" | ") for line in fh if line.startswith("| ")]
+        visits = {c[0].strip(): c[1].strip() for c in cells if len(c) == 6 and c[1].strip().isdigit()}
+        for a, b in (("emcl", "lamaml/glances=1"), ("emcl/glances=5", "lamaml/own-script")):
+            row = [c for c in cells if c[0].strip() == f"{a} − {b}"]
+            if row:
+                assert row[0][1].strip() == tables._visits_compared(visits[a], visits[b]), (stream, a, b)
+                checked += 1
+    assert checked >= 6
+
+
 def test_partial_selection_keeps_what_it_cannot_decide_yet(monkeypatch):
     monkeypatch.setattr(presets, "VALIDATION_SEEDS", (100, 101))
     rows = selection.validation_rows_a("permuted-mnist", ("sgd", "er"))

@@ -238,6 +238,19 @@ def selection_table(sr: StreamResults) -> str:
     return "\n".join(lines)
 
 
+_NUMBER_WORDS = {"1": "one", "2": "two", "5": "five", "10": "ten"}
+
+
+def _visits_compared(va: str, vb: str) -> str:
+    """How the visits per sample of two rows compare, in words: "five visits each", "five
+    visits against ten" (La-MAML's own script visits each sample 5 times on some streams and
+    10 on others)."""
+    wa, wb = _NUMBER_WORDS.get(va, va), _NUMBER_WORDS.get(vb, vb)
+    if va == vb:
+        return f"{wa} visit each" if va == "1" else f"{wa} visits each"
+    return f"{wa} visit{'' if va == '1' else 's'} against {wb}"
+
+
 def visits(sr: StreamResults) -> str:
     names = ["emcl", "emcl/glances=2", "emcl/glances=5", "lamaml/glances=1", "lamaml/own-script", "mer"]
     lines = ["| row | visits per sample | seeds | ACC | BWT ÷(T−1) | train time (s) |", "|---|---|---|---|---|---|"]
@@ -248,12 +261,13 @@ def visits(sr: StreamResults) -> str:
         st = _stats(rs)
         lines.append(f"| {name} | {_visits(rs[0])} | {sr.seeds_cell(name)} | {_fmt(*st['acc'])} | {_fmt(*st['bwt'])} | "
                      f"{_fmt(*st['train_time_s'], digits=0)} |")
-    pairs = [("emcl", "lamaml/glances=1", "one visit each"), ("emcl/glances=5", "lamaml/own-script", "five visits each"),
+    pairs = [("emcl", "lamaml/glances=1", None), ("emcl/glances=5", "lamaml/own-script", None),
              ("emcl", "lamaml/own-script", "each at its source's visits"), ("mer", "emcl", "MER − EMCL")]
     extra = []
     for a, b, what in pairs:
         ra, rb = sr.runs(a), sr.runs(b)
         if ra and rb:
+            what = what or _visits_compared(_visits(ra[0]), _visits(rb[0]))
             extra.append(f"| {a} − {b} | {what} | {_fmt_paired(_paired(ra, rb))} |")
     if extra:
         lines += ["", "| paired difference | | Δ ACC [95 % CI] (seeds ahead) |", "|---|---|---|"] + extra
