@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -229,9 +230,9 @@ def main():
                "backend": args.backend, "device": args.device, "threads": 1,
                "machine": platform.node(),
                "torch": torch.__version__, "note": args.note,
-               "load_before": list(__import__("os").getloadavg())}
+               "load_before": list(os.getloadavg())}
         res["layouts"] = key_passes(args)
-        res["load_after"] = list(__import__("os").getloadavg())
+        res["load_after"] = list(os.getloadavg())
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
@@ -243,8 +244,8 @@ def main():
         res = {"backend": args.backend, "device": args.device, "threads": 1,
                "machine": platform.node(),
                "torch": torch.__version__, "note": args.note,
-               "load_before": list(__import__("os").getloadavg()), "layouts": host_only(args)}
-        res["load_after"] = list(__import__("os").getloadavg())
+               "load_before": list(os.getloadavg()), "layouts": host_only(args)}
+        res["load_after"] = list(os.getloadavg())
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
@@ -252,7 +253,7 @@ def main():
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     results = {"backend": args.backend, "threads": 1, "machine": platform.node(),
-               "load_before": list(__import__("os").getloadavg()), "layouts": {}}
+               "load_before": list(os.getloadavg()), "layouts": {}}
     for name, shapes in LAYOUTS.items():
         params = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.01) for s in shapes]
         for p in params:
@@ -290,7 +291,7 @@ def main():
         print(f"{name:5s} step() {s:9.1f} us   backend call {c:9.1f} us   "
               f"overhead {s - c:8.1f} us   gather() "
               f"{results['layouts'][name].get('gather_us', float('nan')):8.1f} us")
-    results["load_after"] = list(__import__("os").getloadavg())
+    results["load_after"] = list(os.getloadavg())
     results["torch"] = torch.__version__
     results["note"] = args.note
     if args.out:

@@ -7,7 +7,7 @@ TINY = ["--n-tasks", "2", "--samples-per-task", "20", "--threads", "1", "--quiet
 
 
 def run_cli(capsys, argv) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of ``emcl-continual argv`` run in this process."""
+    """(exit code, stdout, stderr) of ``python -m emcl_continual argv`` run in this process."""
     try:
         code = cli.main(argv)
     except SystemExit as exc:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from emcl_continual import metrics, models, presets, selection, streams, tables, train
 from emcl_continual.methods import get_method
+from emcl_testing import REPO
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -401,7 +402,7 @@ def test_paired_visits_rows_are_named_by_the_visits_the_runs_made():
     assert tables._visits_compared("5", "10") == "five visits against ten"
     assert tables._visits_compared("3", "1") == "3 visits against one"
     # the committed tables: each pair's words agree with the visits column of its two rows
-    heldout = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "heldout")
+    heldout = os.path.join(REPO, "results", "heldout")
     checked = 0
     for stream in sorted(os.listdir(heldout)):
         path = os.path.join(heldout, stream, "tables.md")

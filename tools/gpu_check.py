@@ -918,20 +918,18 @@ class GpuCheck:
         passes alone (``--key-passes``)."""
         path = os.path.join(self.results, f"gpu_check_{self.stamp}_plan_key_cuda.json")
         passes = os.path.join(self.results, f"gpu_check_{self.stamp}_plan_key_passes_cuda.json")
-        rc = self.run(st, self._py("benchmarks/bench_plan_key.py", "--host-only", "--device",
-                                   "cuda", "--rounds", "3", "--steps", "200", "--out",
-                                   os.path.relpath(path, ROOT)),
-                      "plan_key", self.timeout("plan_key"))[0]
-        rc2 = self.run(st, self._py("benchmarks/bench_plan_key.py", "--key-passes", "--device",
-                                    "cuda", "--rounds", "3", "--steps", "200", "--out",
-                                    os.path.relpath(passes, ROOT)),
-                       "plan_key_passes", self.timeout("plan_key"))[0]
+        rcs = [self.run(st, self._py("benchmarks/bench_plan_key.py", flag, "--device", "cuda",
+                                     "--rounds", "3", "--steps", "200",
+                                     "--out", os.path.relpath(out, ROOT)),
+                        name, self.timeout("plan_key"))[0]
+               for flag, out, name in (("--host-only", path, "plan_key"),
+                                       ("--key-passes", passes, "plan_key_passes"))]
         if self.args.dry_run:
             st.status = "passed"
             return
-        ok = rc == 0 and rc2 == 0 and os.path.isfile(path) and os.path.isfile(passes)
+        ok = rcs == [0, 0] and os.path.isfile(path) and os.path.isfile(passes)
         st.status = "passed" if ok else "failed"
-        details = [] if ok else [f"exit {rc}, {rc2}"]
+        details = [] if ok else [f"exit {', '.join(map(str, rcs))}"]
         if os.path.isfile(path):
             self.files.append(path)
             with open(path) as fh:
