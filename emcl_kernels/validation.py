@@ -28,7 +28,8 @@ from emcl_kernels.integration import capturing, is_dtensor, local
 from emcl_kernels.interface import resolve_lr_scale
 
 __all__ = ["FLT_MAX", "FLT_TINY", "PARAM_DTYPES", "LR_MODES", "IMPORTANCE_KINDS",
-           "INNER_KEYS", "META_KEYS", "NUMERIC_KEYS", "check_hyperparameters", "check_flag",
+           "INNER_KEYS", "META_KEYS", "NUMERIC_KEYS", "GROUP_NAMES", "OPTIMIZER_WIDE",
+           "check_hyperparameters", "check_group_options", "group_spelling", "check_flag",
            "check_param", "check_tensor", "check_like", "check_no_overlap", "plainly_valid", "same_layout", "is_dense",
            "state_dtype"]
 
@@ -43,9 +44,17 @@ META_KEYS = ("meta_lr", "reg", "decay", "lr_scale", "lr_mode", "lr_min", "lr_max
 NUMERIC_KEYS = ("inner_lr", "meta_lr", "reg", "gamma", "decay", "lr_scale", "lr_min", "lr_max",
                 "eps")
 
-# name -> (low, high, low_open, allow_inf)
+#: The key a param group of the optimizer holds a hyper-parameter under, where it is not the
+#: hyper-parameter's own name: β is ``lr``, the key torch's LR schedulers and the training
+#: frameworks read and drive ([note: lr] in optimizer.py).
+GROUP_NAMES = {"inner_lr": "lr"}
+#: Options of the whole optimizer; a param group that sets one is refused (nothing would read it).
+OPTIMIZER_WIDE = ("meta_every", "check_finite", "backend")
+
+# name -> (low, high, low_open, allow_inf); "lr" is how a param group spells inner_lr
 _DOMAINS = {
     "inner_lr": (0.0, FLT_MAX, False, False),
+    "lr": (0.0, FLT_MAX, False, False),
     "meta_lr": (0.0, FLT_MAX, False, False),
     "reg": (0.0, FLT_MAX, False, False),
     "gamma": (0.0, FLT_MAX, False, False),
@@ -66,6 +75,10 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 # Hyper-parameters
 # ---------------------------------------------------------------------------------------------
 
+# how a message names a hyper-parameter whose key alone would not say which rate it is
+_SHOWN = {"lr": "lr (β, the inner learning rate)"}
+
+
 def _range_error(name: str, value, low, high) -> ValueError:
     what = {"eps": " (at least the smallest normal float32 number)",
             "decay": ""}.get(name, " (and at most the largest float32 number)")
@@ -80,6 +93,7 @@ def _number(name: str, value):
     """One numeric hyper-parameter: a float, or the 0-d tensor itself (checked by value unless
     reading it would need a host sync inside torch.compile or a CUDA graph capture)."""
     low, high, _, allow_inf = _DOMAINS[name]
+    name = _SHOWN.get(name, name)
     if isinstance(value, Tensor):
         if value.dim() != 0 or not value.is_floating_point():
             raise TypeError(f"{name} given as a tensor must be a 0-d floating-point tensor (a "
@@ -144,8 +158,9 @@ def _check_products(out: dict) -> None:
     if reg is not None:
         if "gamma" in v:
             products.append(("gamma * reg", v["gamma"] * reg))
-        if "inner_lr" in v:
-            products.append(("inner_lr * reg", v["inner_lr"] * reg))
+        for beta in ("inner_lr", "lr"):
+            if beta in v:
+                products.append((f"{beta} * reg", v[beta] * reg))
         if "meta_lr" in v:
             products.append(("meta_lr * reg", v["meta_lr"] * reg))
     if "meta_lr" in v and scale is not None:
@@ -200,6 +215,52 @@ def check_hyperparameters(**hp) -> dict:
             _CHECKED.clear()
         _CHECKED[key] = dict(out)
     return out
+
+
+def group_spelling(group: dict, where: str) -> dict:
+    """A param group as the user gave it, with β under ``lr``: ``inner_lr`` (the paper's name,
+    and this package's keyword before param groups spoke torch's ``lr``) is taken as ``lr``; both
+    with different values is refused. The group itself is not changed."""
+    if "inner_lr" not in group:
+        return group
+    out = {k: v for k, v in group.items() if k != "inner_lr"}
+    beta = group["inner_lr"]
+    if "lr" in group and group["lr"] is not beta and not (
+            not isinstance(beta, Tensor) and not isinstance(group["lr"], Tensor)
+            and group["lr"] == beta):
+        raise ValueError(f"{where} gives both lr={group['lr']!r} and inner_lr={beta!r}: they "
+                         "are the same rate (β, the inner learning rate); give one of them")
+    out["lr"] = beta
+    return out
+
+
+def check_group_options(group: dict, where: str) -> None:
+    """The keys of a param group that are not hyper-parameters: the optimizer-wide options
+    (refused in a group), ``inner_lr`` once the group exists (its rate is ``lr``), and
+    ``weight_decay`` (accepted when 0, refused otherwise, with the reason)."""
+    for name in OPTIMIZER_WIDE:
+        if name in group:
+            raise ValueError(
+                f"{where} sets {name}={group[name]!r}, but {name} is an option of the whole "
+                f"optimizer, not of a param group (one step serves every group): pass it to "
+                f"FusedEMCLOptimizer(..., {name}=...) and remove it from the group")
+    if "inner_lr" in group:
+        raise ValueError(
+            f"{where} holds 'inner_lr' = {group['inner_lr']!r}: a param group holds β, the inner "
+            "learning rate, under 'lr' (the key LR schedulers drive), so this value would be "
+            "ignored; set group['lr'] and delete group['inner_lr']")
+    wd = group.get("weight_decay", 0.0)
+    if isinstance(wd, Tensor):
+        wd = None if capturing() or wd.numel() != 1 else float(wd.item())
+    if wd is not None and (isinstance(wd, bool) or not isinstance(wd, Real) or float(wd) != 0.0):
+        raise ValueError(
+            f"{where} has weight_decay={group['weight_decay']!r}: FusedEMCLOptimizer applies no "
+            "weight decay. EMCL's regulariser is the importance-weighted pull of every weight "
+            "towards its anchor θ₀ (reg, gamma), and the meta step moves the anchor by what the "
+            "inner steps learnt; a decoupled decay would be a third force that the paper does not "
+            "have and no measurement here supports, so it is refused rather than silently "
+            "ignored. Pass weight_decay=0 (HF TrainingArguments and timm's factory default to 0) "
+            "or regularise through reg (docs/integration.md)")
 
 
 def check_flag(name: str, t) -> None:

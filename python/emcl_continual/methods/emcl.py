@@ -262,7 +262,7 @@ class EMCL(Method):
         hs, pulls = [], []
         for group, imps in self._importances():
             lam = float(group["reg"])
-            scale = float(group["gamma"]) * lam if group["prox"] else float(group["inner_lr"]) * lam
+            scale = float(group["gamma"]) * lam if group["prox"] else float(group["lr"]) * lam
             for h in imps:
                 hs.append(h.flatten().double())
                 pulls.append(h.flatten().double() * scale)
