@@ -382,6 +382,26 @@ def _write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
+def _download(parser: argparse.ArgumentParser, args) -> None:
+    """``--download``: refuse what cannot be done (a usage error, exit 2), then fetch the stream's
+    data set into ``--data-root`` once, here, before any worker starts (a failure: exit 1)."""
+    from .download import check_request, download_for_stream
+    from .errors import DownloadError, UsageError
+
+    try:
+        if not args.download:
+            raise UsageError("--download-mirror is used only with --download")
+        check_request(args.stream, args.data_root, mirror=args.download_mirror)
+    except UsageError as exc:
+        parser.error(str(exc))
+    if args.plan:
+        return
+    try:
+        download_for_stream(args.stream, args.data_root, args.download_mirror, log=_log)
+    except DownloadError as exc:
+        raise SystemExit(f"error: {' '.join(str(exc).split())}") from None
+
+
 def main(argv: list | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m emcl_continual.selection", description=__doc__.split("\n\n")[0])
     p.add_argument("--stream", default="permuted-mnist", choices=sorted(presets.GRIDS))
@@ -395,7 +415,12 @@ def main(argv: list | None = None) -> int:
                                                            "in this order")
     p.add_argument("--jobs", type=int, default=1, help="training processes at a time")
     p.add_argument("--threads", type=int, default=1, help="torch threads per training process")
-    p.add_argument("--data-root", default=None)
+    p.add_argument("--data-root", default=None, help="folder with the data sets (torchvision's layout)")
+    p.add_argument("--download", action="store_true",
+                   help="fetch the stream's data set (MNIST or CIFAR-100) into --data-root through torchvision "
+                        "before the first run, unless it is there")
+    p.add_argument("--download-mirror", default=None, metavar="URL",
+                   help="with --download: a server with the same files (and checksums) as torchvision's URLs")
     p.add_argument("--n-tasks", type=int, default=None, help="shrink the stream (tests and screens only)")
     p.add_argument("--samples-per-task", type=int, default=None)
     p.add_argument("--plan", action="store_true", help="print every row and how many of its runs are done, then exit")
@@ -403,6 +428,8 @@ def main(argv: list | None = None) -> int:
     p.add_argument("--allow-mixed-versions", action="store_true",
                    help="append to files that hold runs of another code version")
     args = p.parse_args(argv)
+    if args.download or args.download_mirror is not None:
+        _download(p, args)
     out = args.out or os.path.join(DEFAULT_OUT, args.stream)
     os.makedirs(out, exist_ok=True)
     vpath, rpath = os.path.join(out, "validation.jsonl"), os.path.join(out, "report.jsonl")
