@@ -79,10 +79,14 @@ def _tensor_value(pid, key: str, t, p: Tensor) -> None:
 
 
 def _saved_group(saved: dict, where: str) -> dict:
-    """A saved param group as a group of today's optimizer: β under ``lr``, and without the
+    """A saved param group as a group of today's optimizer: β under ``lr``, r under
+    ``meta_lr_scale`` (a state saved before had them under ``inner_lr`` and ``lr_scale``), and
+    without the
     optimizer-wide options that a group was once allowed to hold and nothing read (dropped with
     a warning: the optimizer's own setting is the one that always applied)."""
     group = group_spelling(saved, where)
+    if "lr_scale" in group and "meta_lr_scale" not in group:  # saved before groups said meta_lr_scale
+        group = {("meta_lr_scale" if k == "lr_scale" else k): v for k, v in group.items()}
     wide = [k for k in OPTIMIZER_WIDE if k in group]
     if wide:
         warnings.warn(f"{where} holds {', '.join(wide)}: an option of the whole optimizer, "

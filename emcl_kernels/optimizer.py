@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from copy import deepcopy
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -145,7 +146,7 @@ class FusedEMCLOptimizer(Optimizer):
         given = {k: v for k, v in (("lr", lr), ("inner_lr", inner_lr)) if v is not None}
         lr = group_spelling(given, "FusedEMCLOptimizer()").get("lr", DEFAULT_LR)
         defaults = dict(lr=lr, meta_lr=meta_lr, reg=reg, gamma=gamma, decay=decay,
-                        lr_scale=lr_scale, lr_mode=lr_mode, lr_min=lr_min, lr_max=lr_max,
+                        meta_lr_scale=lr_scale, lr_mode=lr_mode, lr_min=lr_min, lr_max=lr_max,
                         eps=eps, importance=importance, prox=prox, weight_decay=weight_decay)
         self._check_group(defaults, "the defaults")
         defaults["capturable"] = capturable
@@ -175,6 +176,13 @@ class FusedEMCLOptimizer(Optimizer):
         where = f"param group {len(self.param_groups)}"
         if isinstance(param_group, dict):
             param_group = group_spelling(param_group, where)
+            if "lr_scale" in param_group and "meta_lr_scale" not in param_group:
+                warnings.warn(
+                    f"{where} has 'lr_scale' = {param_group['lr_scale']!r}, which "
+                    "FusedEMCLOptimizer does not read: a param group holds EMCL's r as "
+                    "'meta_lr_scale' (the constructor's lr_scale=), since 'lr_scale' in a group is "
+                    "timm's multiplier of lr (timm's schedulers apply it). Set 'meta_lr_scale' "
+                    "for r", UserWarning, stacklevel=2)
             self._check_group({**self.defaults, **{k: v for k, v in param_group.items()
                                                    if k != "params"}}, where)
         super().add_param_group(param_group)

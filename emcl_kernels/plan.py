@@ -23,13 +23,15 @@ import torch
 from torch import Tensor
 
 from emcl_kernels.backends.extension import entry_point
-from emcl_kernels.integration import is_dtensor, local
+from emcl_kernels.integration import capturing, is_dtensor, local
 from emcl_kernels.interface import (COUNTER, COUNTER_FIELDS, HYPER, HYPER_DEFAULTS, HYPER_FIELDS,
                                     IMPORTANCE, LR_MODE, OP)
 from emcl_kernels.skips import SkipLog
 from emcl_kernels.validation import (GROUP_NAMES, IMPORTANCE_KINDS, INNER_KEYS, LR_MODES,
-                                     META_KEYS, NUMERIC_KEYS, OPTIMIZER_WIDE, check_group_options, PLAIN_TENSORS, check_hyperparameters, check_like,
+                                     META_KEYS, NUMERIC_KEYS, OPTIMIZER_WIDE, PLAIN_TENSORS,
+                                     check_group_options, check_hyperparameters, check_like,
                                      check_no_overlap, check_param, same_layout, state_dtype)
+from emcl_kernels.zeros import warn_zero_parameters
 
 __all__ = ["Plan", "Runtime", "run", "new_counters", "hyper_values", "pack_hyper",
            "agree_on_found", "resolve_backend", "check_group", "HYPER_KEYS", "GROUP_KEYS",
@@ -504,11 +506,17 @@ class Runtime:
                     if key in st:
                         named.append((f"the {key} state of {where}", st[key]))
         check_no_overlap(named)
+        fresh = []
         for gi, group, _, ready in checked:       # every check passed: now relay and make state
             recurrent = group["lr_mode"] == "recurrent"
-            for _, p in ready:
+            names = group.get("param_names")
+            for pi, p in ready:
                 follow_layout(opt.state, p)
-                init_state(opt.state, p, group, recurrent)
+                if init_state(opt.state, p, group, recurrent):
+                    fresh.append((repr(names[pi]) if names else
+                                  f"parameter {pi} of param group {gi}", p, group))
+        if fresh and not capturing():
+            warn_zero_parameters(fresh)
         plans, keys, tensor_hyper = [], [], []
         mesh = None
         for gi, group, hp, ready in checked:
@@ -826,9 +834,10 @@ def follow_layout(state, p: Tensor) -> None:
 
 def init_state(state, p: Tensor, group: dict, recurrent: bool) -> None:
     """A parameter's state at its first step: θ₀ = θ, h = 0, step 0, and α = α₀ when
-    ``recurrent``."""
+    ``recurrent``. Returns whether the state was made here (not loaded or made before)."""
     st = state[p]
-    if not st:
+    made = not st
+    if made:
         st["anchor"] = torch.empty_like(p, dtype=state_dtype(p.dtype)).copy_(p.detach())
         st["importance"] = torch.zeros_like(st["anchor"])
         st["step"] = torch.zeros((), dtype=torch.float32, device=local(p).device)
@@ -837,3 +846,4 @@ def init_state(state, p: Tensor, group: dict, recurrent: bool) -> None:
         st["meta_lr"] = torch.empty_like(st["anchor"])
         st["meta_lr"].copy_(meta_lr) if isinstance(meta_lr, Tensor) \
             else st["meta_lr"].fill_(float(meta_lr))
+    return made

@@ -45,9 +45,11 @@ NUMERIC_KEYS = ("inner_lr", "meta_lr", "reg", "gamma", "decay", "lr_scale", "lr_
                 "eps")
 
 #: The key a param group of the optimizer holds a hyper-parameter under, where it is not the
-#: hyper-parameter's own name: β is ``lr``, the key torch's LR schedulers and the training
-#: frameworks read and drive ([note: lr] in optimizer.py).
-GROUP_NAMES = {"inner_lr": "lr"}
+#: hyper-parameter's own name ([note: group keys] in optimizer.py): β is ``lr``, the key torch's
+#: LR schedulers and the training frameworks read and drive; r is ``meta_lr_scale``, because
+#: ``lr_scale`` in a param group is timm's per-group multiplier of ``lr``, which its schedulers
+#: apply.
+GROUP_NAMES = {"inner_lr": "lr", "lr_scale": "meta_lr_scale"}
 #: Options of the whole optimizer; a param group that sets one is refused (nothing would read it).
 OPTIMIZER_WIDE = ("meta_every", "check_finite", "backend")
 
@@ -55,6 +57,7 @@ OPTIMIZER_WIDE = ("meta_every", "check_finite", "backend")
 _DOMAINS = {
     "inner_lr": (0.0, FLT_MAX, False, False),
     "lr": (0.0, FLT_MAX, False, False),
+    "meta_lr_scale": (0.0, FLT_MAX, False, False),
     "meta_lr": (0.0, FLT_MAX, False, False),
     "reg": (0.0, FLT_MAX, False, False),
     "gamma": (0.0, FLT_MAX, False, False),
@@ -76,7 +79,8 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------
 
 # how a message names a hyper-parameter whose key alone would not say which rate it is
-_SHOWN = {"lr": "lr (β, the inner learning rate)"}
+_SHOWN = {"lr": "lr (β, the inner learning rate)",
+          "meta_lr_scale": "meta_lr_scale (r, the constructor's lr_scale)"}
 
 
 def _range_error(name: str, value, low, high) -> ValueError:
@@ -145,14 +149,15 @@ def _value(v) -> Optional[float]:
 
 def _check_products(out: dict) -> None:
     """[note: domains]: the scalars the kernels form stay finite in fp32."""
-    v = {k: _value(out[k]) for k in NUMERIC_KEYS if k in out and out[k] is not None}
+    v = {k: _value(out[k]) for k in _DOMAINS if k in out and out[k] is not None}
     if any(x is None for x in v.values()):
         return
     if "lr_min" in v and "lr_max" in v and v["lr_max"] < v["lr_min"]:
         raise ValueError(f"lr_max ({v['lr_max']:g}) must be >= lr_min ({v['lr_min']:g})")
     reg = v.get("reg")
-    scale = v.get("lr_scale")
-    if reg is not None and "lr_scale" in out and scale is None:
+    scale_key = "meta_lr_scale" if "meta_lr_scale" in out else "lr_scale"
+    scale = v.get(scale_key)
+    if reg is not None and scale_key in out and scale is None:
         scale = resolve_lr_scale(None, reg)
     products = []
     if reg is not None:
@@ -197,7 +202,7 @@ def check_hyperparameters(**hp) -> dict:
     out = {}
     for name, value in hp.items():
         if name in _DOMAINS:
-            if name == "lr_scale" and value is None:
+            if name in ("lr_scale", "meta_lr_scale") and value is None:
                 out[name] = None  # the default: 1 / reg
             else:
                 out[name] = _number(name, value)

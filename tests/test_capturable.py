@@ -94,7 +94,7 @@ def test_capturable_mode_equals_default_mode(backend, lr_mode):
     (m0, o0), (m1, o1) = runs
     group = o1.param_groups[0]
     assert all(torch.is_tensor(group[k]) for k in ("lr", "meta_lr", "reg", "eps"))
-    assert group["lr_scale"] is None  # None stays None: 1 / reg is computed on the device
+    assert group["meta_lr_scale"] is None  # None stays None: 1 / reg is computed on the device
     for p0, p1 in zip(m0.parameters(), m1.parameters()):
         torch.testing.assert_close(p1, p0, rtol=1e-6, atol=1e-7)
         for key, value in o0.state[p0].items():

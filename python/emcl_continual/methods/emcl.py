@@ -296,7 +296,7 @@ class EMCL(Method):
             if mode == "recurrent" and "meta_lr" in state:
                 alpha = state["meta_lr"]
             elif mode == "inverse" and "importance" in state:
-                alpha = a0 * float(group["lr_scale"]) / (state["importance"] + float(group["eps"]))
+                alpha = a0 * float(group["meta_lr_scale"]) / (state["importance"] + float(group["eps"]))
                 alpha = alpha.clamp(float(group["lr_min"]), float(group["lr_max"]))
             else:
                 alpha = torch.full_like(p, a0, dtype=torch.float32)
