@@ -198,6 +198,11 @@ STUDIES = {
                   schedule="warmup_cosine"),
             _emcl(name="EMCL, warmup+cosine on lr and meta_lr", lr=0.03, meta_lr=0.3,
                   meta_every=10, schedule="warmup_cosine", meta_follows=True),
+            _emcl(name="EMCL meta_lr=1, constant", lr=0.03, meta_lr=1.0, meta_every=10),
+            _emcl(name="EMCL meta_lr=1, warmup+cosine on lr", lr=0.03, meta_lr=1.0,
+                  meta_every=10, schedule="warmup_cosine"),
+            _emcl(name="EMCL meta_lr=1, warmup+cosine on lr and meta_lr", lr=0.03,
+                  meta_lr=1.0, meta_every=10, schedule="warmup_cosine", meta_follows=True),
         ],
     },
     "zeros": {
