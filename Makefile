@@ -5,6 +5,10 @@
 #   make setup-avalanche  setup, then avalanche-lib (requirements-avalanche.txt) into .venv under
 #                   requirements.txt's pins as constraints (pip fails rather than move a pin), then
 #                   pip check: tests/test_avalanche.py and examples/avalanche_emcl.py run with it
+#   make setup-frameworks  setup, then the optional framework integrations
+#                   (requirements-frameworks.txt: transformers, accelerate, lightning, timm) into
+#                   .venv under requirements.txt's pins as constraints, then pip check:
+#                   tests/test_frameworks.py runs with them (skipped without)
 #   make test       setup, then the test suite
 #   make demo       setup, then the main job (EMCL on Permuted MNIST, one seed)
 #   make bench      setup, then the kernel benchmark (--quick)
@@ -32,7 +36,7 @@ export MAX_JOBS
 GPU_CHECK_ARGS ?=
 OUT ?= build/gpu-check/out
 
-.PHONY: setup setup-avalanche demo test bench gpu-check gpu-check-1 gpu-check-2 gpu-check-12 clean
+.PHONY: setup setup-avalanche setup-frameworks demo test bench gpu-check gpu-check-1 gpu-check-2 gpu-check-12 clean
 
 setup: $(VENV)/.installed
 
@@ -50,6 +54,13 @@ setup-avalanche: $(VENV)/.avalanche
 
 $(VENV)/.avalanche: $(VENV)/.installed requirements-avalanche.txt
 	$(PY) -m pip install -q -r requirements-avalanche.txt -c requirements.txt
+	$(PY) -m pip check
+	touch $@
+
+setup-frameworks: $(VENV)/.frameworks
+
+$(VENV)/.frameworks: $(VENV)/.installed requirements-frameworks.txt
+	$(PY) -m pip install -q -r requirements-frameworks.txt -c requirements.txt
 	$(PY) -m pip check
 	touch $@
 
