@@ -60,6 +60,7 @@ once.
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import Optional
 
@@ -78,7 +79,8 @@ else:
     _IMPORT_ERROR = None
 
 __all__ = ["step", "check_finite", "unavailable_reason", "INTERPRETED", "BLOCK_SIZE",
-           "NUM_WARPS", "clear_cache", "build_counts", "CHECKS_GRADS"]
+           "NUM_WARPS", "FAST_LAUNCH", "FAST_LAUNCH_REASON", "clear_cache", "build_counts",
+           "launch_counts", "CHECKS_GRADS"]
 
 #: :func:`step` checks every tensor of its call against its parameter before the launch
 #: ([note: launcher checks]).
@@ -272,13 +274,12 @@ def _stream(device: torch.device) -> int:
     return torch._C._cuda_getCurrentRawStream(index)
 
 
-def _used_here(device: torch.device, tables) -> None:
+def _used_here(device: torch.device, here: int, tables) -> None:
     """[note: table streams] A table's memory belongs to the stream it was allocated on: once
     the LRU drops it, the caching allocator gives it to the next allocation on that stream,
     ordered after that stream's kernels only. A table read by a kernel on another stream (the
     user's side stream) is therefore marked with ``record_stream``, once per stream, so that
-    its memory waits for that stream's work too."""
-    here = _stream(device)
+    its memory waits for that stream's work too. ``here``: :func:`_stream` of ``device``."""
     for t in tables:
         if here not in t._emcl_streams:
             t.record_stream(torch.cuda.current_stream(device))
@@ -443,8 +444,203 @@ class _CapturedPlan:
 
 
 # ---------------------------------------------------------------------------------------------
-# Launch
+# Launch ([note: fast launch])
 # ---------------------------------------------------------------------------------------------
+
+# [note: fast launch] ``kernel[grid](*args, **constexprs)`` (Triton's JIT) does, on every call,
+# in Python: bind the arguments to the signature, specialize each one (dtype and 16-byte
+# alignment of a tensor, int32/int64 range of an int), turn the specialization and the options
+# into a cache key, look the compiled kernel up, re-check the kernel's globals, build the launch
+# metadata for the launch hooks, and only then call the compiled kernel's launcher. A step
+# launches twice (check and update) on tensors whose specialization hardly ever changes, so a
+# :class:`_Launcher` keeps, per key of its own, the compiled kernel that the JIT launched and
+# calls its launcher directly, with the arguments in the order the JIT passes them:
+#
+# - the key is a refinement of Triton's: the device, ``NUM_WARPS``, the options the JIT reads
+#   from Triton's knobs (``debug``, ``instrumentation_mode``), every constexpr value, and for
+#   every other argument what Triton specializes on or more (a tensor's dtype and whether its
+#   address is a multiple of 16; an int's type and range, see :func:`_int_kind`). Two calls with
+#   the same key get the same compiled kernel from the JIT too (``tests/test_triton_backend.py``
+#   checks this against Triton's own argument binder), so a kernel specialized for a 16-byte
+#   aligned ``steps`` is never launched on an unaligned one;
+# - a key seen for the first time, a launch hook or pre-run hook installed (a profiler), or
+#   ``FAST_LAUNCH`` off: the call goes through the JIT, exactly as before, and the compiled
+#   kernel it returns is kept for that key;
+# - the launch is the same call of the same launcher on the same stream (the current one, read
+#   by the caller): CUDA graph capture records it as it records the JIT's, and nothing is
+#   allocated or synchronized by the fast path;
+# - what the JIT does and the fast path does not: re-check that the kernels' globals did not
+#   change (they are the interface's constexprs, fixed at import) and build launch metadata for
+#   the launch hooks (there are none on the fast path: with a hook, the JIT path is taken).
+#
+# Enabled for Triton 3.4 up to 4.0 (``triton.knobs`` and this launcher signature; measured on
+# 3.6 and 3.8), compiled kernels only, unless ``EMCL_TRITON_FAST_LAUNCH=0`` is in the
+# environment at import. ``FAST_LAUNCH_REASON`` says why it is off.
+
+try:
+    from triton import knobs as _knobs
+except ImportError:          # Triton < 3.4, or no Triton
+    _knobs = None
+
+_HookChain = getattr(_knobs, "HookChain", None)
+
+
+def _fast_launch_reason() -> Optional[str]:
+    if _IMPORT_ERROR is not None:
+        return _IMPORT_ERROR
+    if INTERPRETED:
+        return "the kernels run under Triton's interpreter: there is no compiled kernel"
+    if os.environ.get("EMCL_TRITON_FAST_LAUNCH", "1") == "0":
+        return "EMCL_TRITON_FAST_LAUNCH=0 in the environment"
+    import triton
+    try:
+        version = tuple(int(x) for x in triton.__version__.split(".")[:2])
+    except ValueError:
+        version = None
+    if version is None or not (3, 4) <= version < (4, 0):
+        return f"Triton {triton.__version__}: the fast launch is for Triton 3.4 up to 4.0"
+    if _knobs is None or not hasattr(_knobs, "runtime") or not hasattr(_knobs, "compilation"):
+        return "triton.knobs is missing"
+    return None
+
+
+#: Why the fast launch ([note: fast launch]) is off, or None when it is on.
+FAST_LAUNCH_REASON: Optional[str] = _fast_launch_reason()
+#: Launch compiled kernels directly once the JIT has launched them for a key ([note: fast
+#: launch]); read at every call. False where ``FAST_LAUNCH_REASON`` is set.
+FAST_LAUNCH: bool = FAST_LAUNCH_REASON is None
+#: How many launches went through Triton's JIT (``"jit"``) and directly (``"fast"``).
+launch_counts = {"jit": 0, "fast": 0}
+
+_INT32, _INT64 = (-(1 << 31), (1 << 31) - 1), (-(1 << 63), (1 << 63) - 1)
+
+
+def _int_kind(v) -> int:
+    """An int argument's part of the key: Triton passes it as i1 (bool), i32, i64 or u64 by
+    its type and range."""
+    if type(v) is bool:
+        return 3
+    if _INT32[0] <= v <= _INT32[1]:
+        return 0
+    return 1 if _INT64[0] <= v <= _INT64[1] else 2
+
+
+_AND15 = (15).__and__
+
+
+def _tensor_kinds(tensors, dtypes: bool) -> tuple:
+    """The tensors' part of the key: each one's address modulo 16 (Triton specializes a
+    pointer argument on its address being a multiple of 16) and, with ``dtypes``, each one's
+    dtype (left out where the call's checks have fixed every dtype)."""
+    kinds = tuple(map(_AND15, map(_data_ptr, tensors)))
+    return kinds + tuple(map(_dtype, tensors)) if dtypes else kinds
+
+
+def _idle(hook) -> bool:
+    return hook is None or (_HookChain is not None and type(hook) is _HookChain
+                            and not hook.calls)
+
+
+def _options() -> Optional[tuple]:
+    """The fast path's options for the launches of one call: the options Triton's JIT adds from
+    its knobs at every call (``debug``, ``instrumentation_mode``); None when the fast path is
+    off, or while a launch or stage hook is installed (the JIT path then runs them)."""
+    if not FAST_LAUNCH:
+        return None
+    rt = _knobs.runtime
+    if not (_idle(rt.launch_enter_hook) and _idle(rt.launch_exit_hook)
+            and getattr(rt, "add_stages_inspection_hook", None) is None):
+        return None
+    return (rt.debug, getattr(_knobs.compilation, "instrumentation_mode", None))
+
+
+class _Entry:
+    """A compiled kernel's launcher, function handle and packed metadata; ``all_args``: the
+    launcher takes the constexprs too (Triton >= 3.3) or only the other arguments."""
+
+    __slots__ = ("run", "function", "packed", "all_args")
+
+    def __init__(self, run, function, packed, all_args):
+        self.run, self.function, self.packed, self.all_args = run, function, packed, all_args
+
+
+def _entry(compiled, n_args: int, n_consts: int) -> Optional[_Entry]:
+    """The launcher of what the JIT returned, when it is a compiled kernel whose launcher
+    signature this module knows; None otherwise (the JIT path is then kept for the key)."""
+    try:
+        function, packed = compiled.function, compiled.packed_metadata
+        n = len(compiled.src.signature)
+        run = compiled.run
+    except AttributeError:
+        return None
+    if function is None or not callable(run) or n not in (n_args, n_args + n_consts):
+        return None
+    return _Entry(run, function, packed, n == n_args + n_consts)
+
+
+class _Launcher:
+    """Launches the kernel ``triton_kernels.<name>`` ([note: fast launch]). ``consts``: the
+    names of its constexpr parameters, which follow its other parameters."""
+
+    __slots__ = ("name", "consts", "jit", "entries")
+
+    def __init__(self, name: str, consts: tuple):
+        self.name, self.consts = name, consts
+        self.jit = None
+        self.entries: dict = {}
+
+    def __call__(self, grid: int, device: torch.device, stream: int, args: tuple,
+                 kinds: tuple, consts: tuple, options: Optional[tuple]) -> None:
+        """Launch ``grid`` programs with ``args`` (the non-constexpr arguments, in order;
+        ``kinds`` their part of the key) and the constexpr values ``consts`` on ``stream`` (the
+        current stream of ``device``); ``options``: :func:`_options`, None for the JIT path."""
+        jit = getattr(_kernels, self.name)
+        if jit is not self.jit:              # the kernel object was replaced: forget its kernels
+            self.jit = jit
+            self.entries.clear()
+        key = entry = None
+        if options is not None and not getattr(jit, "pre_run_hooks", None):
+            key = (device, NUM_WARPS, options, consts, kinds)
+            entry = self.entries.get(key)
+        switch = (device.type == "cuda" and device.index is not None
+                  and device.index != torch.cuda.current_device())
+        if entry is not None:
+            launch_counts["fast"] += 1
+            if switch:
+                with torch.cuda.device(device):
+                    self._run(entry, grid, stream, args, consts)
+            else:
+                self._run(entry, grid, stream, args, consts)
+            return
+        launch_counts["jit"] += 1
+        meta = dict(zip(self.consts, consts))
+        if device.type == "cuda":
+            meta["num_warps"] = NUM_WARPS
+        if switch:
+            with torch.cuda.device(device):
+                compiled = jit[(grid,)](*args, **meta)
+        else:
+            compiled = jit[(grid,)](*args, **meta)
+        if key is not None and compiled is not None:
+            entry = _entry(compiled, len(args), len(consts))
+            if entry is not None:
+                self.entries[key] = entry
+
+    @staticmethod
+    def _run(entry: _Entry, grid: int, stream: int, args: tuple, consts: tuple) -> None:
+        if entry.all_args:
+            entry.run(grid, 1, 1, stream, entry.function, entry.packed, None, None, None,
+                      *args, *consts)
+        else:
+            entry.run(grid, 1, 1, stream, entry.function, entry.packed, None, None, None,
+                      *args)
+
+
+_STEP = _Launcher("emcl_step_kernel", ("PARAM", "OP", "PROX", "IMPORTANCE_KIND", "LR_MODE",
+                                       "HAS_GRAD_SCALE", "HAS_FOUND_INF", "FINALIZE", "BLOCK",
+                                       "SUB"))
+_CHECK = _Launcher("emcl_check_kernel", ("PARAM", "BLOCK"))
+
 
 def _block(dtype: torch.dtype) -> int:
     """Elements per chunk for ``dtype``: :data:`BLOCK_SIZE`, halved for fp64 (the same bytes
@@ -455,28 +651,21 @@ def _block(dtype: torch.dtype) -> int:
     return block // 2 if dtype is torch.float64 else block
 
 
-def _launch(kernel, grid, device, args, meta):
-    if device.type == "cuda":
-        if device.index is not None and device.index != torch.cuda.current_device():
-            with torch.cuda.device(device):
-                kernel[grid](*args, **meta, num_warps=NUM_WARPS)
-        else:
-            kernel[grid](*args, **meta, num_warps=NUM_WARPS)
-    else:
-        kernel[grid](*args, **meta)
+_PARAM_CODES = ({getattr(torch, name): code for name, code in _kernels.PARAM_CODES.items()}
+                if _kernels is not None else {})
 
 
 def _param_code(dtype: torch.dtype) -> int:
-    try:
-        return _kernels.PARAM_CODES[str(dtype)[6:]]   # "torch.float32" -> "float32"
-    except KeyError:
+    code = _PARAM_CODES.get(dtype)
+    if code is None:
         raise TypeError(f"the Triton backend updates float32, bfloat16, float16 and float64 "
-                        f"parameters, not {dtype}") from None
+                        f"parameters, not {dtype}")
+    return code
 
 
-def _check(chunks, n_chunks, grads_table, counters, dtype, device, block):
-    _launch(_kernels.emcl_check_kernel, (n_chunks,), device, (chunks, grads_table, counters),
-            dict(PARAM=_param_code(dtype), BLOCK=block))
+def _check(chunks, n_chunks, grads_table, counters, code, device, stream, block, options):
+    args = (chunks, grads_table, counters)
+    _CHECK(n_chunks, device, stream, args, _tensor_kinds(args, True), (code, block), options)
 
 
 def check_finite(grads, counters: torch.Tensor) -> None:
@@ -512,12 +701,16 @@ def check_finite(grads, counters: torch.Tensor) -> None:
             _checks.move_to_end(sig)
             while len(_checks) > _MAX_PLANS:
                 _checks.popitem(last=False)
+    stream = 0
     if capturing:
         _keep_for_graph(chunks, table)
+        stream = _stream(device)
     elif device.type == "cuda":
+        stream = _stream(device)
         _ensure_reserve(device, 3 * n_chunks + len(numels))
-        _used_here(device, (chunks, table))
-    _check(chunks, n_chunks, table, counters, grads[0].dtype, device, block)
+        _used_here(device, stream, (chunks, table))
+    _check(chunks, n_chunks, table, counters, _param_code(grads[0].dtype), device, stream,
+           block, _options())
 
 
 def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, *, op: int,
@@ -529,38 +722,45 @@ def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, 
     dtype = params[0].dtype if params else torch.float32
     block = _block(dtype)
     device = counters.device
-    capturing = _capturing(device)
-    if lr_mode == _RECURRENT and len(meta_lrs) != len(params):
+    cuda = device.type == "cuda"
+    capturing = cuda and torch.cuda.is_current_stream_capturing()
+    recurrent = lr_mode == _RECURRENT
+    if recurrent and len(meta_lrs) != len(params):
         raise ValueError(f"lr_mode 'recurrent' needs one meta_lrs tensor per param: got "
                          f"{len(meta_lrs)} for {len(params)} params")
     if _NATIVE_CHECK is not None:                          # [note: launcher checks]
-        _NATIVE_CHECK(params, grads, anchors, importances,
-                      meta_lrs if lr_mode == _RECURRENT else [], steps, hyper, counters, op,
-                      bool(prox), importance, lr_mode, meta_every, bool(check),
-                      bool(finalize), grad_scale, found_inf)
+        _NATIVE_CHECK(params, grads, anchors, importances, meta_lrs if recurrent else [],
+                      steps, hyper, counters, op, bool(prox), importance, lr_mode, meta_every,
+                      bool(check), bool(finalize), grad_scale, found_inf)
     else:
-        _check_call(params, grads, anchors, importances,
-                    meta_lrs if lr_mode == _RECURRENT else None, device)
+        _check_call(params, grads, anchors, importances, meta_lrs if recurrent else None,
+                    device)
+    code = _param_code(dtype)
+    options = _options()
+    stream = _stream(device) if cuda else 0
     plan = None
     if params:
         plan = _plan(device, block, params, grads, anchors, importances,
-                     meta_lrs if lr_mode == _RECURRENT else None, capturing)
+                     meta_lrs if recurrent else None, capturing)
     if plan is not None:
-        if device.type == "cuda" and not capturing:
+        if cuda and not capturing:
             _ensure_reserve(device, plan.need)
-            _used_here(device, (plan.chunks, plan.tensors, plan.grads))
+            _used_here(device, stream, (plan.chunks, plan.tensors, plan.grads))
         if check:
-            _check(plan.chunks, plan.n_chunks, plan.grads, counters, dtype, device, block)
+            _check(plan.chunks, plan.n_chunks, plan.grads, counters, code, device, stream,
+                   block, options)
     else:
-        n_steps = steps.numel()
-        if not finalize and not (n_steps and op != _OP_INNER):
+        if not finalize and not (steps.numel() and op != _OP_INNER):
             return                          # no tensor, nothing to count
         plan = _empty_plan(device, capturing)
-    args = (plan.chunks, plan.tensors, plan.grads, hyper, counters, steps, steps.numel(),
-            meta_every, hyper if grad_scale is None else grad_scale,
-            hyper if found_inf is None else found_inf)
-    meta = dict(PARAM=_param_code(dtype), OP=op, PROX=bool(prox), IMPORTANCE_KIND=importance,
-                LR_MODE=lr_mode, HAS_GRAD_SCALE=grad_scale is not None,
-                HAS_FOUND_INF=found_inf is not None, FINALIZE=bool(finalize), BLOCK=block,
-                SUB=block // 4)
-    _launch(_kernels.emcl_step_kernel, (plan.n_chunks,), device, args, meta)
+    n_steps = steps.numel()
+    gs = hyper if grad_scale is None else grad_scale
+    fi = hyper if found_inf is None else found_inf
+    # [note: fast launch] with the C++ checks, every dtype here is fixed by the call's checks
+    kinds = _tensor_kinds((plan.chunks, plan.tensors, plan.grads, hyper, counters, steps, gs,
+                           fi), _NATIVE_CHECK is None)
+    _STEP(plan.n_chunks, device, stream,
+          (plan.chunks, plan.tensors, plan.grads, hyper, counters, steps, n_steps, meta_every,
+           gs, fi), kinds + (_int_kind(n_steps), _int_kind(meta_every)),
+          (code, op, bool(prox), importance, lr_mode, grad_scale is not None,
+           found_inf is not None, bool(finalize), block, block // 4), options)
