@@ -389,6 +389,50 @@ def test_tables_cached_and_gradient_table_refreshed():
     assert made() == dict(state=2, grads=2, chunks=1)
 
 
+@pytest.mark.skipif(TB._PLAN_GRADS is None, reason="needs the compiled extension (_C)")
+def test_cached_tables_confirmed_by_the_cpp_passes():
+    """Gradients that are the parameters' ``.grad``: a cached plan is confirmed by the C++
+    passes ([note: native confirmation]). Gradients passed that are not the ``.grad``, a
+    parameter or a state tensor moved, a parameter resized in place: the Python comparisons
+    decide, and the kernels read what was passed (equal to the reference every time)."""
+    TB.clear_cache()
+    mode = MODES[1]
+    hyper = step_hyper(mode)
+    case = make_case([7, 301], torch.float32, seed=12, device=DEVICE)
+    expected = clone_case(case, torch.float64, device="cpu")
+    counters, ref_counters = new_counters(DEVICE), new_counters()
+    start = dict(TB.lookups)
+
+    def step(grads=None, seed=0):
+        new = fresh_grads(case, seed=seed)
+        for p, g in zip(case.params, new):
+            p.grad = g
+        case.grads = list(new) if grads is None else grads
+        expected.grads = [g.to("cpu", torch.float64) for g in case.grads]
+        call_step(TB, "inner_meta", case, mode, hyper, counters, check=True)
+        call_step(reference_backend(), "inner_meta", expected, mode, hyper, ref_counters)
+        assert_case_close(case, expected, torch.float32, f"seed {seed}")
+        return {k: TB.lookups[k] - start[k] for k in start}
+
+    assert step(seed=1) == dict(confirmed=0, compared=0)            # built
+    assert step(seed=2) == dict(confirmed=1, compared=0)
+    assert step(fresh_grads(case, seed=3), seed=4) == dict(confirmed=1, compared=1)
+    case.anchors = [a.clone() for a in case.anchors]                 # moved state
+    built = TB.build_counts["state"]
+    assert step(seed=5) == dict(confirmed=1, compared=1)
+    assert TB.build_counts["state"] == built + 1
+    assert step(seed=6) == dict(confirmed=2, compared=1)
+    with torch.no_grad():                                            # same address, one
+        case.params[1].resize_(300)                                  # element fewer
+    for c in (case, expected):
+        for name in ("grads", "anchors", "importances", "meta_lrs") + (
+                ("params",) if c is expected else ()):
+            getattr(c, name)[1] = getattr(c, name)[1][:300].clone()
+    built = TB.build_counts["state"]
+    assert step(seed=7) == dict(confirmed=2, compared=1)
+    assert TB.build_counts["state"] == built + 1
+
+
 def test_hyper_is_read_at_every_call():
     """The kernels read ``hyper`` from the tensor each call: changed in place, it acts."""
     mode = MODES[4]

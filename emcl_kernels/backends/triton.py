@@ -80,7 +80,7 @@ else:
 
 __all__ = ["step", "check_finite", "unavailable_reason", "INTERPRETED", "BLOCK_SIZE",
            "NUM_WARPS", "FAST_LAUNCH", "FAST_LAUNCH_REASON", "clear_cache", "build_counts",
-           "launch_counts", "CHECKS_GRADS"]
+           "launch_counts", "lookups", "CHECKS_GRADS"]
 
 #: :func:`step` checks every tensor of its call against its parameter before the launch
 #: ([note: launcher checks]).
@@ -159,12 +159,15 @@ class _Reserve:
 # a tuple again at every dict operation (~0.1 us per int here): the state tables and the check
 # tables are therefore found by a short signature (device, chunk size, count, first address)
 # and then compared in full with the stored sizes and addresses (an equality test, no hash).
-_plans: "OrderedDict[tuple, tuple]" = OrderedDict()          # sig -> (numels, columns, plan)
+_plans: "OrderedDict[tuple, tuple]" = OrderedDict()  # sig -> (numels, columns, plan, native key)
 _checks: "OrderedDict[tuple, tuple]" = OrderedDict()         # sig -> (numels, grad_key, tables)
 _grad_tables: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 _chunk_tables: "OrderedDict[tuple, tuple]" = OrderedDict()
 _reserves: dict = {}          # device -> _Reserve
 _graph_keep: dict = {}        # id -> table (or reserve) a captured graph reads: never freed
+#: How cached plans were found: ``"confirmed"`` by the C++ passes ([note: native
+#: confirmation]), ``"compared"`` by the Python comparisons.
+lookups = {"confirmed": 0, "compared": 0}
 #: How many tables were made: ``"state"`` (state tables), ``"grads"`` (gradient tables),
 #: ``"chunks"`` (chunk tables), ``"captured"`` (tables made during a CUDA graph capture).
 build_counts = {"state": 0, "grads": 0, "chunks": 0, "captured": 0}
@@ -391,35 +394,65 @@ def _empty_plan(device, capturing):
     return plan
 
 
+# [note: native confirmation] Where the extension is built, a plan with no empty tensor also
+# keeps its parameters' exact layout (address, sizes, strides) in the int64 key format of
+# ``_C.plan_grads``. A call whose gradients are its parameters' ``.grad`` (the optimizer's
+# calls) is then confirmed by that C++ pass (every parameter where and as it was, and its
+# gradient's address) and ``_C.identical(grads, their .grad)``, instead of three Python-to-C
+# calls per parameter (its numel, its address, its gradient's address); the state's addresses
+# are still compared one by one. Any difference, or gradients that are not the ``.grad``: the
+# general path below, which decides.
+_PLAN_GRADS = entry_point("plan_grads")
+_IDENTICAL = entry_point("identical")
+
+
+def _native_key(params) -> Optional[torch.Tensor]:
+    """``params``' layout in ``_C.plan_grads``' key format (data_ptr, ndim, sizes, strides per
+    parameter), or None where that pass is not built."""
+    if _PLAN_GRADS is None or _IDENTICAL is None:
+        return None
+    key = []
+    for p in params:
+        key += [p.data_ptr(), p.dim(), *p.shape, *p.stride()]
+    return torch.tensor(key, dtype=torch.int64)
+
+
+def _confirmed(device, block, params, grads, anchors, importances, meta_lrs):
+    """(plan, grad_key) when the C++ passes confirm a cached plan ([note: native
+    confirmation]), else None."""
+    if type(params) is not list or type(grads) is not list:
+        return None
+    sig = (device, block, len(params), _data_ptr(params[0]))
+    hit = _plans.get(sig)
+    if hit is None or hit[3] is None:
+        return None
+    got = _PLAN_GRADS(params, hit[3], params[0])
+    if got is None or not _IDENTICAL(got[0], grads):
+        return None
+    columns = hit[1]
+    if (tuple(map(_data_ptr, anchors)) != columns[1]
+            or tuple(map(_data_ptr, importances)) != columns[2]
+            or (tuple(map(_data_ptr, meta_lrs)) if meta_lrs else (0,) * len(params))
+            != columns[3]):
+        return None
+    _plans.move_to_end(sig)
+    lookups["confirmed"] += 1
+    return hit[2], tuple(got[1])
+
+
 def _plan(device, block, params, grads, anchors, importances, meta_lrs, capturing):
     """The tables for these tensors (only the non-empty ones get rows), from the cache when
     the tensors have not moved; None when every tensor is empty."""
-    numels = tuple(map(_numel, params))
-    if 0 in numels:
-        numels, params, grads, anchors, importances, meta_lrs = _live(
-            numels, params, grads, anchors, importances, meta_lrs)
-        if not numels:
-            return None
-    columns = (tuple(map(_data_ptr, params)), tuple(map(_data_ptr, anchors)),
-               tuple(map(_data_ptr, importances)),
-               tuple(map(_data_ptr, meta_lrs)) if meta_lrs else (0,) * len(numels))
-    sig = (device, block, len(numels), columns[0][0])          # [note: cache keys]
-    hit = _plans.get(sig)
-    if hit is not None and hit[0] == numels and hit[1] == columns:
-        plan = hit[2]
-        _plans.move_to_end(sig)
+    found = None
+    if _PLAN_GRADS is not None and not capturing:
+        found = _confirmed(device, block, params, grads, anchors, importances, meta_lrs)
+    if found is not None:
+        plan, grad_key = found
     else:
-        chunks, n_chunks = _chunk_table(device, block, numels, capturing)
-        tensors = _upload(torch.tensor(columns, dtype=torch.int64).t().contiguous(), device,
-                          capturing)
-        plan = _Plan(chunks, n_chunks, tensors, 3 * n_chunks + 5 * len(numels))
-        if not capturing:                   # made during a capture: for that graph only
-            build_counts["state"] += 1
-            _plans[sig] = (numels, columns, plan)
-            _plans.move_to_end(sig)
-            while len(_plans) > _MAX_PLANS:
-                _plans.popitem(last=False)
-    grad_key = tuple(map(_data_ptr, grads))
+        plan, grad_key = _general_plan(device, block, params, grads, anchors, importances,
+                                       meta_lrs, capturing)
+        if plan is None:
+            return None
     if capturing:
         _keep_for_graph(plan.chunks, plan.tensors)
         if plan.grad_key != grad_key:
@@ -431,6 +464,39 @@ def _plan(device, block, params, grads, anchors, importances, meta_lrs, capturin
         plan.grads = _grad_table(device, grad_key, False)
         plan.grad_key = grad_key
     return plan
+
+
+def _general_plan(device, block, params, grads, anchors, importances, meta_lrs, capturing):
+    """(plan, grad_key) of :func:`_plan` by comparing every address and size in Python (one
+    C-level ``map`` per list); (None, None) when every tensor is empty."""
+    numels = tuple(map(_numel, params))
+    live = 0 not in numels
+    if not live:
+        numels, params, grads, anchors, importances, meta_lrs = _live(
+            numels, params, grads, anchors, importances, meta_lrs)
+        if not numels:
+            return None, None
+    columns = (tuple(map(_data_ptr, params)), tuple(map(_data_ptr, anchors)),
+               tuple(map(_data_ptr, importances)),
+               tuple(map(_data_ptr, meta_lrs)) if meta_lrs else (0,) * len(numels))
+    sig = (device, block, len(numels), columns[0][0])          # [note: cache keys]
+    hit = _plans.get(sig)
+    if hit is not None and hit[0] == numels and hit[1] == columns:
+        plan = hit[2]
+        _plans.move_to_end(sig)
+        lookups["compared"] += 1
+    else:
+        chunks, n_chunks = _chunk_table(device, block, numels, capturing)
+        tensors = _upload(torch.tensor(columns, dtype=torch.int64).t().contiguous(), device,
+                          capturing)
+        plan = _Plan(chunks, n_chunks, tensors, 3 * n_chunks + 5 * len(numels))
+        if not capturing:                   # made during a capture: for that graph only
+            build_counts["state"] += 1
+            _plans[sig] = (numels, columns, plan, _native_key(params) if live else None)
+            _plans.move_to_end(sig)
+            while len(_plans) > _MAX_PLANS:
+                _plans.popitem(last=False)
+    return plan, tuple(map(_data_ptr, grads))
 
 
 class _CapturedPlan:
@@ -603,7 +669,7 @@ class _Launcher:
             key = (device, NUM_WARPS, options, consts, kinds)
             entry = self.entries.get(key)
         switch = (device.type == "cuda" and device.index is not None
-                  and device.index != torch.cuda.current_device())
+                  and device.index != _current_device())
         if entry is not None:
             launch_counts["fast"] += 1
             if switch:
@@ -635,6 +701,9 @@ class _Launcher:
             entry.run(grid, 1, 1, stream, entry.function, entry.packed, None, None, None,
                       *args)
 
+
+# torch.cuda.current_device() without its lazy-init check (a CUDA tensor is at hand)
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 _STEP = _Launcher("emcl_step_kernel", ("PARAM", "OP", "PROX", "IMPORTANCE_KIND", "LR_MODE",
                                        "HAS_GRAD_SCALE", "HAS_FOUND_INF", "FINALIZE", "BLOCK",
