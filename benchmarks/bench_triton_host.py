@@ -30,7 +30,9 @@ Timed, per layout (the paper's MLP 784-100-100-10: 6 tensors; 1,000 x 4,096 fp32
   ``optimizer_step_new_grads``: gradients that change every step (a pool of three sets, as
   autograd allocates them anew; the time of assigning them subtracted);
 - ``plan_layer``: ``optimizer_step`` with the backend's ``step`` a no-op (what the plan layer
-  costs, whatever the backend).
+  costs, whatever the backend); of it, ``optimizer_step_unwrapped``: the optimizer's ``_step``
+  (the step without torch's ``Optimizer.step`` wrapper: profiler record, hooks, no-grad), and
+  ``runtime_gather``: ``Runtime.gather`` alone (the plan key and the gradients' lists).
 
 Per number: the median and the fastest of ``--rounds`` rounds of ``--steps`` calls, in wall
 time (``perf_counter``) and in the process's CPU time (less inflated by other jobs on a shared
@@ -204,6 +206,12 @@ def measure(args) -> dict:
                 res["optimizer_step_new_grads"] = _rounds(fresh, steps, args.rounds, swap)
                 assign(0)
                 opt.step()
+                # where the optimizer's own time goes (private names: skipped where absent)
+                if hasattr(opt, "_step"):        # step() without torch's Optimizer wrapper
+                    res["optimizer_step_unwrapped"] = _rounds(
+                        lambda: opt._step(OP["cadence"], 1, None, None), steps, args.rounds)
+                if hasattr(opt._runtime, "gather"):  # the plan key and the gradients' lists
+                    res["runtime_gather"] = _rounds(opt._runtime.gather, steps, args.rounds)
                 backend = opt._runtime.plans[0].backend
                 real, backend.step = backend.step, (lambda *a, **k: None)
                 try:

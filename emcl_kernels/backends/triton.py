@@ -15,9 +15,13 @@ counters, ``found_inf`` and ``grad_scale`` are read by the kernels on the device
 - the gradient table, keyed by the gradients' addresses: when the gradients are reallocated
   (``zero_grad(set_to_none=True)``) only this small table is made again.
 
-A call where nothing moved costs a few C-level passes over the lists (``map`` of ``data_ptr``
-and ``numel``), one look-up by a short signature, two tuple comparisons and the launch: no
-Python loop over the tensors ([note: cache keys]). A
+A call where nothing moved costs the call's checks (one C++ pass where the extension is built,
+[note: launcher checks]), a few C-level passes over the lists (``map`` of ``data_ptr`` and
+``numel``; for the optimizer's calls one C++ pass confirms the parameters and their
+gradients, [note: native confirmation]), one look-up by a short signature, two tuple
+comparisons and the launches: no Python loop over the tensors ([note: cache keys]). Once
+Triton's JIT has launched a kernel for a key, the next launches of that key call the compiled
+kernel's launcher directly, without the JIT's per-call binding ([note: fast launch]). A
 table is made on the host, pinned, and sent with a non-blocking copy (no host sync); a table
 is never written again once made (a new one replaces it), so a kernel that is still queued,
 or a CUDA graph that captured it, keeps reading what it was given.
@@ -54,9 +58,10 @@ Where it runs:
   copies the tensors passed as arguments to the host.
 
 Tunables (module attributes, read at every call): :data:`BLOCK_SIZE` elements per chunk (a
-power of two >= 16) and :data:`NUM_WARPS` per program on the GPU. The kernels are never
-autotuned: the update is in place, so an autotuner's trial runs would apply the step more than
-once.
+power of two >= 16), :data:`NUM_WARPS` per program on the GPU, and :data:`FAST_LAUNCH`
+([note: fast launch]; ``EMCL_TRITON_FAST_LAUNCH=0`` at import turns it off). The kernels are
+never autotuned: the update is in place, so an autotuner's trial runs would apply the step
+more than once.
 """
 from __future__ import annotations
 
