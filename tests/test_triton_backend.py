@@ -5,9 +5,10 @@ the update and one for the finite check.
 Without a GPU these tests run the kernels through Triton's interpreter on CPU tensors
 (``TRITON_INTERPRET=1`` is set below, before the kernels are imported). When torch sees a GPU
 and ``TRITON_INTERPRET`` is not set to 1 in the environment, the same tests run compiled on
-CUDA tensors, plus the GPU-only ones (CUDA graph capture, 2**31 elements). The interpreter
-costs tens of milliseconds per program (one program per chunk of ``BLOCK_SIZE`` elements), so
-the sizes and the mode grid here are chosen to keep the program count small.
+CUDA tensors, plus the GPU-only ones (CUDA graph capture, 2**31 elements, the fast launch
+against the JIT). The interpreter costs tens of milliseconds per program (one program per
+chunk of ``BLOCK_SIZE`` elements), so the sizes and the mode grid here are chosen to keep the
+program count small.
 
 The checks every backend passes are those of ``tests/test_step_interface.py``: they are called
 from here with the Triton backend and this file's device.
