@@ -623,6 +623,41 @@ def test_fast_launch_steps_back_for_hooks_and_when_off(fast_launch, monkeypatch)
     assert other.calls == 1 and _runs(step_k) == 2
 
 
+def test_fast_launch_is_on_for_compiled_kernels_here():
+    """Imported compiled (no TRITON_INTERPRET), with this Triton, the fast launch is on, and
+    the host-time benchmark's optimizer steps (launches taken out after Triton's own argument
+    binding) take it: two launches through the JIT (the check and the update), the rest
+    direct, with Triton's real knobs read at every call."""
+    import json
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "python"),
+                                         env.get("PYTHONPATH", "")])
+    script = ("import json, triton; from emcl_kernels.backends import triton as TB; "
+              "print(json.dumps([triton.__version__, TB.FAST_LAUNCH, TB.FAST_LAUNCH_REASON]))")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    version, on, reason = json.loads(proc.stdout.strip().splitlines()[-1])
+    major_minor = tuple(int(x) for x in version.split(".")[:2])
+    assert on == ((3, 4) <= major_minor < (4, 0)) and (reason is None) == on, (version, reason)
+    if not on:
+        pytest.skip(f"fast launch off here: {reason}")
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks",
+                                                        "bench_triton_host.py"),
+                           "--steps", "3", "--rounds", "1", "--json"],
+                          env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert rec["fast_launch"] is True
+    counts = rec["layouts"]["many"]["launches"]
+    assert counts["jit_stand_in_calls"] == counts["fast"]["jit"] == 2
+    assert counts["fast"]["fast"] > 100
+    for layout in rec["layouts"].values():
+        assert all(v["median_us"] > 0 for k, v in layout.items() if k != "launches")
+
+
 def test_fast_launch_entry_reads_the_launcher_signature():
     """A kept kernel's launcher takes every argument (Triton >= 3.3: the constexprs too) or
     the non-constexpr ones (older); anything else, or no compiled kernel, is not kept."""

@@ -529,11 +529,12 @@ class _CapturedPlan:
 #
 # - the key is a refinement of Triton's: the device, ``NUM_WARPS``, the options the JIT reads
 #   from Triton's knobs (``debug``, ``instrumentation_mode``), every constexpr value, and for
-#   every other argument what Triton specializes on or more (a tensor's dtype and whether its
-#   address is a multiple of 16; an int's type and range, see :func:`_int_kind`). Two calls with
-#   the same key get the same compiled kernel from the JIT too (``tests/test_triton_backend.py``
-#   checks this against Triton's own argument binder), so a kernel specialized for a 16-byte
-#   aligned ``steps`` is never launched on an unaligned one;
+#   every other argument what Triton specializes on (whether a tensor's address is a multiple
+#   of 16, its dtype unless the call's C++ checks fixed it, an int's type and range: see
+#   :func:`_tensor_kinds`, :func:`_int_kind`). Two calls with the same key get the same
+#   compiled kernel from the JIT too (``tests/test_triton_backend.py`` checks this against
+#   Triton's own argument binder), so a kernel specialized for a 16-byte aligned ``steps`` is
+#   never launched on an unaligned one;
 # - a key seen for the first time, a launch hook or pre-run hook installed (a profiler), or
 #   ``FAST_LAUNCH`` off: the call goes through the JIT, exactly as before, and the compiled
 #   kernel it returns is kept for that key;
@@ -544,9 +545,11 @@ class _CapturedPlan:
 #   change (they are the interface's constexprs, fixed at import) and build launch metadata for
 #   the launch hooks (there are none on the fast path: with a hook, the JIT path is taken).
 #
-# Enabled for Triton 3.4 up to 4.0 (``triton.knobs`` and this launcher signature; measured on
-# 3.6 and 3.8), compiled kernels only, unless ``EMCL_TRITON_FAST_LAUNCH=0`` is in the
-# environment at import. ``FAST_LAUNCH_REASON`` says why it is off.
+# Enabled for Triton 3.4 up to 4.0 (``triton.knobs``; from 3.3 on, the JIT hands the launcher
+# every argument, constexprs included, which is what :func:`_entry` checks on each compiled
+# kernel), compiled kernels only, unless ``EMCL_TRITON_FAST_LAUNCH=0`` is in the environment
+# at import. ``FAST_LAUNCH_REASON`` says why it is off. Written against Triton 3.8's JIT; the
+# GPU tests compare every fast launch with the JIT's choice on the GPU machine's Triton.
 
 try:
     from triton import knobs as _knobs
@@ -596,14 +599,15 @@ def _int_kind(v) -> int:
     return 1 if _INT64[0] <= v <= _INT64[1] else 2
 
 
-_AND15 = (15).__and__
+_AND15, _IS0 = (15).__and__, (0).__eq__
+_MAX_ENTRIES = 256        # kept kernels per launcher (a launcher forgets them all past this)
 
 
 def _tensor_kinds(tensors, dtypes: bool) -> tuple:
-    """The tensors' part of the key: each one's address modulo 16 (Triton specializes a
-    pointer argument on its address being a multiple of 16) and, with ``dtypes``, each one's
-    dtype (left out where the call's checks have fixed every dtype)."""
-    kinds = tuple(map(_AND15, map(_data_ptr, tensors)))
+    """The tensors' part of the key: whether each one's address is a multiple of 16 (what
+    Triton specializes a pointer argument on) and, with ``dtypes``, each one's dtype (left out
+    where the call's checks have fixed every dtype). C-level passes, no Python per tensor."""
+    kinds = tuple(map(_IS0, map(_AND15, map(_data_ptr, tensors))))
     return kinds + tuple(map(_dtype, tensors)) if dtypes else kinds
 
 
@@ -695,6 +699,8 @@ class _Launcher:
         if key is not None and compiled is not None:
             entry = _entry(compiled, len(args), len(consts))
             if entry is not None:
+                if len(self.entries) >= _MAX_ENTRIES:
+                    self.entries.clear()
                 self.entries[key] = entry
 
     @staticmethod
