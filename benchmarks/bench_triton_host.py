@@ -32,13 +32,22 @@ Timed, per layout (the paper's MLP 784-100-100-10: 6 tensors; 1,000 x 4,096 fp32
 - ``plan_layer``: ``optimizer_step`` with the backend's ``step`` a no-op (what the plan layer
   costs, whatever the backend); of it, ``optimizer_step_unwrapped``: the optimizer's ``_step``
   (the step without torch's ``Optimizer.step`` wrapper: profiler record, hooks, no-grad), and
-  ``runtime_gather``: ``Runtime.gather`` alone (the plan key and the gradients' lists).
+  ``runtime_gather``: ``Runtime.gather`` alone (the plan key and the gradients' lists);
+  ``plan_layer_new_grads``: the plan layer with gradients that change every step.
 
 Per number: the median and the fastest of ``--rounds`` rounds of ``--steps`` calls, in wall
 time (``perf_counter``) and in the process's CPU time (less inflated by other jobs on a shared
 machine). ``--compare BEFORE_TREE`` runs this script in alternating fresh processes against
 ``BEFORE_TREE``'s ``emcl_kernels`` and this tree's (``--processes`` of each, the order swapped
 every other pair), so that both see the same load, and writes both sets with the load average.
+
+``--interleave BEFORE_FILE`` compares two versions of the backend module in one process:
+``BEFORE_FILE`` (a ``triton.py`` of another checkout, loaded as a module of its own, with its
+own caches, over this tree's other modules) against this tree's, block by block on the same
+tensors and the same optimizer (its plans handed one backend, then the other), the order
+swapped every round; it reports each version's median per block and the median of the
+per-round ratios (after / before), which a load that changes from round to round disturbs
+least. Only for versions whose other ``emcl_kernels`` files are the same.
 """
 from __future__ import annotations
 
@@ -216,6 +225,7 @@ def measure(args) -> dict:
                 real, backend.step = backend.step, (lambda *a, **k: None)
                 try:
                     res["plan_layer"] = _rounds(opt.step, steps, args.rounds)
+                    res["plan_layer_new_grads"] = _rounds(fresh, steps, args.rounds, swap)
                 finally:
                     backend.step = real
         res["launches"] = {"jit_stand_in_calls": K.emcl_step_kernel.calls
@@ -224,6 +234,109 @@ def measure(args) -> dict:
         print(f"{name:5s} " + "  ".join(f"{k} {v['median_us']:.1f}" for k, v in res.items()
                                         if isinstance(v, dict) and "median_us" in v),
               file=sys.stderr)
+    return out
+
+
+def _load_module(path: str, name: str):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def interleave(args) -> dict:
+    """``--interleave``: both backend modules in this process, alternating block by block."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("run without TRITON_INTERPRET=1: the kernels must be imported compiled")
+    torch.set_num_threads(1)
+    from emcl_kernels import FusedEMCLOptimizer
+    from emcl_kernels import plan as P
+    from emcl_kernels.backends import triton as after
+    from emcl_kernels.interface import COUNTER_FIELDS, HYPER_FIELDS, IMPORTANCE, LR_MODE, OP
+    before = _load_module(os.path.abspath(args.interleave), "emcl_triton_before")
+    K = after._kernels
+    if before._kernels is not K:
+        raise SystemExit("the two modules do not share the kernels module")
+    K.emcl_step_kernel = JitWithoutLaunch(K.emcl_step_kernel)
+    K.emcl_check_kernel = JitWithoutLaunch(K.emcl_check_kernel)
+    cpu = torch.device("cpu")
+    P._RESOLVED[("triton", cpu)] = after
+    versions = {"before": before, "after": after}
+    out = {"before_file": os.path.abspath(args.interleave), "after_file": after.__file__,
+           "fast_launch": after.FAST_LAUNCH, "layouts": {}}
+    gen = torch.Generator().manual_seed(0)
+    for name, shapes in LAYOUTS.items():
+        steps = args.steps if name == "mlp" else max(20, args.steps // 20)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.01) for s in shapes]
+        pool = [[torch.randn(s, generator=gen) * 1e-3 for s in shapes] for _ in range(3)]
+
+        def assign(i):
+            for p, g in zip(params, pool[i % 3]):
+                p.grad = g
+
+        assign(0)
+        anchors = [p.detach().clone() for p in params]
+        importances = [torch.rand(s, generator=gen) + 0.1 for s in shapes]
+        hyper = torch.tensor([{"lr_scale": 1.0}.get(k, 0.1) for k in HYPER_FIELDS],
+                             dtype=torch.float64)
+        counters = torch.zeros(len(COUNTER_FIELDS), dtype=torch.int64)
+        steps_t = torch.zeros(len(shapes))
+        grads = [p.grad for p in params]
+        plist = [p.detach() for p in params]
+        opt = FusedEMCLOptimizer(params, meta_every=1, backend="triton")
+        opt.step()
+        i = [0]
+
+        def fresh():
+            i[0] += 1
+            assign(i[0])
+            opt.step()
+
+        def swap():
+            i[0] += 1
+            assign(i[0])
+
+        def calls(mod):
+            def backend_step():
+                mod.step(plist, grads, anchors, importances, [], steps_t, hyper, counters,
+                         op=OP["cadence"], prox=True, importance=IMPORTANCE["taylor"],
+                         lr_mode=LR_MODE["inverse"], meta_every=1, check=True, finalize=True)
+            return {"backend_step": (backend_step, None), "optimizer_step": (opt.step, None),
+                    "optimizer_step_new_grads": (fresh, swap)}
+
+        table = {label: calls(mod) for label, mod in versions.items()}
+        times = {label: {what: [] for what in table[label]} for label in versions}
+        for r in range(args.rounds):
+            order = ("before", "after") if r % 2 == 0 else ("after", "before")
+            for label in order:
+                for plan in opt._runtime.plans:
+                    plan.backend = versions[label]
+                assign(0)
+                for what, (fn, sub) in table[label].items():
+                    fn()                                  # this version's tables, warm
+                    times[label][what].append(_rounds(fn, steps, 1, sub))
+            assign(0)
+        res = out["layouts"][name] = {}
+        for what in table["after"]:
+            b = [x["median_us"] for x in times["before"][what]]
+            a = [x["median_us"] for x in times["after"][what]]
+            bc = [x["cpu_median_us"] for x in times["before"][what]]
+            ac = [x["cpu_median_us"] for x in times["after"][what]]
+            res[what] = {"before_median_us": statistics.median(b),
+                         "after_median_us": statistics.median(a),
+                         "before_cpu_median_us": statistics.median(bc),
+                         "after_cpu_median_us": statistics.median(ac),
+                         "ratio_median": statistics.median(y / x for x, y in zip(b, a)),
+                         "ratio_quartiles": [round(q, 3) for q in statistics.quantiles(
+                             [y / x for x, y in zip(b, a)], n=4)],
+                         "cpu_ratio_median": statistics.median(y / x for x, y in zip(bc, ac)),
+                         "before_blocks_us": [round(x, 2) for x in b],
+                         "after_blocks_us": [round(x, 2) for x in a]}
+            print(f"{name:5s} {what:26s} before {res[what]['before_median_us']:9.1f} us  "
+                  f"after {res[what]['after_median_us']:9.1f} us  ratio "
+                  f"{res[what]['ratio_median']:.3f} (cpu {res[what]['cpu_ratio_median']:.3f})",
+                  file=sys.stderr)
     return out
 
 
@@ -278,6 +391,9 @@ def main():
     ap.add_argument("--compare", metavar="BEFORE_TREE", default=None,
                     help="a checkout whose emcl_kernels is the 'before' (its _C built or copied)")
     ap.add_argument("--processes", type=int, default=3, help="with --compare: of each version")
+    ap.add_argument("--interleave", metavar="BEFORE_FILE", default=None,
+                    help="a triton.py to compare with this tree's in one process, block by "
+                         "block")
     ap.add_argument("--json", action="store_true", help="print the record as JSON on stdout")
     ap.add_argument("--out", default=None)
     ap.add_argument("--note", default="", help="recorded in the file")
@@ -291,7 +407,11 @@ def main():
         head["triton"] = triton.__version__
     except ImportError:
         pass
-    res = dict(head, **(compare(args) if args.compare else measure(args)))
+    if args.interleave:
+        body = interleave(args)
+    else:
+        body = compare(args) if args.compare else measure(args)
+    res = dict(head, **body)
     res["load_after"] = list(os.getloadavg())
     if args.json:
         print(json.dumps(res))
