@@ -654,8 +654,9 @@ def test_fast_launch_is_on_for_compiled_kernels_here():
     counts = rec["layouts"]["many"]["launches"]
     assert counts["jit_stand_in_calls"] == counts["fast"]["jit"] == 2
     assert counts["fast"]["fast"] > 100
-    for layout in rec["layouts"].values():
-        assert all(v["median_us"] > 0 for k, v in layout.items() if k != "launches")
+    for layout in rec["layouts"].values():   # (new_grads rows have a time subtracted)
+        assert all(v["median_us"] > 0 for k, v in layout.items()
+                   if k != "launches" and "new_grads" not in k)
 
 
 def test_fast_launch_entry_reads_the_launcher_signature():
