@@ -69,14 +69,18 @@ class FusedEMCLOptimizer(Optimizer):
     ``step()`` is the inner step followed by the meta step on the same gradient (one fused pass).
 
     Args:
-        params: parameters or param groups (each group may override any hyper-parameter).
+        params: parameters, ``(name, parameter)`` pairs (``model.named_parameters()``: warnings
+            then name them) or param groups; a group may override every hyper-parameter
+            ([note: group keys]), not ``meta_every``, ``check_finite`` or ``backend``.
+        lr: :math:`\beta`, the inner learning rate (default 0.075): the rate torch's LR
+            schedulers and the training frameworks drive ([note: lr]). ``inner_lr`` is the same
+            keyword (the paper's name).
         meta_lr: :math:`\alpha_0`, the base meta learning rate.
-        inner_lr: :math:`\beta`, the inner learning rate.
         reg: :math:`\lambda`, the strength of the importance-weighted pull to :math:`\theta_0`.
         gamma: :math:`\gamma`, the proximal step scalar.
         decay: :math:`\eta`, the importance moving-average decay, in [0, 1].
         lr_scale: :math:`r`; None means ``1 / reg`` (so :math:`\alpha\lambda h \approx \alpha_0`
-            wherever :math:`h \gg \epsilon`).
+            wherever :math:`h \gg \epsilon`). A param group holds it as ``meta_lr_scale``.
         lr_mode: ``"inverse"``, ``"recurrent"`` or ``"constant"``.
         lr_min, lr_max: the clip of the meta learning rate.
         eps: :math:`\epsilon` in :math:`h + \epsilon` (at least the smallest normal float32).
@@ -88,7 +92,7 @@ class FusedEMCLOptimizer(Optimizer):
         capturable: keep the numeric hyper-parameters as 0-d float64 tensors on the
             parameters' device (views of the one tensor the kernels read), so that a step
             captured in a CUDA graph reads their current values at replay. Change them in place
-            (``group["inner_lr"].fill_(0.01)``); a value rebound to a new number or tensor is
+            (``group["lr"].fill_(0.01)``: a torch scheduler does that); a value rebound to a new number or tensor is
             taken at the next eager step, but a captured graph keeps reading the old storage.
             In-place changes are not re-validated. Without this flag any hyper-parameter may
             also be given as a 0-d tensor; it is then read and checked at every step.
@@ -96,6 +100,27 @@ class FusedEMCLOptimizer(Optimizer):
             nothing (parameters, anchors, importances, learning rates and the meta-step count
             stay as they were), is counted in :attr:`skipped_steps` and raises a
             :class:`NonFiniteGradientWarning`. False turns the check off, for speed.
+        inner_lr: the paper's name for ``lr`` (give one of them).
+        weight_decay: 0 only (what frameworks pass); a non-zero decay is refused with the reason
+            (EMCL's regulariser is the importance-weighted pull to the anchor).
+
+    [note: lr] ``lr`` is :math:`\beta`: every param group holds it, torch's schedulers, the HF
+    Trainer, accelerate, Lightning and timm drive it, and the inner update reads it at every
+    step. The meta rate :math:`\alpha_0` is not scheduled: a schedule on ``lr`` already scales
+    what each meta step can keep (the inner steps' progress), and scaling ``meta_lr`` by the same
+    factor made a small transformer and Permuted MNIST worse (docs/integration.md, from
+    results/dropin/). A schedule of ``meta_lr`` remains the user's to write (it is a group key).
+
+    [note: group keys] A param group spells two hyper-parameters the torch way: β as ``lr``
+    (given as ``inner_lr`` it is renamed; set on a group later it is refused, never ignored) and
+    r as ``meta_lr_scale`` (``lr_scale`` in a param group is timm's multiplier of ``lr``, which
+    timm's schedulers apply; a group given only ``lr_scale`` is warned about). State dicts
+    saved with the old keys load.
+
+    Zero-initialised parameters ([note: zero parameters] in :mod:`emcl_kernels.zeros`): a tensor
+    that is all zero where its state starts never leaves 0 under the Taylor importance; the first
+    step names such tensors in a :class:`~emcl_kernels.zeros.ZeroParameterWarning`, and
+    :func:`~emcl_kernels.zeros.zero_aware_groups` is the remedy.
 
     Integration (docs/integration.md): ``torch.amp.GradScaler.step(opt)`` hands the
     optimizer its scale and ``found_inf`` (``_step_supports_amp_scaling``), which the kernels

@@ -515,3 +515,29 @@ def test_the_signature_reads_like_torch():
     names = list(sig.parameters)
     assert names[:2] == ["params", "lr"]
     assert all(sig.parameters[n].kind is inspect.Parameter.KEYWORD_ONLY for n in names[2:])
+
+
+def test_grad_scaler_runs_the_papers_steps_through_step_update():
+    """``scaler.step(opt, update="meta")``: the paper's steps under a GradScaler equal the
+    unscaled ones."""
+    finals = []
+    for scaled in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = FusedEMCLOptimizer(model.parameters(), lr=0.1, meta_lr=0.5)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        for i in range(3):
+            g = torch.Generator().manual_seed(i)
+            for update in ("inner", "meta"):
+                loss = model(torch.randn(5, 4, generator=g)).square().mean()
+                if scaled:
+                    scaler.scale(loss).backward()
+                    scaler.step(opt, update=update)
+                    scaler.update()
+                else:
+                    loss.backward()
+                    opt.step(update=update)
+                opt.zero_grad()
+        finals.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*finals):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
