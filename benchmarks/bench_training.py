@@ -7,6 +7,8 @@ the shape of the paper's training-time figure (Figure 2), on the CPU and on a GP
     python benchmarks/bench_training.py --device auto --streams permuted-mnist split-cifar100 split-miniimagenet
     python benchmarks/bench_training.py --device auto --methods emcl --backends auto --n-tasks 20 --samples-per-task 1000
     python benchmarks/bench_training.py --table benchmarks/results/training_*.json   # README tables
+    python benchmarks/bench_training.py --heldout results/heldout --streams permuted-mnist rotated-mnist \
+        many-permutations --out-dir results/efficiency --name controlled_cpu   # the results tables' times
 
 **Devices.** ``--device cpu`` (default), ``cuda`` (a one-line error without a GPU) or ``auto``
 (the CPU, plus the GPU when torch sees one; says which). Every method runs on each device with
@@ -36,6 +38,17 @@ Writes ``benchmarks/results/training_<stamp>_<devices>.json`` and a PNG bar char
 time per method, backend and device; one panel per stream), and prints the tables.
 ``--table FILE...`` prints the README's markdown tables from results files (several files
 are merged, e.g. a CPU run and a GPU run) without running anything.
+
+**Held-out rows, like for like** (``--heldout DIR``): every report row of ``DIR/STREAM/plan.json``
+that the results tables show (each method's headline row and the rows that vary the visits per
+sample, :data:`HELDOUT_ROWS`), at exactly the overrides its sweep ran, on the first
+``--heldout-samples`` samples of the stream (whole tasks; the stream itself stays whole, so GEM's
+memory per task is the full run's), seed = the stream's first report seed, one torch thread, the
+CPU. One counted pass per row (:class:`CostCounter`: forward passes, backward passes and weight
+updates per incoming sample, counted by hooks on the run itself) then ``--rounds`` timed rounds,
+every row once per round, odd rounds reversed, each run's load average recorded.
+``python -m emcl_continual.tables`` turns the file into the efficiency page and the tables' time
+columns (:mod:`emcl_continual.efficiency`).
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ import re
 import sys
 
 from . import metrics as M
-from .efficiency import build_blocks as efficiency_blocks, controlled_time, load_controlled, write_outputs
+from .efficiency import controlled_time, load_controlled, results_dir_of, stream_blocks, write_outputs
 from .selection import VALIDATION_OFF, load_runs, run_key
 
 __all__ = ["build_stream_blocks", "legacy_table", "write_figures", "write_all", "main"]
@@ -89,7 +89,7 @@ class StreamResults:
         self.rows = {r["name"]: r for r in self.plan["rows"]}
         self._by_key = {r["key"]: r for r in self.validation + self.report}
         # the controlled timings (results/efficiency/, beside results/heldout/), or None
-        self.controlled = load_controlled(os.path.dirname(os.path.dirname(os.path.abspath(folder))))
+        self.controlled = load_controlled(results_dir_of(folder))
 
     def runs(self, name: str) -> list:
         row = self.rows.get(name)
@@ -362,7 +362,7 @@ def build_stream_blocks(folder: str) -> dict:
     blocks = {f"{s}/headline": headline(sr), f"{s}/controls": controls(sr), f"{s}/importance": importance(sr),
               f"{s}/deviations": deviations(sr),
               f"{s}/selection": selection_table(sr), f"{s}/visits": visits(sr), f"{s}/provenance": provenance(sr)}
-    blocks.update(efficiency_blocks(sr.controlled, {s: sr}))
+    blocks.update(stream_blocks(sr))
     return blocks
 
 
