@@ -100,7 +100,7 @@ def efficiency_table(sr, controlled: dict) -> str:
         return ""
     lines = ["| row | visits per sample | ACC (report seeds) | s per 1,000 samples (median; min–max) | "
              "× EMCL | CPU s per 1,000 | forward / backward passes per sample | weight updates per sample | "
-             "Pareto front | sweep wall-clock, full stream (s, uncontrolled) |",
+             "on the time's Pareto front | sweep wall-clock, full stream (s, uncontrolled) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s, c = r["summary"], r["summary"]["counts"]
@@ -245,7 +245,7 @@ def write_outputs(results_dir: str, controlled: dict | None, streams: dict, figu
     if not controlled:
         return {}
     folder = os.path.join(results_dir, "efficiency")
-    timed = {s: sr for s, sr in streams.items() if s in controlled["settings"]["per_stream"]}
+    timed = {s: streams[s] for s in controlled["settings"]["streams"] if s in streams}
     if figures:
         for s, sr in timed.items():
             plot_pareto(sr, controlled, os.path.join(folder, f"{s}.png"))
