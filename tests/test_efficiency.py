@@ -72,3 +72,18 @@ def test_without_the_controlled_file_the_sweep_time_is_labelled_uncontrolled(res
     emcl = next(r for r in rows[2:] if "EMCL" in r[0])
     assert emcl[-1].rstrip(" |") == tables._fmt(*st["train_time_s"], digits=0)
     assert not (root / "efficiency").exists()
+
+
+def test_whole_stream_file_adds_its_sentence(results_copy, tmp_path):
+    root = tmp_path / "results"
+    shutil.copytree(results_copy, root)
+    bench_training.main(["--heldout", str(root / "heldout"), "--streams", "permuted-mnist", "--rows", "gem",
+                         "--heldout-samples", "2000", "--rounds", "1", "--out-dir", str(root / "efficiency"),
+                         "--name", "whole_stream_cpu"])
+    whole = json.load(open(root / "efficiency" / "whole_stream_cpu.json"))["summary"][0]
+    tables.write_all(str(root), readme=None)
+    sentence = (f"`gem` over the whole stream (2 tasks, 2,000 samples; `results/efficiency/whole_stream_cpu.json`, "
+                f"1 timed round(s), not interleaved with the rows above): {whole['ms_per_sample']:.2f} s per 1,000 "
+                f"samples (CPU {whole['cpu_ms_per_sample']:.2f}), 1.5 forward / 1.5 backward passes per sample.")
+    assert sentence in open(root / "efficiency" / "README.md").read()
+    assert sentence in open(root / "heldout" / "permuted-mnist" / "tables.md").read()

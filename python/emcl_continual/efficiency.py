@@ -128,9 +128,9 @@ def whole_stream_note(whole: dict | None, stream: str) -> str:
             continue
         c, ps = s["counts"], whole["settings"]["per_stream"][stream]
         out.append(f"`{s['row']}` over the whole stream ({ps['n_tasks_timed']} tasks, {c['incoming_samples']:,} "
-                   f"samples; `{WHOLE_STREAM_FILE}`, {s['rounds']} timed round(s)): {s['ms_per_sample']:.2f} s per "
-                   f"1,000 samples, {c['forward_per_sample']:.1f} forward / {c['backward_per_sample']:.1f} backward "
-                   "passes per sample.")
+                   f"samples; `results/{WHOLE_STREAM_FILE}`, {s['rounds']} timed round(s), not interleaved with the rows "
+                   f"above): {s['ms_per_sample']:.2f} s per 1,000 samples (CPU {s['cpu_ms_per_sample']:.2f}), "
+                   f"{c['forward_per_sample']:.1f} forward / {c['backward_per_sample']:.1f} backward passes per sample.")
     return " ".join(out)
 
 
