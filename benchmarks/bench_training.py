@@ -248,8 +248,9 @@ class CostCounter:
       interpolation after its last SGD step, La-MAML's learning-rate step with its weight step);
     * MER's hand-written per-sample step (``_ReluMLPStepper.sgd_step``, NumPy on the weights'
       memory, no torch forward) counts one forward, one backward and one update per call;
-    * optimizer calls by name (``step``, ``inner_step``, ``meta_step``), whatever they update
-      (La-MAML's ``step`` moves its learning rates).
+    * optimizer calls by name (``step``, ``inner_step``, ``meta_step``) as the method makes
+      them (a call one of them makes of another counts once), whatever they update (La-MAML's
+      ``step`` moves its learning rates).
 
     ``attach(learner)`` installs the hooks and wrappers, ``detach()`` removes them; counts are
     in :meth:`counts`.
@@ -263,6 +264,7 @@ class CostCounter:
         self._last = None  # (storage address, version) of the tensors the previous forward read
         self._held = ()
         self._pending = False
+        self._in_optimizer = 0
         self._handles: list = []
         self._restore: list = []
         self._model = None
@@ -334,8 +336,13 @@ class CostCounter:
 
     def _optimizer_call(self, name: str, fn):
         def call(*args, **kwargs):
-            self.optimizer_calls[name] = self.optimizer_calls.get(name, 0) + 1
-            out = fn(*args, **kwargs)
+            if self._in_optimizer == 0:  # a call made inside another (inner_step -> step) is that call
+                self.optimizer_calls[name] = self.optimizer_calls.get(name, 0) + 1
+            self._in_optimizer += 1
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                self._in_optimizer -= 1
             self._pending = True
             return out
         return call
