@@ -11,15 +11,17 @@ report.jsonl}`` (written by :mod:`emcl_continual.selection`), and the earlier re
 their accuracy matrices. In README.md and docs/results.md, the text between
 ``<!-- tables:NAME -->`` and ``<!-- /tables:NAME -->`` is replaced by the block ``NAME``; blocks are named
 ``STREAM/headline``, ``STREAM/controls``, ``STREAM/deviations``, ``STREAM/importance``,
-``STREAM/selection``, ``STREAM/visits``, ``STREAM/provenance`` and, with the controlled
-benchmark's file ``results/efficiency/controlled_cpu.json``, ``STREAM/efficiency``
-(:mod:`emcl_continual.efficiency`, which also writes ``results/efficiency/README.md`` and its
-figures). The time columns give that benchmark's seconds per 1,000 samples; without the file
-they give the sweeps' own wall-clock, labelled uncontrolled.
+``STREAM/selection``, ``STREAM/visits``, ``STREAM/provenance``.
 
 Numbers are mean ± sample standard deviation (ddof = 1) over seeds; a comparison of two rows is
 the paired difference over the seeds both ran (mean ± std, Student-t 95 % interval, and on how many
 seeds the first row was ahead). A row that lacks some of its seeds is marked *partial*.
+
+With the controlled benchmark's file ``results/efficiency/controlled_cpu.json`` there is also the
+block ``STREAM/efficiency`` (:mod:`emcl_continual.efficiency`, which also writes
+``results/efficiency/README.md`` and its figures), and the time columns give that benchmark's
+seconds per 1,000 samples; without the file they give the sweeps' own wall-clock, labelled
+uncontrolled.
 """
 from __future__ import annotations
 
@@ -362,7 +364,6 @@ def build_stream_blocks(folder: str) -> dict:
     blocks = {f"{s}/headline": headline(sr), f"{s}/controls": controls(sr), f"{s}/importance": importance(sr),
               f"{s}/deviations": deviations(sr),
               f"{s}/selection": selection_table(sr), f"{s}/visits": visits(sr), f"{s}/provenance": provenance(sr)}
-    blocks.update(stream_blocks(sr))
     return blocks
 
 
@@ -477,7 +478,7 @@ def write_all(results_dir: str = "results", readme: str | None = "README.md", ch
             continue
         if not check:
             write_figures(folder)
-        b = build_stream_blocks(folder)
+        b = {**build_stream_blocks(folder), **stream_blocks(StreamResults(folder))}
         blocks.update(b)
         outputs[os.path.join(folder, "tables.md")] = _stream_page(folder, b)
     outputs[os.path.join(results_dir, "legacy_metrics.md")] = legacy_table(results_dir)
