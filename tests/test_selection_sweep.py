@@ -160,8 +160,8 @@ def test_a_record_of_another_code_tree_is_not_kept():
 
 def test_a_failed_run_is_reported_kept_pending_and_the_others_written(tmp_path, one_seed, capsys):
     """Two processes; one run fails (a configuration the method refuses when it is built): the
-    others are written, the failure goes to failed.jsonl and the exit code is 1; started again,
-    the command runs only the failed run."""
+    others are written, the failure goes to failed.jsonl and RunsFailed is raised (the command's
+    exit status 1); started again (in this process), only the failed run runs."""
     out = tmp_path / "sel"
     path = str(out / "validation.jsonl")
     good = selection.Row("sgd/a", "sgd", {"lr": 0.1}, "validation", "a", (100, 101))
@@ -175,7 +175,7 @@ def test_a_failed_run_is_reported_kept_pending_and_the_others_written(tmp_path, 
     assert "lr" in fails[0]["reason"] and fails[0]["detail"]
     capsys.readouterr()
     with pytest.raises(selection.RunsFailed, match="1 of 1 run"):
-        selection.run_rows([bad, good], path, "permuted-mnist", "validation", jobs=2, n_tasks=1, samples_per_task=10)
+        selection.run_rows([bad, good], path, "permuted-mnist", "validation", jobs=1, n_tasks=1, samples_per_task=10)
     assert "1 run(s) to do" in capsys.readouterr().out
 
 

@@ -337,7 +337,6 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None
 
     done = {r["key"] for r in load_runs(path)}
     devices = devices or {}
-    cuda_count = _cuda_count() if any(w != "cpu" for w in devices.values()) else 0
     command = command_line()
     tasks, seen = [], set()
     for row in rows:
@@ -346,21 +345,33 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None
             if key in done or key in seen:
                 continue
             seen.add(key)
-            want = sweep.want_device(row["method"], row["overrides"], stream, devices.get(row["method"], "cpu"),
-                                     cuda_count)
             tasks.append({"key": key, "method": row["method"], "overrides": row["overrides"], "seed": seed,
                           "split": split, "stream": stream, "data_root": data_root, "role": row["role"],
                           "row": row["name"], "n_tasks": n_tasks, "samples_per_task": samples_per_task,
-                          "want": want, "command": command})
+                          "command": command})
     if not tasks:
         return load_runs(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    local_gpus = _cuda_count() if executor == "local" and set(devices.values()) - {"cpu"} else 0
     runner = sweep.make_executor(executor, jobs=jobs, threads=threads, address=ray_address,
                                  gpu_need=int(gpu_memory_mib * sweep.MIB), runs_per_gpu=runs_per_gpu,
-                                 cuda_count=cuda_count)
+                                 cuda_count=local_gpus)
+    runner.start()  # a Ray cluster says here how many GPUs it has
+    try:
+        notes = sweep.check_devices({m: devices[m] for m in {t["method"] for t in tasks} if m in devices},
+                                    runner.gpu_count(), executor=executor)
+        if executor == "ray":  # the local executor's notes came before the first stage
+            for note in notes:
+                log(f"note: {note}")
+        for t in tasks:
+            t["want"] = sweep.want_device(t["method"], t["overrides"], stream, devices.get(t["method"], "cpu"),
+                                          runner.gpu_count())
+    except BaseException:
+        runner.close(cancel=True)
+        raise
     on_gpu = sum(t["want"] != "cpu" for t in tasks)
-    log(f"{len(tasks)} run(s) to do into {path} ({executor} executor"
-        + (f", {jobs} at a time" if executor == "local" else "") + (f"; {on_gpu} on a GPU" if on_gpu else "") + ")")
+    log(f"{len(tasks)} run(s) to do into {path} ({executor} executor, {runner.slots} at a time"
+        + (f"; {on_gpu} on a GPU" if on_gpu else "") + ")")
 
     def append(file, rec):
         with open(file, "a") as fh:
@@ -471,9 +482,11 @@ def main(argv: list | None = None) -> int:
         p.error("--ray-address goes with --executor ray")
     try:
         devices = sweep.parse_devices(args.device, args.methods)
-        if not args.plan:
+        if not args.plan and args.executor == "local":  # a Ray cluster's GPUs are counted when it is reached
             for note in sweep.check_devices(devices, _cuda_count() if set(devices.values()) - {"cpu"} else 0):
                 print(f"note: {note}", flush=True)
+        elif args.executor == "ray":
+            sweep.check_devices({m: w for m, w in devices.items() if w.startswith("cuda:")}, 1 << 30, executor="ray")
     except ValueError as exc:
         p.error(str(exc))
     for name, value in (("--jobs", args.jobs), ("--threads", args.threads), ("--runs-per-gpu", args.runs_per_gpu)):

@@ -88,19 +88,23 @@ def parse_devices(specs, methods) -> dict:
     return {m: per.get(m, plain) for m in methods}
 
 
-def check_devices(words: dict, cuda_count: int) -> list:
-    """Raise ValueError when a word asks for a GPU that is not there; return notes for ``auto``
-    without a GPU. ``cuda_count``: the GPUs torch sees here (0 without CUDA)."""
+def check_devices(words: dict, cuda_count: int, executor: str = "local") -> list:
+    """Raise :class:`SweepError` when a word asks for a GPU that is not there; return notes for
+    ``auto`` without a GPU. ``cuda_count``: the GPUs torch sees here (0 without CUDA), or the
+    GPUs of the Ray cluster (``executor="ray"``, where Ray picks the GPU: no ``cuda:N``)."""
     notes = []
+    where = "in the Ray cluster" if executor == "ray" else "visible to torch"
     for m, w in words.items():
+        if executor == "ray" and w.startswith("cuda:"):
+            raise SweepError(f"--device: {m} on {w}: with --executor ray, Ray picks the GPU; use cuda or auto")
         if w == "cuda" and cuda_count == 0:
-            raise SweepError(f"--device: {m} on cuda, but no CUDA GPU is visible to torch; use cpu, or auto "
+            raise SweepError(f"--device: {m} on cuda, but no CUDA GPU is {where}; use cpu, or auto "
                              "to take a GPU only where there is one and it pays")
         if w.startswith("cuda:") and int(w[5:]) >= cuda_count:
             raise SweepError(f"--device: {m} on {w}, but torch sees {cuda_count} GPU(s)"
                              + (f", cuda:0 to cuda:{cuda_count - 1}" if cuda_count else ""))
     if cuda_count == 0 and "auto" in words.values():
-        notes.append("--device auto: no CUDA GPU visible to torch, every run on the CPU")
+        notes.append(f"--device auto: no CUDA GPU {where}, every run on the CPU")
     return notes
 
 
@@ -293,7 +297,14 @@ class LocalExecutor:
         self.placer = GpuPlacer([f"cuda:{i}" for i in range(cuda_count)], gpu_need, runs_per_gpu, mem_info)
         self._pool = None
 
+    def gpu_count(self) -> int:
+        """The GPUs runs may be placed on."""
+        return len(self.placer.devices)
+
     def start(self) -> None:
+        """Start the processes (once)."""
+        if self._pool is not None:
+            return
         if self.slots == 1:
             _init_worker(self.threads)
             self._pool = _Inline()
@@ -379,8 +390,16 @@ class RayExecutor:
         self.slots = jobs or 1
         self._fn = None
         self._connected = False
+        self._gpus = 0
+
+    def gpu_count(self) -> int:
+        """The cluster's GPUs (read when it started)."""
+        return self._gpus
 
     def start(self) -> None:
+        """Connect to the cluster or start a local one (once)."""
+        if self._connected:
+            return
         ray = self.ray
         paths = _import_paths() + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}}
@@ -399,6 +418,7 @@ class RayExecutor:
         if cpus < self.threads:
             raise SweepError(f"--executor ray: the cluster has {cpus} CPU(s), a run asks for --threads {self.threads}")
         self.slots = self.jobs or max(1, cpus // self.threads)
+        self._gpus = int(ray.cluster_resources().get("GPU", 0))
         self._fn = ray.remote(_ray_run_task)
 
     def place(self, task: dict) -> str | None:
@@ -409,8 +429,6 @@ class RayExecutor:
 
     def submit(self, task: dict):
         gpu = 0.0 if task["want"] == "cpu" else 1.0 / self.per_gpu
-        if task["want"].startswith("cuda:"):
-            raise RunFailed(f"{task['want']}: Ray picks the GPU; ask for cuda or auto with --executor ray")
         opts = dict(num_cpus=self.threads, num_gpus=gpu, max_retries=2, retry_exceptions=False)
         ref = self._fn.options(**opts).remote(dict(task, threads=self.threads, gpu_need=self.gpu_need,
                                                    gpu_wait_s=self.gpu_wait_s))
@@ -467,9 +485,9 @@ def execute(tasks: list, executor, *, code_tree: str | None, on_record, on_failu
                 pending.remove(task)
                 try:
                     fut = executor.submit(dict(task, device=device, executor=executor.name))
-                except RunFailed as exc:
+                except Exception as exc:  # noqa: BLE001 - e.g. a process pool broken by a killed run
                     executor.release(device)
-                    fail(task, str(exc))
+                    fail(task, _one_line(exc))
                     continue
                 running[fut] = (task, device)
             if not running:
