@@ -150,6 +150,46 @@ def test_execute_runs_cpu_runs_behind_a_gpu_run_that_never_fits():
     assert kept[0]["provenance"]["command"] == "python -m emcl_continual.selection (test)"
 
 
+class PlacedOnCpu(sweep.LocalExecutor):
+    """The local executor's placement (its real GpuPlacer, with the test's memory reading) and
+    three threads that train every run on the CPU: what the driver's waiting does, on a machine
+    without a GPU. Records where each run was placed and the most runs one GPU held at once."""
+
+    def __init__(self, mem):
+        super().__init__(3, 1, gpu_need=2 * GIB, cuda_count=1, mem_info=mem)
+        self.placed, self.most = [], 0
+
+    def start(self):
+        import concurrent.futures as cf
+        self._pool = cf.ThreadPoolExecutor(3)
+
+    def place(self, task):
+        device = super().place(task)
+        if device is not None:
+            self.placed.append((task["key"], device))
+            self.most = max(self.most, self.placer.running["cuda:0"])
+        return device
+
+    def submit(self, task):
+        return self._pool.submit(sweep.run_task, dict(task, device="cpu"))
+
+    def close(self, cancel=False):
+        self._pool.shutdown(wait=True)
+
+
+def test_a_gpu_run_that_does_not_fit_waits_and_the_cpu_runs_behind_it_start():
+    from emcl_continual.provenance import code_version
+
+    ex = PlacedOnCpu(Memory(cuda_0=(3 * GIB, 8 * GIB)))  # room for one run of 2 GiB at a time
+    kept = []
+    failures = sweep.execute([_task("g1", want="cuda"), _task("g2", want="cuda", seed=1), _task("c1", seed=2)],
+                             ex, code_tree=code_version()["code_tree"], on_record=kept.append,
+                             on_failure=lambda *a: None, log=print)
+    assert failures == [] and sorted(r["key"] for r in kept) == ["c1", "g1", "g2"]
+    assert ex.placed[:2] == [("g1", "cuda:0"), ("c1", "cpu")]  # g2 waited, c1 behind it started
+    assert ex.placed[2] == ("g2", "cuda:0") and ex.most == 1 and ex.placer.running == {"cuda:0": 0}
+
+
 def test_a_record_of_another_code_tree_is_not_kept():
     ex = sweep.LocalExecutor(1, 1)
     kept, failed = [], []
@@ -230,6 +270,14 @@ def test_auto_on_a_gpu_puts_captured_emcl_there_and_the_baselines_on_the_cpu(tmp
         assert r["device"].startswith(want), (k, r["device"])
         # same runs within numerical noise (different kernels, one-sample steps over 2 small tasks)
         assert abs(r["acc"] - rc[k]["acc"]) < 5.0, k
+
+
+@needs_cuda
+def test_placer_reads_the_real_gpu_memory():
+    free, total = torch.cuda.mem_get_info(0)
+    assert sweep.GpuPlacer(["cuda:0"], free + GIB).place("cuda") is None
+    p = sweep.GpuPlacer(["cuda:0"], min(free // 4, GIB))
+    assert p.place("cuda:0") == "cuda:0" and p.room("cuda:0") <= free
 
 
 @needs_cuda
