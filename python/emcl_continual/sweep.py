@@ -229,6 +229,8 @@ def run_task(task: dict) -> dict:
 
     started = time.perf_counter()
     device = task.get("device", "cpu")
+    if str(device).startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))  # CUDA graphs capture on the current device
     stream = make_stream(task["stream"], task["seed"], data_root=task["data_root"], split=task["split"],
                          n_tasks=task.get("n_tasks"), samples_per_task=task.get("samples_per_task"))
     try:
