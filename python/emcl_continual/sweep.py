@@ -41,11 +41,10 @@ import socket
 import time
 import traceback
 
-__all__ = ["DEVICE_WORDS", "parse_devices", "check_devices", "gpu_pays", "want_device", "GpuPlacer",
+__all__ = ["parse_devices", "check_devices", "gpu_pays", "want_device", "GpuPlacer",
            "LocalExecutor", "RayExecutor", "RunFailed", "SweepError", "execute", "run_task", "wait_for_memory",
-           "make_executor", "failure_record", "describe"]
+           "make_executor", "failure_record"]
 
-DEVICE_WORDS = ("cpu", "cuda", "cuda:N", "auto")
 MIB = 1 << 20
 
 
@@ -523,12 +522,3 @@ def failure_record(task: dict, reason: str, detail: str = "") -> dict:
     return {"key": task["key"], "row": task.get("row"), "method": task["method"], "seed": task["seed"],
             "overrides": task["overrides"], "split": task["split"], "device": task.get("want"),
             "reason": reason, "detail": detail, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-
-
-def describe(words: dict) -> str:
-    """``emcl=auto, sgd=cpu`` (``all=cpu`` when every method has the same word)."""
-    if len(set(words.values())) == 1:
-        return f"all={next(iter(words.values()))}"
-    return ", ".join(f"{m}={w}" for m, w in words.items())
-
-
