@@ -9,6 +9,10 @@
 #                   (requirements-frameworks.txt: transformers, accelerate, lightning, timm) into
 #                   .venv under requirements.txt's pins as constraints, then pip check:
 #                   tests/test_frameworks.py runs with them (skipped without)
+#   make setup-ray  setup, then Ray (requirements-ray.txt) into .venv under requirements.txt's pins
+#                   as constraints, then pip check: the selection's --executor ray
+#   make test-ray   setup-ray, then the Ray executor's test (a local two-node Ray cluster against the
+#                   local executor: tests/test_selection_sweep.py -k ray)
 #   make test       setup, then the test suite
 #   make demo       setup, then the main job (EMCL on Permuted MNIST, one seed)
 #   make bench      setup, then the kernel benchmark (--quick)
@@ -36,7 +40,7 @@ export MAX_JOBS
 GPU_CHECK_ARGS ?=
 OUT ?= build/gpu-check/out
 
-.PHONY: setup setup-avalanche setup-frameworks demo test bench gpu-check gpu-check-1 gpu-check-2 gpu-check-12 clean
+.PHONY: setup setup-avalanche setup-frameworks setup-ray test-ray demo test bench gpu-check gpu-check-1 gpu-check-2 gpu-check-12 clean
 
 setup: $(VENV)/.installed
 
@@ -63,6 +67,16 @@ $(VENV)/.frameworks: $(VENV)/.installed requirements-frameworks.txt
 	$(PY) -m pip install -q -r requirements-frameworks.txt -c requirements.txt
 	$(PY) -m pip check
 	touch $@
+
+setup-ray: $(VENV)/.ray
+
+$(VENV)/.ray: $(VENV)/.installed requirements-ray.txt
+	$(PY) -m pip install -q -r requirements-ray.txt -c requirements.txt
+	$(PY) -m pip check
+	touch $@
+
+test-ray: setup-ray
+	$(PY) -m pytest -q tests/test_selection_sweep.py -k ray
 
 demo: setup
 	$(PY) -m emcl_continual --method emcl --stream permuted-mnist --seeds 0 --out runs/demo --force
