@@ -92,8 +92,9 @@ class FusedEMCLOptimizer(Optimizer):
         capturable: keep the numeric hyper-parameters as 0-d float64 tensors on the
             parameters' device (views of the one tensor the kernels read), so that a step
             captured in a CUDA graph reads their current values at replay. Change them in place
-            (``group["lr"].fill_(0.01)``: a torch scheduler does that); a value rebound to a new number or tensor is
-            taken at the next eager step, but a captured graph keeps reading the old storage.
+            (``group["lr"].fill_(0.01)``: a torch scheduler does that); a value rebound to a
+            new number or tensor is taken at the next eager step, but a captured graph keeps
+            reading the old storage.
             In-place changes are not re-validated. Without this flag any hyper-parameter may
             also be given as a 0-d tensor; it is then read and checked at every step.
         check_finite: if True (default), a step whose gradients hold an inf or a NaN writes
