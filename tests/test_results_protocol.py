@@ -169,9 +169,26 @@ def test_run_records_everything():
     prov = r["provenance"]
     assert set(prov) >= {"commit", "code_tree", "dirty", "extension", "command"}
     assert prov["commit"] is None or len(prov["commit"]) == 40
+    proc = prov["processor"]  # what chooses the arithmetic: a run reproduces only where it is the same
+    assert proc["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert proc["torch_threads"] == torch.get_num_threads() and proc["machine"]
     # the untrained model's evaluation changes nothing: same run without it equals this one
     again = train.run("sgd", s, 0, progress=False)
     assert again["acc_matrix"] == r["acc_matrix"]
+
+
+def test_processor_records_the_lowered_cpu_capability_and_its_variable():
+    """A process started with ATEN_CPU_CAPABILITY=default dispatches torch's DEFAULT kernels and says so."""
+    import subprocess
+    import sys
+
+    code = "import json; from emcl_continual.provenance import processor; print(json.dumps(processor()))"
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", PYTHONPATH=os.pathsep.join(
+        [REPO, os.path.join(REPO, "python"), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    proc = json.loads(out.stdout.strip().splitlines()[-1])
+    assert proc["torch_cpu_capability"] == "DEFAULT"
+    assert proc["env"]["ATEN_CPU_CAPABILITY"] == "default"
 
 
 def test_command_line_names_the_module():
