@@ -130,6 +130,8 @@ def main(argv: list | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads (the committed runs: 1)")
     p.add_argument("--require-capability", default=None,
                    help="refuse to run unless torch dispatches this CPU capability (AVX512, AVX2, DEFAULT)")
+    p.add_argument("--allow-dirty", action="store_true", help="run on a working tree that differs from its commit "
+                                                                 "(tests and screens only)")
     args = p.parse_args(argv)
     import torch
 
@@ -137,8 +139,6 @@ def main(argv: list | None = None) -> int:
     if args.require_capability and cap != args.require_capability:
         raise SystemExit(f"error: torch dispatches {cap}, not {args.require_capability}: set "
                          f"ATEN_CPU_CAPABILITY={args.require_capability.lower()} (it can only lower the dispatch)")
-    # one process at a time, in this one: the records get the processor through this module's _run_task
-    selection._run_task = _run_task
     out = args.out or os.path.join(DEFAULT_OUT, args.stream)
     vpath, rpath = os.path.join(out, "validation.jsonl"), os.path.join(out, "report.jsonl")
     spath, ppath = os.path.join(out, "selected.json"), os.path.join(out, "plan.json")
@@ -146,16 +146,27 @@ def main(argv: list | None = None) -> int:
         if not os.path.exists(path):
             raise SystemExit(f"error: {path} does not exist: run the stream's sweep (sweep.sh) first")
     plan = json.load(open(ppath))
-    if plan.get("n_tasks") is not None or plan.get("samples_per_task") is not None:
-        raise SystemExit(f"error: {ppath} is a shrunk stream (n_tasks / samples_per_task set); these rows "
-                         "join full sweeps only")
-    common = dict(jobs=1, threads=args.threads, data_root=plan.get("data_root"))
-    selected = json.load(open(spath))
-    emcl = selected["methods"]["emcl"]["overrides"]
+    # the stream as the sweep ran it (a shrunk one in tests and screens)
+    common = dict(jobs=1, threads=args.threads, data_root=plan.get("data_root"), n_tasks=plan.get("n_tasks"),
+                  samples_per_task=plan.get("samples_per_task"))
+    emcl = json.load(open(spath))["methods"]["emcl"]["overrides"]
 
+    # one process at a time, in this one: the records get the processor through this module's _run_task
+    selection._run_task = _run_task
+    try:
+        _stages(args, emcl, common, plan, vpath, rpath, spath, ppath)
+    finally:
+        selection._run_task = _train_one
+    print("done; tables: python -m emcl_continual.tables")
+    return 0
+
+
+def _stages(args, emcl: dict, common: dict, plan: dict, vpath: str, rpath: str, spath: str, ppath: str) -> None:
+    """validate, select, report (those of ``args.stages``)."""
+    selected = json.load(open(spath))
     vrows = validation_rows(emcl)
     if "validate" in args.stages:
-        _check_version(vpath, False, False)
+        _check_version(vpath, args.allow_dirty, False)
         remember(ppath, vrows)
         run_rows(vrows, vpath, args.stream, "validation", **common)
     try:
@@ -173,11 +184,9 @@ def main(argv: list | None = None) -> int:
         if args.rows:
             by_name = {r["name"]: r for r in rows}
             rows = [by_name[n] for n in args.rows if n in by_name]
-        _check_version(rpath, False, False)
+        _check_version(rpath, args.allow_dirty, False)
         remember(ppath, rows)
         run_rows(rows, rpath, args.stream, "test", **common)
-    print("done; tables: python -m emcl_continual.tables")
-    return 0
 
 
 if __name__ == "__main__":
