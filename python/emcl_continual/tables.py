@@ -331,7 +331,7 @@ def paper(sr: StreamResults) -> str:
     base = sr.runs("emcl")
     if not base or not any(sr.runs(name) for name, _, _ in PAPER_ROWS[1:]):
         return ""
-    lines = ["| row | the paper (Split miniImageNet) | what it changes | seeds | ACC | BWT ÷(T−1) | train time (s) | "
+    lines = ["| row | the paper (Split miniImageNet) | what it changes | seeds | ACC | BWT ÷(T−1) | train time (s) [1-min load] | "
              "h median at the end | Δ ACC vs EMCL, paired [95 % CI] (seeds ahead) | the paper's Δ ACC |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     paper_base = PAPER_ROWS[0][2]
@@ -343,9 +343,11 @@ def paper(sr: StreamResults) -> str:
         delta = "" if name == "emcl" else _fmt_paired(_paired(rs, base))
         p_delta = "" if name == "emcl" else (f"{acc - paper_base:+.2f}" if acc is not None else "–")
         h = f"{d['h_median']:.2g}" if "h_median" in d else "–"
+        loads = [r["load_avg"][0] for r in rs if r.get("load_avg")]
+        load = f" [{sum(loads) / len(loads):.1f}]" if loads else ""
         what = sr.rows[name]["what"].replace("|", "\\|")
         lines.append(f"| {name} | {claim} | {what} | {sr.seeds_cell(name)} | {_fmt(*st['acc'])} | "
-                     f"{_fmt(*st['bwt'])} | {_fmt(*st['train_time_s'], digits=0)} | {h} | {delta} | {p_delta} |")
+                     f"{_fmt(*st['bwt'])} | {_fmt(*st['train_time_s'], digits=0)}{load} | {h} | {delta} | {p_delta} |")
     return "\n".join(lines)
 
 
