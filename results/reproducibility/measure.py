@@ -166,7 +166,8 @@ def main(argv: list | None = None) -> int:
     r.add_argument("--require-capability", default=None,
                    help="refuse to run unless torch dispatches this capability (AVX512, AVX2, DEFAULT)")
     s = sub.add_parser("summary", help="compare every condition with the committed runs -> summary.md")
-    s.add_argument("--reference", default="1 thread", help="the condition the others are compared with")
+    s.add_argument("--reference", default="1 thread", help="the condition the others are compared with (default: this "
+                   "machine's own dispatch, one thread)")
     for q in (r, s):
         q.add_argument("--out", default=os.path.join(HERE, "runs.jsonl"))
     args = p.parse_args(argv)
