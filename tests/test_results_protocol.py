@@ -383,7 +383,8 @@ def _tiny_report_rows(real):
 def _paper_rows_script():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("paper_rows", os.path.join(REPO, "results", "heldout", "paper_rows.py"))
+    path = os.path.join(REPO, "results", "heldout", "paper_rows.py")
+    spec = importlib.util.spec_from_file_location("paper_rows", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -412,7 +413,8 @@ def test_paper_rows_join_the_stream_files_on_one_code_version(tmp_path, tiny_pro
         runs = [r for r in rep if r["overrides"] == dict(emcl, **change)]
         assert sorted(r["seed"] for r in runs) == [10, 11]
         assert all(r["config"][k] == v for r in runs for k, v in change.items())
-    assert len(rep) == 8 and {r["processor"]["torch_cpu_capability"] for r in rep} == {torch.backends.cpu.get_cpu_capability()}
+    assert len(rep) == 8
+    assert {r["processor"]["torch_cpu_capability"] for r in rep} == {torch.backends.cpu.get_cpu_capability()}
     plan = json.load(open(os.path.join(out, "plan.json")))
     assert [r["name"] for r in plan["rows"] if r.get("kind") == "paper"] == list(paper_rows.REPORT_ORDER)
     # resumable, and the selection command keeps the modulation decision when it runs again

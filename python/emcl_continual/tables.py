@@ -331,8 +331,8 @@ def paper(sr: StreamResults) -> str:
     base = sr.runs("emcl")
     if not base or not any(sr.runs(name) for name, _, _ in PAPER_ROWS[1:]):
         return ""
-    lines = ["| row | the paper (Split miniImageNet) | what it changes | seeds | ACC | BWT ÷(T−1) | train time (s) [1-min load] | "
-             "h median at the end / share of elements whose meta step h damps | Δ ACC vs EMCL, paired [95 % CI] "
+    lines = ["| row | the paper (Split miniImageNet) | what it changes | seeds | ACC | BWT ÷(T−1) | "
+             "train time (s) [1-min load] | h median at the end / share of elements whose meta step h damps | Δ ACC vs EMCL, paired [95 % CI] "
              "(seeds ahead) | the paper's Δ ACC |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     paper_base = PAPER_ROWS[0][2]
