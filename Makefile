@@ -5,6 +5,14 @@
 #   make setup-avalanche  setup, then avalanche-lib (requirements-avalanche.txt) into .venv under
 #                   requirements.txt's pins as constraints (pip fails rather than move a pin), then
 #                   pip check: tests/test_avalanche.py and examples/avalanche_emcl.py run with it
+#   make setup-frameworks  setup, then the optional framework integrations
+#                   (requirements-frameworks.txt: transformers, accelerate, lightning, timm) into
+#                   .venv under requirements.txt's pins as constraints, then pip check:
+#                   tests/test_frameworks.py runs with them (skipped without)
+#   make setup-ray  setup, then Ray (requirements-ray.txt) into .venv under requirements.txt's pins
+#                   as constraints, then pip check: the selection's --executor ray
+#   make test-ray   setup-ray, then the Ray executor's test (a local two-node Ray cluster against the
+#                   local executor: tests/test_selection_sweep.py -k ray)
 #   make test       setup, then the test suite
 #   make demo       setup, then the main job (EMCL on Permuted MNIST, one seed)
 #   make bench      setup, then the kernel benchmark (--quick)
@@ -32,7 +40,7 @@ export MAX_JOBS
 GPU_CHECK_ARGS ?=
 OUT ?= build/gpu-check/out
 
-.PHONY: setup setup-avalanche demo test bench gpu-check gpu-check-1 gpu-check-2 gpu-check-12 clean
+.PHONY: setup setup-avalanche setup-frameworks setup-ray test-ray demo test bench gpu-check gpu-check-1 gpu-check-2 gpu-check-12 clean
 
 setup: $(VENV)/.installed
 
@@ -52,6 +60,23 @@ $(VENV)/.avalanche: $(VENV)/.installed requirements-avalanche.txt
 	$(PY) -m pip install -q -r requirements-avalanche.txt -c requirements.txt
 	$(PY) -m pip check
 	touch $@
+
+setup-frameworks: $(VENV)/.frameworks
+
+$(VENV)/.frameworks: $(VENV)/.installed requirements-frameworks.txt
+	$(PY) -m pip install -q -r requirements-frameworks.txt -c requirements.txt
+	$(PY) -m pip check
+	touch $@
+
+setup-ray: $(VENV)/.ray
+
+$(VENV)/.ray: $(VENV)/.installed requirements-ray.txt
+	$(PY) -m pip install -q -r requirements-ray.txt -c requirements.txt
+	$(PY) -m pip check
+	touch $@
+
+test-ray: setup-ray
+	$(PY) -m pytest -q tests/test_selection_sweep.py -k ray
 
 demo: setup
 	$(PY) -m emcl_continual --method emcl --stream permuted-mnist --seeds 0 --out runs/demo --force

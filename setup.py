@@ -237,5 +237,8 @@ setup(
     install_requires=["torch>=2.11", "numpy", "tqdm", "matplotlib"],
     # emcl_continual.avalanche (EMCLStrategy); quadprog for Avalanche's own GEM. CI installs the
     # exact versions of requirements-avalanche.txt under requirements.txt's pins (make setup-avalanche).
-    extras_require={"avalanche": ["avalanche-lib>=0.6.0,<0.7", "quadprog"]},
+    # ray: the held-out selection's --executor ray (CI: requirements-ray.txt, make setup-ray).
+    extras_require={"avalanche": ["avalanche-lib>=0.6.0,<0.7", "quadprog"],
+                    "frameworks": ["transformers>=5", "accelerate>=1", "lightning>=2.4", "timm>=1"],
+                    "ray": ["ray>=2.40"]},
 )

@@ -7,6 +7,8 @@ the shape of the paper's training-time figure (Figure 2), on the CPU and on a GP
     python benchmarks/bench_training.py --device auto --streams permuted-mnist split-cifar100 split-miniimagenet
     python benchmarks/bench_training.py --device auto --methods emcl --backends auto --n-tasks 20 --samples-per-task 1000
     python benchmarks/bench_training.py --table benchmarks/results/training_*.json   # README tables
+    python benchmarks/bench_training.py --heldout results/heldout --streams permuted-mnist rotated-mnist \
+        many-permutations --out-dir results/efficiency --name controlled_cpu   # the results tables' times
 
 **Devices.** ``--device cpu`` (default), ``cuda`` (a one-line error without a GPU) or ``auto``
 (the CPU, plus the GPU when torch sees one; says which). Every method runs on each device with
@@ -36,6 +38,17 @@ Writes ``benchmarks/results/training_<stamp>_<devices>.json`` and a PNG bar char
 time per method, backend and device; one panel per stream), and prints the tables.
 ``--table FILE...`` prints the README's markdown tables from results files (several files
 are merged, e.g. a CPU run and a GPU run) without running anything.
+
+**Held-out rows, like for like** (``--heldout DIR``): every report row of ``DIR/STREAM/plan.json``
+that the results tables show (each method's headline row and the rows that vary the visits per
+sample, :data:`HELDOUT_ROWS`), at exactly the overrides its sweep ran, on the first
+``--heldout-samples`` samples of the stream (whole tasks; the stream itself stays whole, so GEM's
+memory per task is the full run's), seed = the stream's first report seed, one torch thread, the
+CPU. One counted pass per row (:class:`CostCounter`: forward passes, backward passes and weight
+updates per incoming sample, counted by hooks on the run itself) then ``--rounds`` timed rounds,
+every row once per round, odd rounds reversed, each run's load average recorded.
+``python -m emcl_continual.tables`` turns the file into the efficiency page and the tables' time
+columns (:mod:`emcl_continual.efficiency`).
 """
 from __future__ import annotations
 
@@ -181,8 +194,251 @@ def write_image_files(root: str, stream: str, samples_per_task: int, seed: int =
 
 
 # ---------------------------------------------------------------------------------------------
+# Machine-independent cost: forward passes, backward passes and weight updates, counted
+# ---------------------------------------------------------------------------------------------
+
+def _unwrap(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under torch.func's wrappers (vmap's batched tensors, grad's tracking
+    tensors), so that a forward under ``vmap`` counts every sample of its batch dimension."""
+    from torch._C import _functorch as ft
+    while ft.is_batchedtensor(t) or ft.is_functorch_wrapped_tensor(t):
+        t = ft.get_unwrapped(t)
+    return t
+
+
+class _CountBackward(torch.autograd.Function):
+    """The identity on the model's output; its backward counts the samples the gradient
+    carries (under ``torch.func`` transforms too: ``generate_vmap_rule``)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, counter):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.counter = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.counter._backward(grad)
+        return grad, None
+
+
+class CostCounter:
+    """Counts, while attached to a learner, what its training costs in machine-independent units.
+
+    * **forward passes**: samples through the model's forward (a forward hook on the model;
+      a batch of 20 is 20; a forward under ``torch.func.vmap`` counts every sample of every
+      vmapped batch), and forward calls;
+    * **backward passes**: samples whose gradient flows back through a model forward (an
+      identity :class:`torch.autograd.Function` on the model's output counts the rows of the
+      gradient reaching it, whether from ``backward()``, ``torch.autograd.grad`` or
+      ``torch.func.grad``), and backward calls;
+    * **weight updates**: how many times the weights the model computes with change between two
+      uses: before each forward the tensors the forward will read (``functional_call``'s fast
+      weights included) are compared, by storage and version counter, with the previous
+      forward's, and a call of the optimizer's ``step`` / ``inner_step`` / ``meta_step`` marks
+      a change whose writes the version counters may not see (native kernels); forwards inside
+      a ``torch.func`` transform (GEM's vmapped memory gradients, on wrapped copies of the
+      current weights) are not compared. An update not
+      followed by a forward within a call is counted when the call returns (:meth:`flush`).
+      Consecutive writes with no forward between them are one update (MER's Reptile
+      interpolation after its last SGD step, La-MAML's learning-rate step with its weight step);
+    * MER's hand-written per-sample step (``_ReluMLPStepper.sgd_step``, NumPy on the weights'
+      memory, no torch forward) counts one forward, one backward and one update per call;
+    * optimizer calls by name (``step``, ``inner_step``, ``meta_step``) as the method makes
+      them (a call one of them makes of another counts once), whatever they update (La-MAML's
+      ``step`` moves its learning rates).
+
+    ``attach(learner)`` installs the hooks and wrappers, ``detach()`` removes them; counts are
+    in :meth:`counts`.
+    """
+
+    def __init__(self):
+        self.forward_samples = self.forward_calls = 0
+        self.backward_samples = self.backward_calls = 0
+        self.updates = 0
+        self.optimizer_calls: dict = {}
+        self._last = None  # (storage address, version) of the tensors the previous forward read
+        self._held = ()
+        self._pending = False
+        self._in_optimizer = 0
+        self._handles: list = []
+        self._restore: list = []
+        self._model = None
+        self._sample_numel = 1
+
+    # -- counting ------------------------------------------------------------------------------
+    def _weights_now(self) -> tuple:
+        return tuple(_unwrap(getattr(mod, name)) for mod, name in self._slots)
+
+    def _check_update(self, weights: tuple) -> None:
+        now = tuple((w.data_ptr(), w._version) for w in weights)
+        if self._last is not None and (self._pending or now != self._last):
+            self.updates += 1
+        self._pending = False
+        self._last = now
+        self._held = weights  # keeps their storages alive: no later tensor can reuse an address
+
+    def _samples(self, t: torch.Tensor) -> int:
+        return _unwrap(t).numel() // self._sample_numel
+
+    def _pre_forward(self, module, args):
+        from torch._C import _functorch as ft
+        if ft.maybe_current_level() is not None:
+            return  # inside a torch.func transform (GEM's vmapped memory gradients): the weights it
+                    # reads are wrapped copies of the current ones, not an update
+        self._check_update(self._weights_now())
+
+    def _post_forward(self, module, args, output):
+        self.forward_calls += 1
+        self.forward_samples += self._samples(args[0])
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            return _CountBackward.apply(output, self)
+        return output
+
+    def _backward(self, grad: torch.Tensor) -> None:
+        self.backward_calls += 1
+        g = _unwrap(grad)
+        self.backward_samples += g.numel() // g.shape[-1] if g.dim() > 1 else 1
+
+    def flush(self) -> None:
+        """Count an update made since the last forward (call after each ``observe`` / ``end_task``)."""
+        if self._model is not None:
+            self._check_update(self._weights_now())
+
+    # -- attaching -----------------------------------------------------------------------------
+    def attach(self, learner) -> "CostCounter":
+        model = learner.model
+        self._model = model
+        self._slots = [(mod, name) for mod in model.modules() for name, _ in mod.named_parameters(recurse=False)]
+        self._sample_numel = 1
+        for d in learner.info.input_shape:
+            self._sample_numel *= int(d)
+        self._handles.append(model.register_forward_pre_hook(self._pre_forward))
+        self._handles.append(model.register_forward_hook(self._post_forward))
+        opt = getattr(learner, "opt", None)
+        if opt is not None:
+            for name in ("step", "inner_step", "meta_step"):
+                if callable(getattr(opt, name, None)):
+                    self._wrap(opt, name, self._optimizer_call(name, getattr(opt, name)))
+        stepper = getattr(learner, "_stepper", None)
+        if stepper is not None:
+            self._wrap(stepper, "sgd_step", self._stepper_call(stepper.sgd_step))
+        return self
+
+    def _wrap(self, obj, name: str, fn) -> None:
+        had = name in vars(obj)
+        self._restore.append((obj, name, vars(obj).get(name), had))
+        setattr(obj, name, fn)
+
+    def _optimizer_call(self, name: str, fn):
+        def call(*args, **kwargs):
+            if self._in_optimizer == 0:  # a call made inside another (inner_step -> step) is that call
+                self.optimizer_calls[name] = self.optimizer_calls.get(name, 0) + 1
+            self._in_optimizer += 1
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                self._in_optimizer -= 1
+            self._pending = True
+            return out
+        return call
+
+    def _stepper_call(self, fn):
+        def call(*args, **kwargs):
+            self._check_update(self._weights_now())
+            self.forward_calls += 1
+            self.forward_samples += 1
+            self.backward_calls += 1
+            self.backward_samples += 1
+            out = fn(*args, **kwargs)
+            self._pending = True
+            return out
+        return call
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        for obj, name, old, had in reversed(self._restore):
+            if had:
+                setattr(obj, name, old)
+            else:
+                delattr(obj, name)
+        self._handles, self._restore, self._model, self._last, self._held = [], [], None, None, ()
+
+    def counts(self, n_samples: int) -> dict:
+        """Totals and per incoming sample (``n_samples``: the samples the stream delivered)."""
+        per = 1.0 / max(1, n_samples)
+        return {"incoming_samples": n_samples,
+                "forward_samples": self.forward_samples, "forward_calls": self.forward_calls,
+                "backward_samples": self.backward_samples, "backward_calls": self.backward_calls,
+                "updates": self.updates, "optimizer_calls": dict(self.optimizer_calls),
+                "forward_per_sample": self.forward_samples * per,
+                "backward_per_sample": self.backward_samples * per,
+                "updates_per_sample": self.updates * per}
+
+
+# ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------
+
+def run_prefix(train, get_method, method: str, overrides: dict, stream, seed: int, n_tasks: int,
+               batch_size: int, device: torch.device = torch.device("cpu"), count: bool = False) -> dict:
+    """Train ``method`` (its configuration: its defaults for ``stream`` updated with
+    ``overrides``) on the first ``n_tasks`` tasks of ``stream`` as ``emcl_continual.train.run``
+    does (``begin_task``, one ``observe`` per batch, ``end_task``; the model built and
+    initialised alike), without evaluating. The stream stays whole, so that a method that sizes
+    itself by the number of tasks (GEM's memory per task) is the configuration of the full run.
+
+    Returns ``train_time_s`` (the sum of those calls, timed as ``train.run`` times them),
+    ``cpu_time_s`` (the process's CPU time over the same calls, which a loaded machine
+    stretches less than the wall clock), ``incoming_samples`` and, with ``count``, the :class:`CostCounter` counts (the counting
+    hooks cost time: a counted run is not a timed one)."""
+    from emcl_continual.models import build_model
+
+    info = stream.info
+    if not 1 <= n_tasks <= info.n_tasks:
+        raise ValueError(f"n_tasks must be in [1, {info.n_tasks}] for {info.name}, got {n_tasks}")
+    config = train.build_config(method, info.name, seed, overrides)
+    torch.manual_seed(int(seed))
+    model = build_model(info, init=config.get("init", train.RUN_DEFAULTS["init"])).to(device)
+    learner = get_method(method)(model, info, config, device)
+    counter = CostCounter().attach(learner) if count else None
+    elapsed, cpu, samples = 0.0, 0.0, 0
+    try:
+        for t in range(n_tasks):
+            start, cstart = time.perf_counter(), time.process_time()
+            learner.begin_task(t)
+            elapsed += time.perf_counter() - start
+            cpu += time.process_time() - cstart
+            for x, y in stream.batches(t, batch_size, device=device):
+                common.synchronize(device)
+                start, cstart = time.perf_counter(), time.process_time()
+                learner.observe(x, y, t)
+                common.synchronize(device)
+                elapsed += time.perf_counter() - start
+                cpu += time.process_time() - cstart
+                samples += x.shape[0]
+                if counter is not None:
+                    counter.flush()
+            start, cstart = time.perf_counter(), time.process_time()
+            learner.end_task(t)
+            common.synchronize(device)
+            elapsed += time.perf_counter() - start
+            cpu += time.process_time() - cstart
+            if counter is not None:
+                counter.flush()
+    finally:
+        if counter is not None:
+            counter.detach()
+    out = {"train_time_s": elapsed, "cpu_time_s": cpu, "incoming_samples": samples}
+    if counter is not None:
+        out["counts"] = counter.counts(samples)
+    return out
+
 
 def time_batches(train, get_method, method: str, stream, seed: int, overrides: dict,
                  device: torch.device, batch_size: int) -> list:
@@ -408,6 +664,161 @@ def plot(result: dict, path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# The held-out rows, timed like for like
+# ---------------------------------------------------------------------------------------------
+
+# the rows timed by --heldout, in the tables' order: each method's headline row, then the rows
+# that vary the visits per sample (emcl_continual.tables: "headline" and "visits")
+HELDOUT_ROWS = ("sgd", "ewc", "agem", "er", "gem", "mer", "lamaml/own-script", "lamaml", "emcl",
+                "emcl/glances=2", "emcl/glances=5", "lamaml/glances=1")
+HELDOUT_SAMPLES = 2000  # incoming samples timed per stream (2 tasks of 1,000; 10 of 200)
+
+
+def heldout_rows(folder: str, names=None) -> list:
+    """The report rows of one stream's held-out folder (``plan.json``) to time: ``names``
+    (default :data:`HELDOUT_ROWS`) that the plan holds, each as a dict with ``name``, ``method``
+    and ``overrides`` exactly as the sweep ran them. A row whose full configuration equals an
+    earlier one's (La-MAML selected at its own script's values) is timed once: it is listed
+    in that row's ``same_as``."""
+    from emcl_continual.config import build_config
+
+    path = os.path.join(folder, "plan.json")
+    if not os.path.exists(path):
+        raise SystemExit(f"--heldout: no {path} (a folder written by python -m emcl_continual.selection)")
+    with open(path) as f:
+        plan = json.load(f)
+    by_name = {r["name"]: r for r in plan["rows"] if r["role"] == "report"}
+    unknown = [n for n in (names or ()) if n not in by_name]
+    if unknown:
+        raise SystemExit(f"--rows: {unknown} are not report rows of {path}")
+    out, seen = [], {}
+    for name in (names or HELDOUT_ROWS):
+        row = by_name.get(name)
+        if row is None:
+            continue
+        key = json.dumps(build_config(row["method"], plan["stream"], 0, row["overrides"]), sort_keys=True)
+        if key in seen:
+            seen[key]["same_as"].append(name)
+            continue
+        entry = {"name": name, "method": row["method"], "overrides": dict(row["overrides"]), "same_as": []}
+        seen[key] = entry
+        out.append(entry)
+    return out
+
+
+def _load() -> Optional[list]:
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+def run_heldout(args, argv, train, get_method, make_stream) -> dict:
+    """Every row of :func:`heldout_rows` on each stream's first tasks (``--heldout-samples``
+    incoming samples, whole tasks), seed = the stream's first report seed, on the CPU:
+
+    1. one counted pass per row (:class:`CostCounter`; it also warms the row up);
+    2. ``--rounds`` timed rounds, each running every (stream, row) once, in the same order on
+       even rounds and reversed on odd ones, so that a change of the machine's load falls on
+       every row alike.
+
+    Writes the records (each with the load average when it ended), the counts, a summary
+    (median, min and max over the rounds) and the machine to ``--out-dir/--name.json``."""
+    if args.device != "cpu":
+        raise SystemExit("--heldout times the CPU (--device cpu): the held-out sweeps ran there")
+    device = torch.device("cpu")
+    machine = common.machine_info()
+    machine["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    machine["nice"] = os.nice(0)
+    load_before = _load()
+    started = time.perf_counter()
+    plan, streams, per_stream = [], {}, {}
+    for name in args.streams:
+        folder = os.path.join(args.heldout, name)
+        with open(os.path.join(folder, "plan.json")) as f:
+            p = json.load(f)
+        seed = int(p["report_seeds"][0])
+        stream = make_stream(name, seed, data_root=p.get("data_root"), n_tasks=p.get("n_tasks"),
+                             samples_per_task=p.get("samples_per_task"))
+        per_task = len(stream.train[0])
+        if args.heldout_samples % per_task:
+            raise SystemExit(f"--heldout-samples {args.heldout_samples} is not a whole number of "
+                             f"{name}'s tasks of {per_task} samples")
+        n_tasks = args.heldout_samples // per_task
+        if n_tasks > stream.info.n_tasks:
+            raise SystemExit(f"--heldout-samples {args.heldout_samples}: {name} has only "
+                             f"{stream.info.n_tasks * per_task} samples")
+        streams[name] = stream
+        per_stream[name] = {"seed": seed, "n_tasks_timed": n_tasks, "n_tasks_stream": stream.info.n_tasks,
+                            "samples_per_task": per_task, "data_source": stream.info.source,
+                            "folder": os.path.relpath(folder, common.REPO) if os.path.isabs(folder) else folder}
+        plan += [(name, row) for row in heldout_rows(folder, args.rows)]
+
+    counts = {}
+    for name, row in plan:
+        ps = per_stream[name]
+        r = run_prefix(train, get_method, row["method"], row["overrides"], streams[name], ps["seed"],
+                       ps["n_tasks_timed"], args.batch_size, device, count=True)
+        counts[(name, row["name"])] = r["counts"]
+        c = r["counts"]
+        print(f"{name:<18} {row['name']:<18} counted: {c['forward_per_sample']:.1f} forward, "
+              f"{c['backward_per_sample']:.1f} backward, {c['updates_per_sample']:.2f} updates per sample",
+              flush=True)
+
+    records = []
+    for rnd in range(args.rounds):
+        order = plan if rnd % 2 == 0 else plan[::-1]
+        for pos, (name, row) in enumerate(order):
+            ps = per_stream[name]
+            r = run_prefix(train, get_method, row["method"], row["overrides"], streams[name], ps["seed"],
+                           ps["n_tasks_timed"], args.batch_size, device)
+            rec = {"stream": name, "row": row["name"], "method": row["method"], "round": rnd, "position": pos,
+                   "train_time_s": r["train_time_s"], "cpu_time_s": r["cpu_time_s"],
+                   "incoming_samples": r["incoming_samples"],
+                   "load_average": _load()}
+            records.append(rec)
+            print(f"round {rnd + 1}/{args.rounds} {name:<18} {row['name']:<18} "
+                  f"{r['train_time_s']:.2f} s, cpu {r['cpu_time_s']:.2f} s (load {rec['load_average'][0] if rec['load_average'] else '?'})",
+                  flush=True)
+
+    summary = []
+    for name, row in plan:
+        mine = [r for r in records if r["stream"] == name and r["row"] == row["name"]]
+        times = [r["train_time_s"] for r in mine]
+        cpus = [r["cpu_time_s"] for r in mine]
+        n = per_stream[name]["n_tasks_timed"] * per_stream[name]["samples_per_task"]
+        med = statistics.median(times)
+        summary.append({"stream": name, "row": row["name"], "same_as": row["same_as"], "method": row["method"],
+                        "overrides": row["overrides"], "rounds": len(times),
+                        "train_time_s_median": med, "train_time_s_min": min(times),
+                        "train_time_s_max": max(times), "train_times_s": times,
+                        "cpu_time_s_median": statistics.median(cpus), "cpu_times_s": cpus,
+                        "ms_per_sample": 1e3 * med / n, "cpu_ms_per_sample": 1e3 * statistics.median(cpus) / n,
+                        "counts": counts[(name, row["name"])]})
+    result = {
+        "schema": "emcl-kernels/bench_training/heldout/1",
+        "created_utc": common.utc_now(),
+        "command": "python benchmarks/bench_training.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": dict(machine, load_average_before=load_before, load_average_after=_load()),
+        "settings": {"heldout": args.heldout, "streams": list(args.streams), "rounds": args.rounds,
+                     "incoming_samples": args.heldout_samples, "batch_size": args.batch_size,
+                     "threads": torch.get_num_threads(), "device": "cpu", "per_stream": per_stream,
+                     "order": "every (stream, row) once per round; odd rounds reversed",
+                     "counted": "one pass per row before the timed rounds (CostCounter), not timed"},
+        "note": args.note,
+        "records": records,
+        "summary": summary,
+        "wall_time_s": time.perf_counter() - started,
+    }
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = args.name or f"heldout_{common.utc_stamp()}_cpu"
+    path = os.path.join(args.out_dir, stem + ".json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    result["paths"] = {"json": path}
+    print(f"\nwall time {result['wall_time_s']:.1f} s; load {load_before} -> "
+          f"{result['machine']['load_average_after']}; wrote {path}")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
 # The command line
 # ---------------------------------------------------------------------------------------------
 
@@ -445,6 +856,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="file stem (default training_<UTC stamp>_<devices>)")
     p.add_argument("--note", default=None, help="free text stored with the results")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--heldout", metavar="DIR", default=None,
+                   help="time the held-out report rows of DIR/STREAM/plan.json (e.g. results/heldout) "
+                        "like for like: counted pass, then interleaved rounds (see run_heldout)")
+    p.add_argument("--rows", nargs="+", default=None,
+                   help=f"--heldout: the rows to time (default {' '.join(HELDOUT_ROWS)})")
+    p.add_argument("--rounds", type=int, default=3, help="--heldout: timed rounds (default 3)")
+    p.add_argument("--heldout-samples", type=int, default=HELDOUT_SAMPLES,
+                   help=f"--heldout: incoming samples per stream, whole tasks (default {HELDOUT_SAMPLES})")
     p.add_argument("--table", nargs="+", metavar="RESULTS_JSON", default=None,
                    help="print the README tables from these results files and exit")
     return p
@@ -481,6 +900,15 @@ def main(argv: Optional[list] = None) -> dict:
     for stream in args.streams:
         if stream not in STREAMS:
             raise SystemExit(f"unknown stream {stream!r}; choose one of {', '.join(STREAMS)}")
+    if args.heldout:
+        if args.rounds < 1 or args.heldout_samples < 1:
+            raise SystemExit("--rounds and --heldout-samples must be >= 1")
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(args.threads)
+        try:
+            return run_heldout(args, argv, train, get_method, make_stream)
+        finally:
+            torch.set_num_threads(threads_before)
     if args.emcl_graph not in ("on", "off", "both"):
         raise SystemExit("--emcl-graph must be on, off or both")
     if device_note:

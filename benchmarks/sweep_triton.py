@@ -17,11 +17,18 @@ On a GPU it prints, one JSON object per line:
 4. ``check``: the cost of ``check=True`` (the read of g by the check kernel) at ``--numel``;
 5. ``host``: wall time per call of ``step(op=cadence, check=True)`` over 1,000 tensors of
    4,096 fp32 (pipelined, one sync at the end), against ``torch.optim.Adam(fused=True).step()``
-   on the same shapes, and the same step replayed from a CUDA graph.
+   on the same shapes, and the same step replayed from a CUDA graph;
+6. ``fast_launch``: on the paper's MLP (6 tensors) and on 1,000 x 4,096 fp32, wall time per
+   ``FusedEMCLOptimizer(backend="triton").step()`` (its default ``check_finite=True``: two
+   launches) with the backend's fast launch on and off (``FAST_LAUNCH``, [note: fast launch]
+   in ``emcl_kernels/backends/triton.py``), blocks of calls alternating, against
+   ``torch.optim.Adam(fused=True).step()`` on the same parameters.
 
 ``--host`` measures, on any machine, the host cost of a step call of this backend with the
-kernel launches stubbed out (the tables' look-up, the key of 1,000 tensors, the argument
-packing): the part of ``host`` above that this module adds to Triton's own launch cost.
+kernel launches taken out (the tables' look-up, the key of 1,000 tensors, the argument
+packing, the fast launch's key; Triton's own argument binding where a call goes through its
+JIT): see ``benchmarks/bench_triton_host.py``, which also times the optimizer's path above the
+backend and compares two checkouts.
 Times are medians of CUDA-event timings (``time.perf_counter`` for host costs; ``--host`` also
 reports the process's CPU time, which a loaded shared machine inflates less).
 """
@@ -110,18 +117,16 @@ def wall_per_call(fn, device, calls):
     return (time.perf_counter() - t) / calls
 
 
-class _NoLaunch:
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
 def host_cost(n_tensors, numel, calls, out):
-    """Host time per step call with the launches stubbed out, on CPU tensors."""
+    """Host time per step call with the launches taken out, on CPU tensors (the kernels
+    replaced by ``bench_triton_host.JitWithoutLaunch``)."""
+    from benchmarks.bench_triton_host import JitWithoutLaunch
     torch.set_num_threads(1)
     group = Group([numel] * n_tensors, torch.float32, torch.device("cpu"))
     kernels = TB._kernels
     saved = kernels.emcl_step_kernel, kernels.emcl_check_kernel
-    kernels.emcl_step_kernel = kernels.emcl_check_kernel = _NoLaunch()
+    kernels.emcl_step_kernel = JitWithoutLaunch(saved[0])
+    kernels.emcl_check_kernel = JitWithoutLaunch(saved[1])
     try:
         for check in (False, True):
             fn = lambda: group.step("inner_meta", check=check)  # noqa: E731
@@ -155,6 +160,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     out = lambda rec: print(json.dumps(rec), flush=True)  # noqa: E731
     if args.host:
+        if TB.INTERPRETED:
+            sys.exit("--host times the compiled path: run it without TRITON_INTERPRET=1")
         host_cost(1000, 4096, 200, out)
         host_cost(6, 4096, 2000, out)
         return
@@ -232,6 +239,46 @@ def main(argv=None):
     out({"host": "1000 x 4096 fp32", "emcl_cadence_check_us": round(emcl * 1e6, 1),
          "adam_fused_us": round(adam_s * 1e6, 1), "emcl_graph_replay_us": round(replay * 1e6, 1),
          "emcl_over_adam": round(emcl / adam_s, 2)})
+    del group, params, adam, graph
+    for layout, shapes in (("mlp", [(100, 784), (100,), (100, 100), (100,), (10, 100), (10,)]),
+                           ("many", [(4096,)] * 1000)):
+        fast_launch_ab(layout, shapes, device, out)
+
+
+def fast_launch_ab(layout, shapes, device, out, calls=200, blocks=8):
+    """``fast_launch`` (see the module docstring): the optimizer's step with the fast launch
+    on and off, in alternating blocks of ``calls`` calls, and fused Adam's step."""
+    from emcl_kernels import FusedEMCLOptimizer
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device) * 0.01)
+              for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(device) * 1e-3
+    emcl = FusedEMCLOptimizer(params, meta_every=1, backend="triton")
+    adam_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, q in zip(adam_params, params):
+        p.grad = q.grad.clone()
+    adam = torch.optim.Adam(adam_params, lr=1e-3, fused=True)
+    saved = TB.FAST_LAUNCH
+    times = {"fast": [], "jit": [], "adam": []}
+    try:
+        for b in range(blocks):
+            order = ("fast", "jit", "adam") if b % 2 == 0 else ("adam", "jit", "fast")
+            for label in order:
+                if label == "adam":
+                    times[label].append(wall_per_call(adam.step, device, calls))
+                    continue
+                TB.FAST_LAUNCH = saved and label == "fast"
+                times[label].append(wall_per_call(emcl.step, device, calls))
+    finally:
+        TB.FAST_LAUNCH = saved
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out({"fast_launch": layout, "tensors": len(shapes), "fast_launch_on": saved,
+         "fast_launch_reason": TB.FAST_LAUNCH_REASON,
+         **{f"{k}_us": round(v * 1e6, 1) for k, v in med.items()},
+         "fast_over_adam": round(med["fast"] / med["adam"], 3),
+         "jit_over_adam": round(med["jit"] / med["adam"], 3),
+         "blocks_us": {k: [round(x * 1e6, 1) for x in v] for k, v in times.items()}})
 
 
 if __name__ == "__main__":

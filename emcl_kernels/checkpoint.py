@@ -4,10 +4,13 @@ optimizer changes (SPEC section 4); each refusal names the entry and says what i
 from __future__ import annotations
 
 import math
+import warnings
 from numbers import Integral, Real
 
 import torch
 from torch import Tensor
+
+from emcl_kernels.validation import OPTIMIZER_WIDE, group_spelling
 
 __all__ = ["check_state_dict"]
 
@@ -75,10 +78,32 @@ def _tensor_value(pid, key: str, t, p: Tensor) -> None:
                          "are >= 0")
 
 
+def _saved_group(saved: dict, where: str) -> dict:
+    """A saved param group as a group of today's optimizer: β under ``lr``, r under
+    ``meta_lr_scale`` (a state saved before had them under ``inner_lr`` and ``lr_scale``), and
+    without the
+    optimizer-wide options that a group was once allowed to hold and nothing read (dropped with
+    a warning: the optimizer's own setting is the one that always applied)."""
+    group = group_spelling(saved, where)
+    if "lr_scale" in group and "meta_lr_scale" not in group:  # saved before groups said meta_lr_scale
+        group = {("meta_lr_scale" if k == "lr_scale" else k): v for k, v in group.items()}
+    wide = [k for k in OPTIMIZER_WIDE if k in group]
+    if wide:
+        warnings.warn(f"{where} holds {', '.join(wide)}: an option of the whole optimizer, "
+                      "which a param group cannot set (it never applied per group); the "
+                      "optimizer's own setting applies, as it did when the state was saved",
+                      stacklevel=3)
+        group = {k: v for k, v in group.items() if k not in wide}
+    return group
+
+
 def check_state_dict(opt, state_dict) -> tuple:
-    """Check ``state_dict`` against ``opt`` and return ``(saved_state, extra, id_to_param)``:
-    the per-parameter state by saved id, the checked ``"emcl"`` entry, and which parameter of
-    ``opt`` each saved id is."""
+    """Check ``state_dict`` against ``opt`` and return ``(saved_state, extra, id_to_param,
+    saved_groups)``: the per-parameter state by saved id, the checked ``"emcl"`` entry, which
+    parameter of ``opt`` each saved id is, and the saved param groups with β under ``lr``
+    (a state saved before groups spoke torch's ``lr`` has it under ``inner_lr``). An entry of
+    the state whose key is not a parameter id (an int) is not a parameter's state: it is left
+    out of ``saved_state`` and loaded as it is, as torch does."""
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         raise ValueError("not an optimizer state dict: it needs 'state' and 'param_groups'")
     extra = _extra(state_dict)
@@ -90,6 +115,8 @@ def check_state_dict(opt, state_dict) -> tuple:
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(f"the state has {len(saved_groups)} param groups, "
                          f"this optimizer has {len(opt.param_groups)}")
+    saved_groups = [_saved_group(saved, f"param group {i} of the state")
+                    for i, saved in enumerate(saved_groups)]
     for i, saved in enumerate(saved_groups):
         opt._check_group(saved, f"param group {i} of the state")
     id_to_param = {}
@@ -109,6 +136,8 @@ def check_state_dict(opt, state_dict) -> tuple:
     saved_state = state_dict["state"]
     if not isinstance(saved_state, dict):
         raise ValueError("the state's 'state' entry must be a dict of per-parameter states")
+    saved_state = {pid: st for pid, st in saved_state.items()
+                   if isinstance(pid, Integral) and not isinstance(pid, bool)}
     for pid, st in saved_state.items():
         p = id_to_param.get(pid)
         if p is None:
@@ -126,4 +155,4 @@ def check_state_dict(opt, state_dict) -> tuple:
         for key in ("anchor", "importance", "meta_lr"):
             if key in st:
                 _tensor_value(pid, key, st[key], p)
-    return saved_state, extra, id_to_param
+    return saved_state, extra, id_to_param, saved_groups

@@ -1,6 +1,9 @@
 """FusedEMCLOptimizer: EMCL as a ``torch.optim.Optimizer`` (SPEC section 3)."""
 from __future__ import annotations
 
+from collections import defaultdict
+from copy import deepcopy
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -11,8 +14,8 @@ from emcl_kernels.integration import local
 from emcl_kernels.interface import OP
 from emcl_kernels.plan import Runtime, check_group, resolve_backend, run
 from emcl_kernels.skips import NonFiniteGradientWarning
-from emcl_kernels.validation import (NUMERIC_KEYS, PARAM_DTYPES, check_flag, check_no_overlap,
-                                     state_dtype)
+from emcl_kernels.validation import (GROUP_NAMES, NUMERIC_KEYS, PARAM_DTYPES, check_flag,
+                                     check_no_overlap, group_spelling, state_dtype)
 
 __all__ = ["FusedEMCLOptimizer", "NonFiniteGradientWarning"]
 
@@ -22,10 +25,12 @@ __all__ = ["FusedEMCLOptimizer", "NonFiniteGradientWarning"]
 DEFAULT_LR_MODE = "inverse"
 DEFAULT_DECAY = 0.9
 DEFAULT_LR_SCALE = None  # None: 1 / reg, so that alpha * reg * h ~ meta_lr wherever h >> eps
+DEFAULT_LR = 0.075       # β
 
 # step() without meta_every: the cadence op whose meta step never comes due (its calls are
 # still counted on the device, for the checkpoint)
 _NEVER = 1 << 62
+_UPDATES = {"inner": OP["inner"], "meta": OP["meta"], "inner_meta": OP["inner_meta"]}
 
 
 class FusedEMCLOptimizer(Optimizer):
@@ -64,14 +69,18 @@ class FusedEMCLOptimizer(Optimizer):
     ``step()`` is the inner step followed by the meta step on the same gradient (one fused pass).
 
     Args:
-        params: parameters or param groups (each group may override any hyper-parameter).
+        params: parameters, ``(name, parameter)`` pairs (``model.named_parameters()``: warnings
+            then name them) or param groups; a group may override every hyper-parameter
+            ([note: group keys]), not ``meta_every``, ``check_finite`` or ``backend``.
+        lr: :math:`\beta`, the inner learning rate (default 0.075): the rate torch's LR
+            schedulers and the training frameworks drive ([note: lr]). ``inner_lr`` is the same
+            keyword (the paper's name).
         meta_lr: :math:`\alpha_0`, the base meta learning rate.
-        inner_lr: :math:`\beta`, the inner learning rate.
         reg: :math:`\lambda`, the strength of the importance-weighted pull to :math:`\theta_0`.
         gamma: :math:`\gamma`, the proximal step scalar.
         decay: :math:`\eta`, the importance moving-average decay, in [0, 1].
         lr_scale: :math:`r`; None means ``1 / reg`` (so :math:`\alpha\lambda h \approx \alpha_0`
-            wherever :math:`h \gg \epsilon`).
+            wherever :math:`h \gg \epsilon`). A param group holds it as ``meta_lr_scale``.
         lr_mode: ``"inverse"``, ``"recurrent"`` or ``"constant"``.
         lr_min, lr_max: the clip of the meta learning rate.
         eps: :math:`\epsilon` in :math:`h + \epsilon` (at least the smallest normal float32).
@@ -83,14 +92,36 @@ class FusedEMCLOptimizer(Optimizer):
         capturable: keep the numeric hyper-parameters as 0-d float64 tensors on the
             parameters' device (views of the one tensor the kernels read), so that a step
             captured in a CUDA graph reads their current values at replay. Change them in place
-            (``group["inner_lr"].fill_(0.01)``); a value rebound to a new number or tensor is
-            taken at the next eager step, but a captured graph keeps reading the old storage.
+            (``group["lr"].fill_(0.01)``: a torch scheduler does that); a value rebound to a
+            new number or tensor is taken at the next eager step, but a captured graph keeps
+            reading the old storage.
             In-place changes are not re-validated. Without this flag any hyper-parameter may
             also be given as a 0-d tensor; it is then read and checked at every step.
         check_finite: if True (default), a step whose gradients hold an inf or a NaN writes
             nothing (parameters, anchors, importances, learning rates and the meta-step count
             stay as they were), is counted in :attr:`skipped_steps` and raises a
             :class:`NonFiniteGradientWarning`. False turns the check off, for speed.
+        inner_lr: the paper's name for ``lr`` (give one of them).
+        weight_decay: 0 only (what frameworks pass); a non-zero decay is refused with the reason
+            (EMCL's regulariser is the importance-weighted pull to the anchor).
+
+    [note: lr] ``lr`` is :math:`\beta`: every param group holds it, torch's schedulers, the HF
+    Trainer, accelerate, Lightning and timm drive it, and the inner update reads it at every
+    step. The meta rate :math:`\alpha_0` is not scheduled: a schedule on ``lr`` already scales
+    what each meta step can keep (the inner steps' progress), and scaling ``meta_lr`` by the same
+    factor made a small transformer and Permuted MNIST worse (docs/integration.md, from
+    results/dropin/). A schedule of ``meta_lr`` remains the user's to write (it is a group key).
+
+    [note: group keys] A param group spells two hyper-parameters the torch way: β as ``lr``
+    (given as ``inner_lr`` it is renamed; set on a group later it is refused, never ignored) and
+    r as ``meta_lr_scale`` (``lr_scale`` in a param group is timm's multiplier of ``lr``, which
+    timm's schedulers apply; a group given only ``lr_scale`` is warned about). State dicts
+    saved with the old keys load.
+
+    Zero-initialised parameters ([note: zero parameters] in :mod:`emcl_kernels.zeros`): a tensor
+    that is all zero where its state starts never leaves 0 under the Taylor importance; the first
+    step names such tensors in a :class:`~emcl_kernels.zeros.ZeroParameterWarning`, and
+    :func:`~emcl_kernels.zeros.zero_aware_groups` is the remedy.
 
     Integration (docs/integration.md): ``torch.amp.GradScaler.step(opt)`` hands the
     optimizer its scale and ``found_inf`` (``_step_supports_amp_scaling``), which the kernels
@@ -119,13 +150,14 @@ class FusedEMCLOptimizer(Optimizer):
     warned about nor counted here.
     """
 
-    def __init__(self, params, meta_lr: float = 0.1, inner_lr: float = 0.075, reg: float = 50.0,
-                 gamma: float = 0.1, decay: float = DEFAULT_DECAY,
+    def __init__(self, params, lr: Optional[float] = None, *, meta_lr: float = 0.1,
+                 reg: float = 50.0, gamma: float = 0.1, decay: float = DEFAULT_DECAY,
                  lr_scale: Optional[float] = DEFAULT_LR_SCALE, lr_mode: str = DEFAULT_LR_MODE,
                  lr_min: float = 0.0, lr_max: float = float("inf"), eps: float = 1e-8,
                  importance: str = "taylor", prox: bool = True,
                  meta_every: Optional[int] = None, backend: str = "auto",
-                 capturable: bool = False, check_finite: bool = True):
+                 capturable: bool = False, check_finite: bool = True,
+                 inner_lr: Optional[float] = None, weight_decay: float = 0.0):
         if not isinstance(check_finite, bool):
             raise TypeError(f"check_finite must be a bool, got {type(check_finite).__name__}")
         if not isinstance(capturable, bool):
@@ -137,9 +169,11 @@ class FusedEMCLOptimizer(Optimizer):
         if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
             raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, "
                              f"got {backend!r}")
-        defaults = dict(meta_lr=meta_lr, inner_lr=inner_lr, reg=reg, gamma=gamma, decay=decay,
-                        lr_scale=lr_scale, lr_mode=lr_mode, lr_min=lr_min, lr_max=lr_max,
-                        eps=eps, importance=importance, prox=prox)
+        given = {k: v for k, v in (("lr", lr), ("inner_lr", inner_lr)) if v is not None}
+        lr = group_spelling(given, "FusedEMCLOptimizer()").get("lr", DEFAULT_LR)
+        defaults = dict(lr=lr, meta_lr=meta_lr, reg=reg, gamma=gamma, decay=decay,
+                        meta_lr_scale=lr_scale, lr_mode=lr_mode, lr_min=lr_min, lr_max=lr_max,
+                        eps=eps, importance=importance, prox=prox, weight_decay=weight_decay)
         self._check_group(defaults, "the defaults")
         defaults["capturable"] = capturable
         self.meta_every = meta_every
@@ -147,6 +181,7 @@ class FusedEMCLOptimizer(Optimizer):
         self.check_finite = check_finite
         self._reset_runtime(calls=0, skips=0)
         super().__init__(params, defaults)
+        self._own_hooks()
 
     def _reset_runtime(self, calls: int, skips: int) -> None:
         """Forget plans and device counters; the counts start from ``calls`` and ``skips``."""
@@ -164,9 +199,18 @@ class FusedEMCLOptimizer(Optimizer):
         is not a floating-point tensor, appears twice or shares memory with another parameter
         of any group, or the backend cannot run on a parameter's device.
         """
-        self._check_group({**self.defaults, **{k: v for k, v in param_group.items()
-                                               if k != "params"}},
-                          f"param group {len(self.param_groups)}")
+        where = f"param group {len(self.param_groups)}"
+        if isinstance(param_group, dict):
+            param_group = group_spelling(param_group, where)
+            if "lr_scale" in param_group and "meta_lr_scale" not in param_group:
+                warnings.warn(
+                    f"{where} has 'lr_scale' = {param_group['lr_scale']!r}, which "
+                    "FusedEMCLOptimizer does not read: a param group holds EMCL's r as "
+                    "'meta_lr_scale' (the constructor's lr_scale=), since 'lr_scale' in a group is "
+                    "timm's multiplier of lr (timm's schedulers apply it). Set 'meta_lr_scale' "
+                    "for r", UserWarning, stacklevel=2)
+            self._check_group({**self.defaults, **{k: v for k, v in param_group.items()
+                                                   if k != "params"}}, where)
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
         group = self.param_groups[gi]
@@ -256,27 +300,15 @@ class FusedEMCLOptimizer(Optimizer):
             return
         runtime.step(op, meta_every, check=check, grad_scale=grad_scale, found_inf=found_inf)
 
-    def inner_step(self, *, grad_scale: Optional[Tensor] = None,
-                   found_inf: Optional[Tensor] = None) -> None:
-        """One inner step (eqs. 14, 15, 19) on every parameter with a gradient.
-
-        ``grad_scale``/``found_inf``: see [note: AMP] (normally set by ``GradScaler.step``).
-        """
-        self._step(OP["inner"], 1, grad_scale, found_inf)
-
-    def meta_step(self, *, grad_scale: Optional[Tensor] = None,
-                  found_inf: Optional[Tensor] = None) -> None:
-        """One meta step (eqs. 13, 7, 8, 10): importance, learning rates, anchor; θ ← θ₀."""
-        self._step(OP["meta"], 1, grad_scale, found_inf)
-
-    def inner_meta_step(self, *, grad_scale: Optional[Tensor] = None,
-                        found_inf: Optional[Tensor] = None) -> None:
-        """The inner step, then the meta step on the same gradient, in one fused pass."""
-        self._step(OP["inner_meta"], 1, grad_scale, found_inf)
-
     def step(self, closure: Optional[Callable[[], Tensor]] = None, *,
-             grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None):
+             update: Optional[str] = None, grad_scale: Optional[Tensor] = None,
+             found_inf: Optional[Tensor] = None):
         """An inner step; with ``meta_every=k``, every k-th call is the fused inner+meta step.
+
+        ``update`` names one update instead: ``"inner"``, ``"meta"`` or ``"inner_meta"`` (what
+        :meth:`inner_step`, :meth:`meta_step` and :meth:`inner_meta_step` do, through here, so
+        that torch's step hooks, LR schedulers and trainers that count ``step()`` calls see every
+        update: [note: one step method]). Such a call does not count towards ``meta_every``.
 
         ``closure``, if given, re-evaluates the model and returns the loss (computed with
         gradients enabled), as for any ``torch.optim.Optimizer``. ``grad_scale``/``found_inf``:
@@ -287,8 +319,40 @@ class FusedEMCLOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._step(OP["cadence"], self.meta_every or _NEVER, grad_scale, found_inf)
+        if update is None:
+            self._step(OP["cadence"], self.meta_every or _NEVER, grad_scale, found_inf)
+        else:
+            op = _UPDATES.get(update) if isinstance(update, str) else None
+            if op is None:
+                raise ValueError(f"update must be None (the meta_every cadence) or one of "
+                                 f"{', '.join(map(repr, _UPDATES))}, got {update!r}")
+            self._step(op, 1, grad_scale, found_inf)
         return loss
+
+    # [note: one step method] The paper's two updates are ``step(update=...)`` calls: torch's
+    # ``Optimizer.step`` wrapper (step pre/post hooks, the profiler's record, the flag an LR
+    # scheduler checks to warn about a scheduler stepped before its optimizer) then runs for
+    # every update, and a wrapper that counts optimizer steps (Lightning's LightningOptimizer,
+    # which EMCL's methods reach through its ``step``, accelerate's AcceleratedOptimizer) counts
+    # inner and meta steps, with no EMCL-specific code in the trainer.
+    def inner_step(self, *, grad_scale: Optional[Tensor] = None,
+                   found_inf: Optional[Tensor] = None) -> None:
+        """One inner step (eqs. 14, 15, 19) on every parameter with a gradient:
+        ``step(update="inner")``. ``grad_scale``/``found_inf``: see [note: AMP] (normally set
+        by ``GradScaler.step``)."""
+        self.step(update="inner", grad_scale=grad_scale, found_inf=found_inf)
+
+    def meta_step(self, *, grad_scale: Optional[Tensor] = None,
+                  found_inf: Optional[Tensor] = None) -> None:
+        """One meta step (eqs. 13, 7, 8, 10): importance, learning rates, anchor; θ ← θ₀.
+        ``step(update="meta")``."""
+        self.step(update="meta", grad_scale=grad_scale, found_inf=found_inf)
+
+    def inner_meta_step(self, *, grad_scale: Optional[Tensor] = None,
+                        found_inf: Optional[Tensor] = None) -> None:
+        """The inner step, then the meta step on the same gradient, in one fused pass:
+        ``step(update="inner_meta")``."""
+        self.step(update="inner_meta", grad_scale=grad_scale, found_inf=found_inf)
 
     # -- counters -------------------------------------------------------------------------------
     @property
@@ -307,57 +371,79 @@ class FusedEMCLOptimizer(Optimizer):
         return self._runtime.skips.total()
 
     # -- checkpoints ----------------------------------------------------------------------------
+    # [note: checkpoint hooks] torch's state_dict runs its pre-hooks, packs the state, then its
+    # post-hooks; what EMCL adds to the dict (the "emcl" entry, the step counts as tensors of
+    # their own, capturable values as numbers) is the first post-hook, so that a user's hooks
+    # see and may change the final dict. load_state_dict runs the user's pre-hooks first (one
+    # may change or replace what is loaded), then checks what they produced, then loads it and
+    # runs the post-hooks: the order torch's optimizers follow.
+    def _own_hooks(self) -> None:
+        """Register [note: checkpoint hooks]' post-hook once (again after an unpickle, which
+        gives an optimizer empty hook dicts)."""
+        hooks = self._optimizer_state_dict_post_hooks
+        if not any(h is _finish_state_dict for h in hooks.values()):
+            self.register_state_dict_post_hook(_finish_state_dict, prepend=True)
+
     def state_dict(self) -> dict:
         """torch's optimizer state dict, plus ``"emcl"``: the count of ``step()`` calls that
         ``meta_every`` runs on, the count of skipped steps, and every parameter's shape (so
         that a load into another model or another parameter order is refused). Capturable
-        hyper-parameters are saved as numbers."""
-        sd = super().state_dict()
-        sd["state"] = {k: {key: (v.detach().clone() if key == "step" else v)
-                           for key, v in st.items()} for k, st in sd["state"].items()}
-        for group in sd["param_groups"]:
-            for k in NUMERIC_KEYS:
-                if isinstance(group.get(k), Tensor) and group.get("capturable"):
-                    group[k] = float(group[k].item())
-        sd["emcl"] = {"step_calls": self._step_calls, "skipped_steps": self.skipped_steps,
-                      "param_shapes": [[list(p.shape) for p in group["params"]]
-                                       for group in self.param_groups]}
-        return sd
+        hyper-parameters are saved as numbers. Hooks: [note: checkpoint hooks]."""
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state saved by :meth:`state_dict`, on any device and backend.
 
-        Everything is checked before anything changes: the groups and their hyper-parameters,
+        The load_state_dict pre-hooks run first and what they return is what is loaded. Then
+        everything is checked before anything changes: the groups and their hyper-parameters,
         the parameters' shapes and order, every state tensor's kind, shape and values (finite
         anchors, finite non-negative importances and rates, whole non-negative step counts) and
         the counters. The state tensors keep their fp32 (fp64) values whatever the parameters'
         dtype, so a bf16 model's master anchors survive the round trip bit for bit; they are put
-        on the parameters' device, in the parameters' memory layout.
+        on the parameters' device, in the parameters' memory layout. A state saved before param
+        groups held β as ``lr`` (under ``inner_lr``) loads as ``lr``. Entries of the state that
+        are not a parameter's (a hook's) are kept as they are, as torch does.
         """
         from emcl_kernels.checkpoint import check_state_dict
-        saved_state, extra, id_to_param = check_state_dict(self, state_dict)
-        state_dict = {k: v for k, v in state_dict.items() if k != "emcl"}
-        self._runtime.retire()
-        super().load_state_dict(state_dict)
+        state_dict = dict(state_dict) if isinstance(state_dict, dict) else state_dict
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved_state, extra, id_to_param, saved_groups = check_state_dict(self, state_dict)
+        state: defaultdict = defaultdict(dict)
+        for key, st in state_dict["state"].items():
+            if key not in id_to_param:
+                state[key] = st
         for pid, st in saved_state.items():
             p = id_to_param[pid]
-            mine = self.state[p]
+            mine = state[p]
             for key, value in st.items():
                 if key == "step":
                     mine[key] = torch.as_tensor(value).detach().reshape(()).to(
                         dtype=torch.float32, device=local(p).device).clone()
                 else:
                     mine[key] = torch.empty_like(p, dtype=state_dtype(p.dtype)).copy_(value)
+        groups = []
+        for group, saved in zip(self.param_groups, saved_groups):
+            new = deepcopy({k: v for k, v in saved.items() if k != "params"})
+            new["params"] = group["params"]
+            if "param_names" in group and "param_names" not in new:
+                new["param_names"] = group["param_names"]
+            groups.append(new)
+        self._runtime.retire()
+        self.state, self.param_groups = state, groups
         self._reset_runtime(calls=extra["step_calls"], skips=extra["skipped_steps"])
         for gi, group in enumerate(self.param_groups):
             if group.get("capturable"):
                 self._runtime.adopt_capturable(gi)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     # -- copies and pickles ---------------------------------------------------------------------
     def __getstate__(self) -> dict:
         state = dict(super().__getstate__())
-        state["state"] = {p: {k: (v.detach().clone() if k == "step" else v)
-                              for k, v in st.items()} for p, st in state["state"].items()}
+        state["state"] = {p: _own_steps(st) for p, st in state["state"].items()}
         state["emcl"] = {"meta_every": self.meta_every, "backend": self.backend,
                          "check_finite": self.check_finite, "step_calls": self._step_calls,
                          "skipped_steps": self.skipped_steps}
@@ -367,7 +453,8 @@ class FusedEMCLOptimizer(Optimizer):
         state = dict(state)
         extra = state.pop("emcl", None)
         super().__setstate__(state)
-        if extra is None:  # torch's load_state_dict hands over the new state and groups only
+        self._own_hooks()
+        if extra is None:
             return
         self.meta_every = extra.get("meta_every")
         self.backend = extra.get("backend", "auto")
@@ -378,3 +465,26 @@ class FusedEMCLOptimizer(Optimizer):
             if group.get("capturable"):
                 self._runtime.adopt_capturable(gi)
 
+
+def _own_steps(st):
+    """A parameter's state with its ``step`` a tensor of its own (in the optimizer it is a view
+    of its plan's one counter tensor); anything that is not a parameter's state as it is."""
+    if not isinstance(st, dict) or not isinstance(st.get("step"), Tensor):
+        return st
+    return {k: (v.detach().clone() if k == "step" else v) for k, v in st.items()}
+
+
+_CAPTURABLE_KEYS = tuple(GROUP_NAMES.get(k, k) for k in NUMERIC_KEYS)
+
+
+def _finish_state_dict(opt: FusedEMCLOptimizer, sd: dict) -> None:
+    """The state_dict post-hook that completes EMCL's dict ([note: checkpoint hooks])."""
+    sd["state"] = {k: _own_steps(st) for k, st in sd["state"].items()}
+    for group in sd["param_groups"]:
+        if group.get("capturable"):
+            for k in _CAPTURABLE_KEYS:
+                if isinstance(group.get(k), Tensor):
+                    group[k] = float(group[k].item())
+    sd["emcl"] = {"step_calls": opt._step_calls, "skipped_steps": opt.skipped_steps,
+                  "param_shapes": [[list(p.shape) for p in group["params"]]
+                                   for group in opt.param_groups]}

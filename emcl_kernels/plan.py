@@ -23,16 +23,19 @@ import torch
 from torch import Tensor
 
 from emcl_kernels.backends.extension import entry_point
-from emcl_kernels.integration import is_dtensor, local
+from emcl_kernels.integration import capturing, is_dtensor, local
 from emcl_kernels.interface import (COUNTER, COUNTER_FIELDS, HYPER, HYPER_DEFAULTS, HYPER_FIELDS,
                                     IMPORTANCE, LR_MODE, OP)
 from emcl_kernels.skips import SkipLog
-from emcl_kernels.validation import (IMPORTANCE_KINDS, INNER_KEYS, LR_MODES, META_KEYS,
-                                     NUMERIC_KEYS, PLAIN_TENSORS, check_hyperparameters, check_like,
+from emcl_kernels.validation import (GROUP_NAMES, IMPORTANCE_KINDS, INNER_KEYS, LR_MODES,
+                                     META_KEYS, NUMERIC_KEYS, OPTIMIZER_WIDE, PLAIN_TENSORS,
+                                     check_group_options, check_hyperparameters, check_like,
                                      check_no_overlap, check_param, same_layout, state_dtype)
+from emcl_kernels.zeros import warn_zero_parameters
 
 __all__ = ["Plan", "Runtime", "run", "new_counters", "hyper_values", "pack_hyper",
-           "agree_on_found", "resolve_backend", "check_group", "HYPER_KEYS"]
+           "agree_on_found", "resolve_backend", "check_group", "HYPER_KEYS", "GROUP_KEYS",
+           "group_values"]
 
 _FOUND, _CALLS = COUNTER["found"], COUNTER["calls"]
 
@@ -191,25 +194,39 @@ def resolve_backend(name: str, device: torch.device):
 
 
 HYPER_KEYS = tuple(dict.fromkeys(INNER_KEYS + META_KEYS))
+#: The same, as a param group spells them (β is ``lr``: validation.GROUP_NAMES).
+GROUP_KEYS = tuple(GROUP_NAMES.get(k, k) for k in HYPER_KEYS)
+_NUMERIC_GROUP_KEYS = tuple(GROUP_NAMES.get(k, k) for k in NUMERIC_KEYS)
+# what the per-step key compares by identity: the hyper-parameters and the other keys a group
+# may hold that check_group_options rules on
+_WATCHED = GROUP_KEYS + ("weight_decay", "inner_lr") + OPTIMIZER_WIDE
 _MODE_KEYS = ("prox", "importance", "lr_mode")
 _MODE_INDEX = tuple(HYPER_KEYS.index(k) for k in _MODE_KEYS)
 _STATE_TENSORS = ("anchor", "importance", "meta_lr")
 
 
 def check_group(group: dict, where: str = "param group") -> dict:
-    """A param group's hyper-parameters, checked ([note: domains] in validation.py)."""
-    missing = [k for k in HYPER_KEYS if k not in group]
+    """A param group's hyper-parameters, checked ([note: domains] in validation.py) and keyed by
+    their own names (``inner_lr`` for the group's ``lr``); its other options too."""
+    missing = [k for k in GROUP_KEYS if k not in group]
     if missing:
         raise ValueError(f"{where} lacks the hyper-parameter(s) {', '.join(missing)}; "
                          "was it made for another optimizer?")
-    return check_hyperparameters(**{k: group[k] for k in HYPER_KEYS})
+    check_group_options(group, where)
+    hp = check_hyperparameters(**{k: group[k] for k in GROUP_KEYS})
+    return {name: hp[k] for name, k in zip(HYPER_KEYS, GROUP_KEYS)}
+
+
+def group_values(group: dict) -> dict:
+    """A param group's hyper-parameter objects keyed by their own names (unchecked)."""
+    return {name: group.get(k) for name, k in zip(HYPER_KEYS, GROUP_KEYS)}
 
 
 def group_key(group: dict) -> tuple:
     """What a plan depends on in a group's hyper-parameters: values, and tensors by
     identity."""
     return tuple(("tensor", id(v)) if isinstance(v, Tensor) else v
-                 for v in map(group.get, HYPER_KEYS))
+                 for v in map(group.get, GROUP_KEYS))
 
 
 def _kind(v) -> str:
@@ -400,8 +417,9 @@ class Runtime:
             return
         self.unadopted.discard(gi)
         for name, i in HYPER.items():
-            if group[name] is not None:
-                group[name] = storage[i]
+            key = GROUP_NAMES.get(name, name)
+            if group[key] is not None:
+                group[key] = storage[i]
 
     def refresh_hyper(self, gi: int, group: dict) -> None:
         """A group's numbers changed (a schedule), or its tensor hyper-parameters are read per
@@ -488,16 +506,22 @@ class Runtime:
                     if key in st:
                         named.append((f"the {key} state of {where}", st[key]))
         check_no_overlap(named)
+        fresh = []
         for gi, group, _, ready in checked:       # every check passed: now relay and make state
             recurrent = group["lr_mode"] == "recurrent"
-            for _, p in ready:
+            names = group.get("param_names")
+            for pi, p in ready:
                 follow_layout(opt.state, p)
-                init_state(opt.state, p, group, recurrent)
+                if init_state(opt.state, p, group, recurrent):
+                    fresh.append((repr(names[pi]) if names else
+                                  f"parameter {pi} of param group {gi}", p, group))
+        if fresh and not capturing():
+            warn_zero_parameters(fresh)
         plans, keys, tensor_hyper = [], [], []
         mesh = None
         for gi, group, hp, ready in checked:
             keys.append(group_key(group))
-            if any(isinstance(group[k], Tensor) for k in NUMERIC_KEYS) \
+            if any(isinstance(group[k], Tensor) for k in _NUMERIC_GROUP_KEYS) \
                     and not group.get("capturable"):
                 tensor_hyper.append(gi)
             by_key: dict = {}
@@ -583,10 +607,11 @@ class Runtime:
         when a mode changed or a number became a tensor (or back)."""
         groups = self.opt.param_groups
         for gi, (group, key) in enumerate(zip(groups, self.keys)):
-            objects = list(map(group.get, HYPER_KEYS))
+            objects = list(map(group.get, _WATCHED))
             seen = self.seen[gi]
             if seen is not None and all(map(_is, objects, seen)):
                 continue  # the very objects found equal before (numbers are immutable)
+            check_group_options(group, f"param group {gi}")
             now = group_key(group)
             if now != key:
                 if any(_kind(a) != _kind(b) for a, b in zip(now, key)) \
@@ -594,7 +619,7 @@ class Runtime:
                     return self.build()
                 self.refresh_hyper(gi, group)
                 self.keys[gi] = group_key(group)
-                objects = list(map(group.get, HYPER_KEYS))
+                objects = list(map(group.get, _WATCHED))
             self.seen[gi] = objects
         for gi in self.tensor_hyper:
             self.refresh_hyper(gi, groups[gi])
@@ -721,7 +746,7 @@ class Runtime:
             for k, (n, m, prox, importance, lr_mode, device) in enumerate(specs):
                 device = torch.device(device)
                 steps, c = extras[3 * k], extras[3 * k + 2]
-                hyper = _traced_hyper(group, device)
+                hyper = _traced_hyper(group_values(group), device)
                 plans.append(Plan(resolve_backend(opt.backend, device), device, None, [],
                                   params[start:start + n], anchors[start:start + n],
                                   importances[start:start + n], meta_lrs[mstart:mstart + m],
@@ -748,12 +773,12 @@ class Runtime:
 # view of its storage): Dynamo has read the group before ``_init_group`` runs, and a trace that
 # restarts would then read other values than its first attempt (SpeculationLogDivergence);
 # ``Runtime.tracing`` keeps the group as the user left it while Dynamo traces.
-def _traced_hyper(group: dict, device: torch.device) -> Tensor:
-    """``hyper`` made in a traced graph from a group's values ([note: compiled
-    hyper-parameters])."""
+def _traced_hyper(values: dict, device: torch.device) -> Tensor:
+    """``hyper`` made in a traced graph from a group's values (:func:`group_values`,
+    [note: compiled hyper-parameters])."""
     parts = []
     for name in HYPER_FIELDS:
-        v = _hyper_entry(group, name)
+        v = _hyper_entry(values, name)
         if isinstance(v, Tensor):
             parts.append(v.detach().reshape(()).to(device=device, dtype=torch.float64))
         else:
@@ -809,9 +834,10 @@ def follow_layout(state, p: Tensor) -> None:
 
 def init_state(state, p: Tensor, group: dict, recurrent: bool) -> None:
     """A parameter's state at its first step: θ₀ = θ, h = 0, step 0, and α = α₀ when
-    ``recurrent``."""
+    ``recurrent``. Returns whether the state was made here (not loaded or made before)."""
     st = state[p]
-    if not st:
+    made = not st
+    if made:
         st["anchor"] = torch.empty_like(p, dtype=state_dtype(p.dtype)).copy_(p.detach())
         st["importance"] = torch.zeros_like(st["anchor"])
         st["step"] = torch.zeros((), dtype=torch.float32, device=local(p).device)
@@ -820,3 +846,4 @@ def init_state(state, p: Tensor, group: dict, recurrent: bool) -> None:
         st["meta_lr"] = torch.empty_like(st["anchor"])
         st["meta_lr"].copy_(meta_lr) if isinstance(meta_lr, Tensor) \
             else st["meta_lr"].fill_(float(meta_lr))
+    return made

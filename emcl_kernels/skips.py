@@ -38,8 +38,8 @@ class NonFiniteGradientWarning(RuntimeWarning):
 def _caller_stacklevel() -> int:
     """The ``stacklevel`` that points a warning at the first frame outside this package and
     torch (the user's ``opt.step()``), whatever the path through them."""
-    inside = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-              os.path.dirname(os.path.abspath(torch.__file__)))
+    inside = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+              os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_code.co_filename.startswith(inside):
         frame, level = frame.f_back, level + 1

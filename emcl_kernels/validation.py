@@ -28,7 +28,8 @@ from emcl_kernels.integration import capturing, is_dtensor, local
 from emcl_kernels.interface import resolve_lr_scale
 
 __all__ = ["FLT_MAX", "FLT_TINY", "PARAM_DTYPES", "LR_MODES", "IMPORTANCE_KINDS",
-           "INNER_KEYS", "META_KEYS", "NUMERIC_KEYS", "check_hyperparameters", "check_flag",
+           "INNER_KEYS", "META_KEYS", "NUMERIC_KEYS", "GROUP_NAMES", "OPTIMIZER_WIDE",
+           "check_hyperparameters", "check_group_options", "group_spelling", "check_flag",
            "check_param", "check_tensor", "check_like", "check_no_overlap", "plainly_valid", "same_layout", "is_dense",
            "state_dtype"]
 
@@ -43,9 +44,20 @@ META_KEYS = ("meta_lr", "reg", "decay", "lr_scale", "lr_mode", "lr_min", "lr_max
 NUMERIC_KEYS = ("inner_lr", "meta_lr", "reg", "gamma", "decay", "lr_scale", "lr_min", "lr_max",
                 "eps")
 
-# name -> (low, high, low_open, allow_inf)
+#: The key a param group of the optimizer holds a hyper-parameter under, where it is not the
+#: hyper-parameter's own name ([note: group keys] in optimizer.py): β is ``lr``, the key torch's
+#: LR schedulers and the training frameworks read and drive; r is ``meta_lr_scale``, because
+#: ``lr_scale`` in a param group is timm's per-group multiplier of ``lr``, which its schedulers
+#: apply.
+GROUP_NAMES = {"inner_lr": "lr", "lr_scale": "meta_lr_scale"}
+#: Options of the whole optimizer; a param group that sets one is refused (nothing would read it).
+OPTIMIZER_WIDE = ("meta_every", "check_finite", "backend")
+
+# name -> (low, high, low_open, allow_inf); "lr" is how a param group spells inner_lr
 _DOMAINS = {
     "inner_lr": (0.0, FLT_MAX, False, False),
+    "lr": (0.0, FLT_MAX, False, False),
+    "meta_lr_scale": (0.0, FLT_MAX, False, False),
     "meta_lr": (0.0, FLT_MAX, False, False),
     "reg": (0.0, FLT_MAX, False, False),
     "gamma": (0.0, FLT_MAX, False, False),
@@ -66,6 +78,11 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 # Hyper-parameters
 # ---------------------------------------------------------------------------------------------
 
+# how a message names a hyper-parameter whose key alone would not say which rate it is
+_SHOWN = {"lr": "lr (β, the inner learning rate)",
+          "meta_lr_scale": "meta_lr_scale (r, the constructor's lr_scale)"}
+
+
 def _range_error(name: str, value, low, high) -> ValueError:
     what = {"eps": " (at least the smallest normal float32 number)",
             "decay": ""}.get(name, " (and at most the largest float32 number)")
@@ -80,6 +97,7 @@ def _number(name: str, value):
     """One numeric hyper-parameter: a float, or the 0-d tensor itself (checked by value unless
     reading it would need a host sync inside torch.compile or a CUDA graph capture)."""
     low, high, _, allow_inf = _DOMAINS[name]
+    name = _SHOWN.get(name, name)
     if isinstance(value, Tensor):
         if value.dim() != 0 or not value.is_floating_point():
             raise TypeError(f"{name} given as a tensor must be a 0-d floating-point tensor (a "
@@ -131,21 +149,23 @@ def _value(v) -> Optional[float]:
 
 def _check_products(out: dict) -> None:
     """[note: domains]: the scalars the kernels form stay finite in fp32."""
-    v = {k: _value(out[k]) for k in NUMERIC_KEYS if k in out and out[k] is not None}
+    v = {k: _value(out[k]) for k in _DOMAINS if k in out and out[k] is not None}
     if any(x is None for x in v.values()):
         return
     if "lr_min" in v and "lr_max" in v and v["lr_max"] < v["lr_min"]:
         raise ValueError(f"lr_max ({v['lr_max']:g}) must be >= lr_min ({v['lr_min']:g})")
     reg = v.get("reg")
-    scale = v.get("lr_scale")
-    if reg is not None and "lr_scale" in out and scale is None:
+    scale_key = "meta_lr_scale" if "meta_lr_scale" in out else "lr_scale"
+    scale = v.get(scale_key)
+    if reg is not None and scale_key in out and scale is None:
         scale = resolve_lr_scale(None, reg)
     products = []
     if reg is not None:
         if "gamma" in v:
             products.append(("gamma * reg", v["gamma"] * reg))
-        if "inner_lr" in v:
-            products.append(("inner_lr * reg", v["inner_lr"] * reg))
+        for beta in ("inner_lr", "lr"):
+            if beta in v:
+                products.append((f"{beta} * reg", v[beta] * reg))
         if "meta_lr" in v:
             products.append(("meta_lr * reg", v["meta_lr"] * reg))
     if "meta_lr" in v and scale is not None:
@@ -182,7 +202,7 @@ def check_hyperparameters(**hp) -> dict:
     out = {}
     for name, value in hp.items():
         if name in _DOMAINS:
-            if name == "lr_scale" and value is None:
+            if name in ("lr_scale", "meta_lr_scale") and value is None:
                 out[name] = None  # the default: 1 / reg
             else:
                 out[name] = _number(name, value)
@@ -200,6 +220,52 @@ def check_hyperparameters(**hp) -> dict:
             _CHECKED.clear()
         _CHECKED[key] = dict(out)
     return out
+
+
+def group_spelling(group: dict, where: str) -> dict:
+    """A param group as the user gave it, with β under ``lr``: ``inner_lr`` (the paper's name,
+    and this package's keyword before param groups spoke torch's ``lr``) is taken as ``lr``; both
+    with different values is refused. The group itself is not changed."""
+    if "inner_lr" not in group:
+        return group
+    out = {k: v for k, v in group.items() if k != "inner_lr"}
+    beta = group["inner_lr"]
+    if "lr" in group and group["lr"] is not beta and not (
+            not isinstance(beta, Tensor) and not isinstance(group["lr"], Tensor)
+            and group["lr"] == beta):
+        raise ValueError(f"{where} gives both lr={group['lr']!r} and inner_lr={beta!r}: they "
+                         "are the same rate (β, the inner learning rate); give one of them")
+    out["lr"] = beta
+    return out
+
+
+def check_group_options(group: dict, where: str) -> None:
+    """The keys of a param group that are not hyper-parameters: the optimizer-wide options
+    (refused in a group), ``inner_lr`` once the group exists (its rate is ``lr``), and
+    ``weight_decay`` (accepted when 0, refused otherwise, with the reason)."""
+    for name in OPTIMIZER_WIDE:
+        if name in group:
+            raise ValueError(
+                f"{where} sets {name}={group[name]!r}, but {name} is an option of the whole "
+                f"optimizer, not of a param group (one step serves every group): pass it to "
+                f"FusedEMCLOptimizer(..., {name}=...) and remove it from the group")
+    if "inner_lr" in group:
+        raise ValueError(
+            f"{where} holds 'inner_lr' = {group['inner_lr']!r}: a param group holds β, the inner "
+            "learning rate, under 'lr' (the key LR schedulers drive), so this value would be "
+            "ignored; set group['lr'] and delete group['inner_lr']")
+    wd = group.get("weight_decay", 0.0)
+    if isinstance(wd, Tensor):
+        wd = None if capturing() or wd.numel() != 1 else float(wd.item())
+    if wd is not None and (isinstance(wd, bool) or not isinstance(wd, Real) or float(wd) != 0.0):
+        raise ValueError(
+            f"{where} has weight_decay={group['weight_decay']!r}: FusedEMCLOptimizer applies no "
+            "weight decay. EMCL's regulariser is the importance-weighted pull of every weight "
+            "towards its anchor θ₀ (reg, gamma), and the meta step moves the anchor by what the "
+            "inner steps learnt; a decoupled decay would be a third force that the paper does not "
+            "have and no measurement here supports, so it is refused rather than silently "
+            "ignored. Pass weight_decay=0 (HF TrainingArguments and timm's factory default to 0) "
+            "or regularise through reg (docs/integration.md)")
 
 
 def check_flag(name: str, t) -> None:

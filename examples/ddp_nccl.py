@@ -81,7 +81,7 @@ def main():
 
     # capturable: hyper-parameters are device tensors, so a compiled step reads their current
     # values instead of recompiling when a schedule changes them
-    opt = FusedEMCLOptimizer(net.parameters(), meta_lr=0.9, inner_lr=0.2, reg=1.0,
+    opt = FusedEMCLOptimizer(net.parameters(), lr=0.2, meta_lr=0.9, reg=1.0,
                              meta_every=args.meta_every, backend=args.backend,
                              capturable=args.compile)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None

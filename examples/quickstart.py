@@ -33,7 +33,7 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4))
-    opt = FusedEMCLOptimizer(model.parameters(), meta_lr=0.3, inner_lr=0.05, reg=10.0,
+    opt = FusedEMCLOptimizer(model.parameters(), lr=0.05, meta_lr=0.3, reg=10.0,
                              gamma=0.3, backend=args.backend)
     print(f"available backends: {available_backends()}; using {args.backend!r}")
     tasks = {"A": make_task(1), "B": make_task(2)}

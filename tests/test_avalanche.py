@@ -93,7 +93,7 @@ def test_strategy_equals_method_emcl_on_the_same_batches(stream, change, one_tor
     assert len(got) == N_TASKS
     assert diff <= 1e-5, f"{change}: accuracy matrices differ by {diff}:\n{got}\n{ref}"
     assert strategy.buffer is not None and len(strategy.buffer) == min(200, N_TASKS * PER_TASK)
-    assert strategy.optimizer.param_groups[0]["inner_lr"] == 0.03
+    assert strategy.optimizer.param_groups[0]["lr"] == 0.03
 
 
 @needs_avalanche
@@ -215,11 +215,11 @@ def test_presets_by_name_and_overrides(stream):
     model = build_model(stream.info)
     s = EMCLStrategy(model=model, preset="split-cifar100", evaluator=_evaluator())
     g = s.optimizer.param_groups[0]
-    assert (g["meta_lr"], g["inner_lr"], g["reg"], g["gamma"]) == (0.1, 0.075, 50.0, 0.1)
+    assert (g["meta_lr"], g["lr"], g["reg"], g["gamma"]) == (0.1, 0.075, 50.0, 0.1)
     assert s.memory == PRESETS["split-cifar100"]["memory"] == 200
     s = EMCLStrategy(model=model, preset="many-permutations", gamma=0.5, memory=0, evaluator=_evaluator())
     g = s.optimizer.param_groups[0]
-    assert (g["meta_lr"], g["inner_lr"], g["gamma"]) == (0.15, 0.03, 0.5)
+    assert (g["meta_lr"], g["lr"], g["gamma"]) == (0.15, 0.03, 0.5)
     assert s.memory == 0
     with pytest.raises(ValueError, match="unknown preset"):
         EMCLStrategy(model=model, preset="nope", evaluator=_evaluator())

@@ -174,3 +174,128 @@ def test_image_stream_reports_time_per_batch(tmp_path):
     assert (tmp_path / "img.png").read_bytes()[:8] == PNG_MAGIC
     table = bench_training.readme_tables([json.loads((tmp_path / "img.json").read_text())])
     assert "ms per batch (steady)" in table and "ACC not meaningful" in table
+
+
+# ---------------------------------------------------------------------------------------------
+# --heldout: the counted cost of each algorithm, and the interleaved rounds
+# ---------------------------------------------------------------------------------------------
+
+def _counted(method, overrides, n_tasks=2, per_task=30):
+    from emcl_continual import train
+    from emcl_continual.methods import get_method
+
+    stream = streams.make_stream("permuted-mnist", 3, n_tasks=n_tasks, samples_per_task=per_task)
+    r = bench_training.run_prefix(train, get_method, method, overrides, stream, 3, n_tasks, 10, count=True)
+    assert r["incoming_samples"] == n_tasks * per_task
+    return r["counts"]
+
+
+N, B = 60, 10                      # incoming samples (2 tasks of 30) and batch size
+BATCHES = N // B
+
+
+# La-MAML, 5 glances: per glance 10 one-sample inner steps, each followed by the meta-loss on the
+# batch and 10 replayed samples (1 + 10 + 10 = 21 samples per inner step; the first glance of
+# the first batch has no replay yet: 11)
+LAMAML_PASSES = 10 * 11 + 4 * 10 * 21 + (BATCHES - 1) * 5 * 10 * 21
+
+
+def _mer_steps(k, s=10):
+    """MER: per incoming example, s batches of the example and up to k memories (the reservoir
+    holds every earlier example until it is full), one SGD step per sample of each batch."""
+    return sum(s * (1 + min(k, n)) for n in range(N))
+
+
+@pytest.mark.parametrize("method, overrides, forward, backward, updates, optimizer_calls", [
+    # one SGD step per batch on the batch
+    ("sgd", {}, N, N, BATCHES, {"step": BATCHES}),
+    # ER: the batch joined with 10 replayed samples, except the first batch (empty buffer)
+    ("er", {}, B + (BATCHES - 1) * 2 * B, B + (BATCHES - 1) * 2 * B, BATCHES, {"step": BATCHES}),
+    # GEM (the memory split by the stream's 2 tasks: 100 each): task 1's batches also take the
+    # gradient of task 0's 30 stored samples (one vmapped call)
+    ("gem", {}, N + 3 * 30, N + 3 * 30, BATCHES, {"step": BATCHES}),
+    # MER: one forward, backward and update per per-sample step; NumPy fast path and autograd alike
+    ("mer", {}, _mer_steps(10), _mer_steps(10), _mer_steps(10), {}),
+    ("mer", {"fast_mlp": False}, _mer_steps(10), _mer_steps(10), _mer_steps(10), {}),
+    # La-MAML: updates are the 10 fast-weight sets and the meta step of each glance; its
+    # optimizer steps the learning rates
+    ("lamaml", {}, LAMAML_PASSES, LAMAML_PASSES,
+     BATCHES * 5 * 11, {"step": BATCHES * 5}),
+    # second order: the meta backward also runs back through each inner forward
+    ("lamaml", {"second_order": True}, LAMAML_PASSES, LAMAML_PASSES + BATCHES * 5 * 10, BATCHES * 5 * 11, {"step": BATCHES * 5}),
+    # EMCL, one glance: one-sample inner steps over the batch and 10 replayed samples, then the
+    # meta-loss on the same 20 (10 and 10 on the first batch)
+    ("emcl", {}, 2 * B + (BATCHES - 1) * 4 * B, 2 * B + (BATCHES - 1) * 4 * B, (B + 1) + (BATCHES - 1) * (2 * B + 1),
+     {"inner_step": B + (BATCHES - 1) * 2 * B, "meta_step": BATCHES}),
+    ("emcl", {"glances": 2}, 2 * (2 * B + (BATCHES - 1) * 4 * B), 2 * (2 * B + (BATCHES - 1) * 4 * B),
+     2 * ((B + 1) + (BATCHES - 1) * (2 * B + 1)), {"inner_step": 2 * (B + (BATCHES - 1) * 2 * B), "meta_step": 2 * BATCHES}),
+])
+def test_counted_cost_is_what_each_algorithm_does(method, overrides, forward, backward, updates, optimizer_calls):
+    c = _counted(method, overrides)
+    assert (c["forward_samples"], c["backward_samples"], c["updates"], c["optimizer_calls"]) == \
+        (forward, backward, updates, optimizer_calls)
+    assert c["forward_per_sample"] == pytest.approx(forward / N)
+    assert c["updates_per_sample"] == pytest.approx(updates / N)
+
+
+def test_counter_leaves_the_learner_as_it_was():
+    from emcl_continual import train
+    from emcl_continual.methods import get_method
+    from emcl_continual.models import build_model
+
+    stream = streams.make_stream("permuted-mnist", 0, n_tasks=1, samples_per_task=10)
+    config = train.build_config("emcl", "permuted-mnist", 0, {})
+    learner = get_method("emcl")(build_model(stream.info), stream.info, config, torch.device("cpu"))
+    counter = bench_training.CostCounter().attach(learner)
+    assert "inner_step" in vars(learner.opt) and learner.model._forward_hooks
+    x, y = next(stream.batches(0, 10))
+    learner.observe(x, y, 0)
+    counter.flush()
+    counter.detach()
+    assert "inner_step" not in vars(learner.opt) and "step" not in vars(learner.opt)
+    assert not learner.model._forward_hooks and not learner.model._forward_pre_hooks
+    learner.observe(x, y, 0)  # no longer counted
+    assert counter.forward_samples == 20 and counter.updates == 11
+
+
+def test_heldout_rows_are_the_committed_report_rows():
+    heldout = os.path.join(bench_training.common.REPO, "results", "heldout")
+    rows = {r["name"]: r for r in bench_training.heldout_rows(os.path.join(heldout, "permuted-mnist"))}
+    plan = {r["name"]: r for r in json.load(open(os.path.join(heldout, "permuted-mnist", "plan.json")))["rows"]}
+    # La-MAML's selected configuration is its own script's: timed once, under both names
+    assert "lamaml" not in rows and rows["lamaml/own-script"]["same_as"] == ["lamaml"]
+    for name, r in rows.items():
+        assert plan[name]["role"] == "report" and r["overrides"] == plan[name]["overrides"]
+    rot = bench_training.heldout_rows(os.path.join(heldout, "rotated-mnist"))
+    assert {"lamaml", "lamaml/own-script", "emcl", "mer", "emcl/glances=5"} <= {r["name"] for r in rot}
+    with pytest.raises(SystemExit, match="not report rows"):
+        bench_training.heldout_rows(os.path.join(heldout, "rotated-mnist"), ["emcl/grid0"])
+
+
+def test_heldout_mode_counts_then_times_interleaved_rounds(tmp_path):
+    folder = tmp_path / "heldout" / "permuted-mnist"
+    folder.mkdir(parents=True)
+    rows = [{"name": m, "method": m, "overrides": {}, "role": "report", "seeds": [10]} for m in ("sgd", "emcl")]
+    (folder / "plan.json").write_text(json.dumps({"stream": "permuted-mnist", "report_seeds": [10], "n_tasks": 3,
+                                                  "samples_per_task": 20, "data_root": None, "rows": rows}))
+    argv = ["--heldout", str(tmp_path / "heldout"), "--streams", "permuted-mnist", "--heldout-samples", "40",
+            "--rounds", "3", "--out-dir", str(tmp_path / "out"), "--name", "h"]
+    result = bench_training.main(argv)
+    assert [(r["round"], r["row"]) for r in result["records"]] == \
+        [(0, "sgd"), (0, "emcl"), (1, "emcl"), (1, "sgd"), (2, "sgd"), (2, "emcl")]
+    saved = json.load(open(tmp_path / "out" / "h.json"))
+    assert saved["schema"] == "emcl-kernels/bench_training/heldout/1"
+    m = saved["machine"]
+    assert m["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and m["cpu"]
+    assert m["load_average_before"] is not None and m["load_average_after"] is not None
+    ps = saved["settings"]["per_stream"]["permuted-mnist"]
+    assert (ps["n_tasks_timed"], ps["n_tasks_stream"], ps["seed"]) == (2, 3, 10)
+    for s in saved["summary"]:
+        times = [r["train_time_s"] for r in saved["records"] if r["row"] == s["row"]]
+        assert s["train_time_s_median"] == sorted(times)[1] and s["rounds"] == 3
+        assert s["ms_per_sample"] == pytest.approx(1e3 * s["train_time_s_median"] / 40)
+        assert s["counts"]["incoming_samples"] == 40
+    emcl = next(s for s in saved["summary"] if s["row"] == "emcl")
+    assert emcl["counts"]["forward_samples"] == 2 * B + 3 * 4 * B  # 4 batches: the first without replay
+    with pytest.raises(SystemExit, match="whole number"):
+        bench_training.main(argv[:5] + ["30"] + argv[6:])

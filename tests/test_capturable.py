@@ -43,8 +43,9 @@ def test_tensor_hyperparameters_equal_floats(backend, op, mode):
 
 
 @pytest.mark.parametrize("bad, error, match", [
-    (torch.tensor(-0.1), ValueError, "inner_lr must be in"),
-    (torch.tensor(float("nan")), ValueError, "inner_lr must be finite"),
+    (torch.tensor(-0.1), ValueError, r"(inner_lr|lr \(β, the inner learning rate\)) must be in"),
+    (torch.tensor(float("nan")), ValueError,
+     r"(inner_lr|lr \(β, the inner learning rate\)) must be finite"),
     (torch.tensor([0.1, 0.2]), TypeError, "0-d floating-point tensor"),
     (torch.tensor([0.1]), TypeError, "0-d floating-point tensor"),  # one element, but 1-d
     (torch.tensor(1), TypeError, "0-d floating-point tensor"),
@@ -92,8 +93,8 @@ def test_capturable_mode_equals_default_mode(backend, lr_mode):
         runs.append((model, opt))
     (m0, o0), (m1, o1) = runs
     group = o1.param_groups[0]
-    assert all(torch.is_tensor(group[k]) for k in ("inner_lr", "meta_lr", "reg", "eps"))
-    assert group["lr_scale"] is None  # None stays None: 1 / reg is computed on the device
+    assert all(torch.is_tensor(group[k]) for k in ("lr", "meta_lr", "reg", "eps"))
+    assert group["meta_lr_scale"] is None  # None stays None: 1 / reg is computed on the device
     for p0, p1 in zip(m0.parameters(), m1.parameters()):
         torch.testing.assert_close(p1, p0, rtol=1e-6, atol=1e-7)
         for key, value in o0.state[p0].items():
@@ -188,7 +189,7 @@ def _iteration(model, opt, x, y):
 
 def _schedule(opt, i):
     """New hyper-parameter values, written in place (a captured graph reads them at replay)."""
-    opt.param_groups[0]["inner_lr"].fill_(0.05 / (1 + 0.1 * i))
+    opt.param_groups[0]["lr"].fill_(0.05 / (1 + 0.1 * i))
     opt.param_groups[0]["meta_lr"].fill_(0.3 + 0.01 * i)
 
 
@@ -208,7 +209,7 @@ def test_a_float_schedule_never_makes_a_step_wait_for_the_gpu(backend):
     for i, (x, y) in enumerate(zip(xs, ys)):
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.param_groups[0]["inner_lr"] = 0.05 / (1 + i)
+        opt.param_groups[0]["lr"] = 0.05 / (1 + i)
         opt.param_groups[0]["meta_lr"] = 0.3 + 0.01 * i
         if i < 2:
             opt.step()                                     # the plans are built here

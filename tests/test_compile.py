@@ -54,7 +54,7 @@ def _run(compiler, *, backend="foreach", lr_mode="recurrent", meta_every=3, capt
     xs, ys = _batches()
     for i in range(STEPS):
         if change_hyper:  # a schedule: new values every step, changed in place
-            opt.param_groups[0]["inner_lr"].fill_(0.05 / (1 + i))
+            opt.param_groups[0]["lr"].fill_(0.05 / (1 + i))
             opt.param_groups[0]["meta_lr"].fill_(0.3 + 0.05 * i)
         loss = torch.nn.functional.mse_loss(model(xs[i]), ys[i])
         scale = found_inf = None
@@ -139,7 +139,7 @@ def test_recompile_counter_sees_float_changes():
     step = torch.compile(opt.inner_step, backend="eager", fullgraph=True)
     xs, ys = _batches()
     for i in range(3):
-        opt.param_groups[0]["inner_lr"] = 0.01 * (i + 1)
+        opt.param_groups[0]["lr"] = 0.01 * (i + 1)
         torch.nn.functional.mse_loss(model(xs[i]), ys[i]).backward()
         step()
         opt.zero_grad()
@@ -162,7 +162,7 @@ def test_compiled_step_on_cuda_with_inductor():
             step = torch.compile(opt.step, fullgraph=True)
         g = torch.Generator().manual_seed(2)
         for i in range(STEPS):
-            opt.param_groups[0]["inner_lr"].fill_(0.05 / (1 + i))
+            opt.param_groups[0]["lr"].fill_(0.05 / (1 + i))
             x = torch.randn(8, 64, generator=g).cuda()
             model(x).square().mean().backward()
             step()

@@ -191,7 +191,7 @@ def test_hyperparameters_changed_through_param_groups(backend, device):
     topt.step()
     # a valid change takes effect at the next step, as in torch
     for group in opt.param_groups + topt.param_groups:
-        group["inner_lr"] = 0.01
+        group["lr"] = 0.01
         group["lr_mode"] = "recurrent"       # meta_lr state appears, starting at meta_lr
     for m in (model, twin):
         backward(m, 1)
@@ -202,7 +202,7 @@ def test_hyperparameters_changed_through_param_groups(backend, device):
         assert same_bits(opt.state[a]["meta_lr"], topt.state[b]["meta_lr"])
     # an invalid change (in the second group) is refused before the first group is written
     backward(model, 2)
-    for key, value, exc in (("reg", -1.0, ValueError), ("inner_lr", float("nan"), ValueError),
+    for key, value, exc in (("reg", -1.0, ValueError), ("lr", float("nan"), ValueError),
                             ("decay", 1.5, ValueError), ("gamma", "0.1", TypeError),
                             ("lr_mode", "cosine", ValueError), ("prox", 1, TypeError),
                             ("meta_lr", torch.tensor([0.1, 0.2]), TypeError)):

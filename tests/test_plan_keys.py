@@ -190,17 +190,17 @@ def test_hyperparameter_changed_under_compile_equals_eager(backend, how):
             inner, meta = 0.05 / (1 + s), 0.3 + 0.05 * s
             if s >= 7:  # eager steps after compiled ones, values changed in place where they
                 step = opt.step  # are tensors (a capturable group's are views again)
-                for k, v in (("inner_lr", inner), ("meta_lr", meta)):
+                for k, v in (("lr", inner), ("meta_lr", meta)):
                     if isinstance(group[k], torch.Tensor):
                         group[k].fill_(v)
                     else:
                         group[k] = v
             elif how in ("tensor_in_place", "capturable_in_place"):
-                group["inner_lr"].fill_(inner)
+                group["lr"].fill_(inner)
             elif how == "tensor_rebound":
-                group["inner_lr"] = torch.tensor(inner, dtype=torch.float64)
+                group["lr"] = torch.tensor(inner, dtype=torch.float64)
             else:
-                group["inner_lr"] = inner
+                group["lr"] = inner
             if how == "capturable_in_place":
                 group["meta_lr"].fill_(meta)
             elif how == "capturable_rebound":
@@ -224,8 +224,8 @@ def test_capturable_value_rebound_before_a_trace_is_read_by_later_eager_steps(ba
     a, oa, b, ob = _pair([(6, 5), (6,)], backend, capturable=True)
     _both(a, oa, b, ob, 0)
     mine = torch.tensor(0.02, dtype=torch.float64)
-    oa.param_groups[0]["inner_lr"] = mine
-    ob.param_groups[0]["inner_lr"] = 0.02
+    oa.param_groups[0]["lr"] = mine
+    ob.param_groups[0]["lr"] = 0.02
     torch._dynamo.reset()
     _grads(a, 1)
     _grads(b, 1)
@@ -233,11 +233,11 @@ def test_capturable_value_rebound_before_a_trace_is_read_by_later_eager_steps(ba
     ob.step()
     _assert_match(a, oa, b, ob)
     mine.fill_(0.01)
-    ob.param_groups[0]["inner_lr"] = 0.01
+    ob.param_groups[0]["lr"] = 0.01
     for s in range(2, 5):
         _both(a, oa, b, ob, s)
         _assert_match(a, oa, b, ob)
-    assert float(oa.param_groups[0]["inner_lr"]) == 0.01
+    assert float(oa.param_groups[0]["lr"]) == 0.01
 
 
 # 4: capturable=True, a hyper-parameter rebound to a number after steps
@@ -246,14 +246,14 @@ def test_capturable_hyperparameter_rebound_to_a_number_is_taken(backend):
     a, oa, b, ob = _pair([(7,), (3, 2)], backend, capturable=True)
     for s in range(3):
         _both(a, oa, b, ob, s)
-    oa.param_groups[0]["inner_lr"] = 0.01
-    ob.param_groups[0]["inner_lr"] = 0.01
+    oa.param_groups[0]["lr"] = 0.01
+    ob.param_groups[0]["lr"] = 0.01
     oa.param_groups[0]["meta_lr"] = torch.tensor(0.2, dtype=torch.float64)
     ob.param_groups[0]["meta_lr"] = torch.tensor(0.2, dtype=torch.float64)
     for s in range(3, 7):
         _both(a, oa, b, ob, s)
         _assert_match(a, oa, b, ob)
-    assert float(oa.param_groups[0]["inner_lr"]) == 0.01
+    assert float(oa.param_groups[0]["lr"]) == 0.01
 
 
 # 5: the group's parameter list edited by hand

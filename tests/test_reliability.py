@@ -10,6 +10,7 @@ import torch
 
 from emcl_kernels import FusedEMCLOptimizer
 from emcl_kernels import functional as F
+from emcl_kernels.validation import GROUP_NAMES
 from reliability_support import (BACKEND_DEVICES, BACKEND_IDS, TinyNet, assert_optimizer_unchanged,
                                  backward, optimizer_snapshot, same_bits)
 
@@ -104,8 +105,8 @@ def test_out_of_domain_values_in_a_later_group_write_nothing(backend, device, ov
     backward(model, 0)
     opt.step()
     backward(model, 1)
-    for k, v in over.items():
-        opt.param_groups[1][k] = v
+    for k, v in over.items():  # a param group spells β and r as lr and meta_lr_scale
+        opt.param_groups[1][GROUP_NAMES.get(k, k)] = v
     before = optimizer_snapshot(opt)
     with pytest.raises((ValueError, TypeError), match=match):
         opt.step()

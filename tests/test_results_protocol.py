@@ -400,12 +400,17 @@ def test_paper_rows_join_the_stream_files_on_one_code_version(tmp_path, tiny_pro
     monkeypatch.setattr(paper_rows, "MODULATION_GRID", paper_rows.MODULATION_GRID[:2])
     args = ["--stream", "permuted-mnist", "--out", out, "--allow-dirty"]
     assert paper_rows.main(args) == 0
-    assert selection._run_task is paper_rows._train_one  # the commit's function is given back
+    assert getattr(selection, "_run_task", None) is paper_rows._train_one  # nothing left patched
     sel = json.load(open(os.path.join(out, "selected.json")))
     emcl = sel["methods"]["emcl"]["overrides"]
     mod = sel["methods"]["emcl/inner-lr-modulation"]
     assert len(mod["scores"]) == 2 and mod["chosen"]["acc_mean"] == max(s["acc_mean"] for s in mod["scores"])
-    rep = [r for r in selection.load_runs(os.path.join(out, "report.jsonl")) if r.get("processor")]
+    plan = json.load(open(os.path.join(out, "plan.json")))
+    keys = {selection.run_key(row["method"], row["overrides"], seed, "test")
+            for row in plan["rows"] if row.get("kind") == "paper" for seed in row["seeds"]}
+    # the sweep commit's records get the processor from the script, later ones carry it in provenance
+    rep = [dict(r, processor=r.get("processor") or r["provenance"]["processor"])
+           for r in selection.load_runs(os.path.join(out, "report.jsonl")) if r["key"] in keys]
     changes = {"emcl/si": {"importance": "si"}, "emcl/no-prox": {"prox": False}, "emcl/no-inner-reg": {"gamma": 0.0},
                "emcl/inner-lr-modulation": {k: v for k, v in mod["overrides"].items() if k not in emcl}}
     assert changes["emcl/inner-lr-modulation"]["inner_lr_modulation"] is True
@@ -415,7 +420,6 @@ def test_paper_rows_join_the_stream_files_on_one_code_version(tmp_path, tiny_pro
         assert all(r["config"][k] == v for r in runs for k, v in change.items())
     assert len(rep) == 8
     assert {r["processor"]["torch_cpu_capability"] for r in rep} == {torch.backends.cpu.get_cpu_capability()}
-    plan = json.load(open(os.path.join(out, "plan.json")))
     assert [r["name"] for r in plan["rows"] if r.get("kind") == "paper"] == list(paper_rows.REPORT_ORDER)
     # resumable, and the selection command keeps the modulation decision when it runs again
     capsys.readouterr()

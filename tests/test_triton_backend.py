@@ -5,14 +5,17 @@ the update and one for the finite check.
 Without a GPU these tests run the kernels through Triton's interpreter on CPU tensors
 (``TRITON_INTERPRET=1`` is set below, before the kernels are imported). When torch sees a GPU
 and ``TRITON_INTERPRET`` is not set to 1 in the environment, the same tests run compiled on
-CUDA tensors, plus the GPU-only ones (CUDA graph capture, 2**31 elements). The interpreter
-costs tens of milliseconds per program (one program per chunk of ``BLOCK_SIZE`` elements), so
-the sizes and the mode grid here are chosen to keep the program count small.
+CUDA tensors, plus the GPU-only ones (CUDA graph capture, 2**31 elements, the fast launch
+against the JIT). The interpreter costs tens of milliseconds per program (one program per
+chunk of ``BLOCK_SIZE`` elements), so the sizes and the mode grid here are chosen to keep the
+program count small.
 
 The checks every backend passes are those of ``tests/test_step_interface.py``: they are called
 from here with the Triton backend and this file's device.
 """
 import importlib
+import inspect
+import itertools
 import os
 import sys
 
@@ -387,6 +390,50 @@ def test_tables_cached_and_gradient_table_refreshed():
     assert made() == dict(state=2, grads=2, chunks=1)
 
 
+@pytest.mark.skipif(TB._PLAN_GRADS is None, reason="needs the compiled extension (_C)")
+def test_cached_tables_confirmed_by_the_cpp_passes():
+    """Gradients that are the parameters' ``.grad``: a cached plan is confirmed by the C++
+    passes ([note: native confirmation]). Gradients passed that are not the ``.grad``, a
+    parameter or a state tensor moved, a parameter resized in place: the Python comparisons
+    decide, and the kernels read what was passed (equal to the reference every time)."""
+    TB.clear_cache()
+    mode = MODES[1]
+    hyper = step_hyper(mode)
+    case = make_case([7, 301], torch.float32, seed=12, device=DEVICE)
+    expected = clone_case(case, torch.float64, device="cpu")
+    counters, ref_counters = new_counters(DEVICE), new_counters()
+    start = dict(TB.lookups)
+
+    def step(grads=None, seed=0):
+        new = fresh_grads(case, seed=seed)
+        for p, g in zip(case.params, new):
+            p.grad = g
+        case.grads = list(new) if grads is None else grads
+        expected.grads = [g.to("cpu", torch.float64) for g in case.grads]
+        call_step(TB, "inner_meta", case, mode, hyper, counters, check=True)
+        call_step(reference_backend(), "inner_meta", expected, mode, hyper, ref_counters)
+        assert_case_close(case, expected, torch.float32, f"seed {seed}")
+        return {k: TB.lookups[k] - start[k] for k in start}
+
+    assert step(seed=1) == dict(confirmed=0, compared=0)            # built
+    assert step(seed=2) == dict(confirmed=1, compared=0)
+    assert step(fresh_grads(case, seed=3), seed=4) == dict(confirmed=1, compared=1)
+    case.anchors = [a.clone() for a in case.anchors]                 # moved state
+    built = TB.build_counts["state"]
+    assert step(seed=5) == dict(confirmed=1, compared=1)
+    assert TB.build_counts["state"] == built + 1
+    assert step(seed=6) == dict(confirmed=2, compared=1)
+    with torch.no_grad():                                            # same address, one
+        case.params[1].resize_(300)                                  # element fewer
+    for c in (case, expected):
+        for name in ("grads", "anchors", "importances", "meta_lrs") + (
+                ("params",) if c is expected else ()):
+            getattr(c, name)[1] = getattr(c, name)[1][:300].clone()
+    built = TB.build_counts["state"]
+    assert step(seed=7) == dict(confirmed=2, compared=1)
+    assert TB.build_counts["state"] == built + 1
+
+
 def test_hyper_is_read_at_every_call():
     """The kernels read ``hyper`` from the tensor each call: changed in place, it acts."""
     mode = MODES[4]
@@ -408,8 +455,322 @@ def test_hyper_is_read_at_every_call():
 
 
 # ---------------------------------------------------------------------------------------------
+# Fast launch ([note: fast launch] in emcl_kernels/backends/triton.py)
+# ---------------------------------------------------------------------------------------------
+# The interpreter has no compiled kernel, so on CPU these tests give the launcher a stand-in
+# for one: the JIT path runs the interpreted kernel, and the "compiled kernel" it returns runs
+# the interpreted kernel again from the launcher's arguments, taken as a compiled launcher takes
+# them (the constexprs by position after the other arguments). A fast launch whose arguments
+# were packed wrong computes a wrong step here. What only a GPU shows: Triton's own launcher
+# accepting them, and the JIT choosing the same compiled kernel for a key
+# (test_fast_launch_uses_the_kernel_the_jit_picks).
+
+
+def _jit_twin(kernel):
+    """A compiled-mode ``JITFunction`` of the same Python function as ``kernel`` (interpreted
+    or compiled), with the same decorator options."""
+    from triton.runtime.jit import JITFunction
+    if isinstance(kernel, JITFunction):
+        return kernel
+    return JITFunction(kernel.fn, **kernel.kwargs)
+
+
+def _triton_binder(kernel):
+    """Triton's own argument binder of ``kernel`` for a CUDA target (sm_90): what
+    ``JITFunction.run`` specializes on, computed without a GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+    jit = _jit_twin(kernel)
+    return create_function_from_signature(jit.signature, jit.params,
+                                          make_backend(GPUTarget("cuda", 90, 32)))
+
+
+class _InterpretedCompiled:
+    """Stands for a compiled kernel: ``run`` takes a compiled launcher's arguments and runs
+    the interpreted kernel on them, every argument by position."""
+
+    def __init__(self, interpreted, n_params):
+        self.interpreted = interpreted
+        self.function = 1
+        self.packed_metadata = ()
+        self.src = type("Src", (), {"signature": dict.fromkeys(range(n_params))})()
+        self.runs = []
+
+    def run(self, gx, gy, gz, stream, function, packed, launch_metadata, enter_hook, exit_hook,
+            *args):
+        assert (gy, gz, function, packed) == (1, 1, self.function, self.packed_metadata)
+        assert launch_metadata is None and enter_hook is None and exit_hook is None
+        self.runs.append(gx)
+        self.interpreted[(gx,)](*args)
+
+
+class _JitStandIn:
+    """Stands for a ``@triton.jit`` kernel: ``kernel[grid](...)`` runs the interpreted kernel
+    (the JIT path) and returns an :class:`_InterpretedCompiled`, one per Triton cache key
+    (Triton's own binder for a CUDA target computes the key)."""
+
+    def __init__(self, interpreted):
+        self.interpreted = interpreted
+        self.binder = _triton_binder(interpreted)
+        self.n_params = len(inspect.signature(interpreted.fn).parameters)
+        self.compiled = {}
+        self.pre_run_hooks = []
+        self.calls = 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls += 1
+            kwargs.pop("num_warps", None)
+            _, spec, _ = self.binder(*args, **kwargs)
+            self.interpreted[grid](*args, **kwargs)
+            return self.compiled.setdefault(repr(spec), _InterpretedCompiled(
+                self.interpreted, self.n_params))
+        return launch
+
+
+@pytest.fixture
+def fast_launch(monkeypatch):
+    """The launcher's fast path switched on over stand-ins for compiled kernels."""
+    step_k = _JitStandIn(TB._kernels.emcl_step_kernel)
+    check_k = _JitStandIn(TB._kernels.emcl_check_kernel)
+    monkeypatch.setattr(TB._kernels, "emcl_step_kernel", step_k)
+    monkeypatch.setattr(TB._kernels, "emcl_check_kernel", check_k)
+    monkeypatch.setattr(TB, "FAST_LAUNCH", True)
+    return step_k, check_k
+
+
+def _runs(kernel):
+    return sum(len(c.runs) for c in kernel.compiled.values())
+
+
+@pytest.mark.skipif(ON_GPU, reason="the stand-ins run the interpreter")
+def test_fast_launch_steps_like_the_reference(fast_launch):
+    """After the JIT's first launch of a key, every launch is a direct call of the kept
+    kernel, with the arguments in the kernel's order: the cadence steps (check, inner and
+    inner+meta updates, a finalize) equal the reference's; a new key (steps at an address
+    that is not 16-byte aligned, a grad_scale) goes through the JIT once."""
+    step_k, check_k = fast_launch
+    mode = MODES[0]
+    hyper = step_hyper(mode)
+    case = make_case([7, 300, 4097], torch.float32, seed=8, device=DEVICE)
+    expected = clone_case(case, torch.float64, device="cpu")
+    counters, ref_counters = new_counters(DEVICE), new_counters()
+    steps_a = torch.zeros(3, device=DEVICE)                     # 16-byte aligned
+    steps_b = torch.zeros(4, device=DEVICE)[1:]                 # 4 bytes past it
+    ref_steps = torch.zeros(3, dtype=torch.float32)
+    scale = torch.full((1,), 2.0, device=DEVICE)
+    for i in range(5):
+        case.grads = fresh_grads(case, seed=40 + i)
+        expected.grads = [g.to("cpu", torch.float64) for g in case.grads]
+        steps = steps_b if i == 3 else steps_a
+        kw = dict(meta_every=2, check=True, grad_scale=scale if i == 4 else None)
+        if i == 3:
+            steps.copy_(steps_a)
+        call_step(TB, "cadence", case, mode, hyper, counters, steps=steps, **kw)
+        call_step(reference_backend(), "cadence", expected, mode, hyper, ref_counters,
+                  steps=ref_steps, **kw)
+        assert_case_close(case, expected, torch.float32, f"call {i}")
+        assert torch.equal(steps.cpu(), ref_steps), f"call {i}"
+        if i == 3:
+            steps_a.copy_(steps)
+    assert counters_dict(counters.cpu()) == counters_dict(ref_counters)
+    # JIT: the check once; the update for calls 0 (inner), 1 (inner+meta is the same key: the
+    # cadence is read on the device), 3 (unaligned steps), 4 (grad_scale)
+    assert check_k.calls == 1 and _runs(check_k) == 4
+    assert step_k.calls == 3 and _runs(step_k) == 2
+    assert len(TB._STEP.entries) == 3 and len(TB._CHECK.entries) == 1
+
+
+@pytest.mark.skipif(ON_GPU, reason="the stand-ins run the interpreter")
+def test_fast_launch_steps_back_for_hooks_and_when_off(fast_launch, monkeypatch):
+    """A launch hook (a profiler), a pre-run hook or FAST_LAUNCH off: every launch goes
+    through the JIT. A replaced kernel object forgets the kept kernels."""
+    from triton import knobs
+    step_k, _ = fast_launch
+    mode = MODES[1]
+    case = make_case([5, 70], torch.float32, seed=9, device=DEVICE)
+    counters = new_counters(DEVICE)
+
+    def call():
+        call_step(TB, "inner", case, mode, step_hyper(mode), counters)
+
+    call()
+    call()
+    assert (step_k.calls, _runs(step_k)) == (1, 1)
+    hook = knobs.runtime.launch_enter_hook
+    if isinstance(hook, knobs.HookChain):
+        seen = []
+        hook.add(seen.append)
+        try:
+            call()
+        finally:
+            hook.remove(seen.append)
+        assert (step_k.calls, _runs(step_k)) == (2, 1)
+    step_k.pre_run_hooks.append(lambda *a, **k: None)
+    call()
+    step_k.pre_run_hooks.clear()
+    monkeypatch.setattr(TB, "FAST_LAUNCH", False)
+    call()
+    calls = step_k.calls
+    assert _runs(step_k) == 1 and calls >= 3
+    monkeypatch.setattr(TB, "FAST_LAUNCH", True)
+    call()
+    assert (step_k.calls, _runs(step_k)) == (calls, 2)
+    other = _JitStandIn(step_k.interpreted)
+    monkeypatch.setattr(TB._kernels, "emcl_step_kernel", other)
+    call()
+    assert other.calls == 1 and _runs(step_k) == 2
+
+
+def test_fast_launch_is_on_for_compiled_kernels_here():
+    """Imported compiled (no TRITON_INTERPRET), with this Triton, the fast launch is on, and
+    the host-time benchmark's optimizer steps (launches taken out after Triton's own argument
+    binding) take it: two launches through the JIT (the check and the update), the rest
+    direct, with Triton's real knobs read at every call."""
+    import json
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "python"),
+                                         env.get("PYTHONPATH", "")])
+    script = ("import json, triton; from emcl_kernels.backends import triton as TB; "
+              "print(json.dumps([triton.__version__, TB.FAST_LAUNCH, TB.FAST_LAUNCH_REASON]))")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    version, on, reason = json.loads(proc.stdout.strip().splitlines()[-1])
+    major_minor = tuple(int(x) for x in version.split(".")[:2])
+    assert on == ((3, 4) <= major_minor < (4, 0)) and (reason is None) == on, (version, reason)
+    if not on:
+        pytest.skip(f"fast launch off here: {reason}")
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks",
+                                                        "bench_triton_host.py"),
+                           "--steps", "3", "--rounds", "1", "--json"],
+                          env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert rec["fast_launch"] is True
+    counts = rec["layouts"]["many"]["launches"]
+    assert counts["jit_stand_in_calls"] == counts["fast"]["jit"] == 2
+    assert counts["fast"]["fast"] > 100
+    for layout in rec["layouts"].values():   # (new_grads rows have a time subtracted)
+        assert all(v["median_us"] > 0 for k, v in layout.items()
+                   if k != "launches" and "new_grads" not in k)
+
+
+def test_fast_launch_entry_reads_the_launcher_signature():
+    """A kept kernel's launcher takes every argument (Triton >= 3.3: the constexprs too) or
+    the non-constexpr ones (older); anything else, or no compiled kernel, is not kept."""
+    def compiled(n, **attrs):
+        k = _InterpretedCompiled(None, n)
+        for name, value in attrs.items():
+            setattr(k, name, value)
+        return k
+
+    assert TB._entry(compiled(12), 10, 2).all_args is True
+    assert TB._entry(compiled(10), 10, 2).all_args is False
+    assert TB._entry(compiled(11), 10, 2) is None
+    assert TB._entry(compiled(12, function=None), 10, 2) is None
+    assert TB._entry(object(), 10, 2) is None
+    assert TB._entry(None, 10, 2) is None
+
+
+def test_launcher_arguments_follow_the_kernel_signature():
+    """The launchers' constexpr names are the kernels' constexpr parameters, in order, after
+    every other parameter (the fast path passes them by position)."""
+    for launcher, n_args in ((TB._STEP, 10), (TB._CHECK, 3)):
+        kernel = getattr(TB._kernels, launcher.name)
+        params = list(inspect.signature(kernel.fn).parameters.values())
+        consts = [p.name for p in params if "constexpr" in str(p.annotation)]
+        assert tuple(consts) == launcher.consts
+        assert [p.name for p in params[n_args:]] == consts
+
+
+def test_fast_launch_key_refines_tritons_specialization():
+    """Two launches with the same fast-path key get the same compiled kernel from the JIT:
+    over arguments that differ in alignment (tensors one element off a 16-byte boundary),
+    dtype and int range, Triton's own binder (CUDA target) never specializes two of them
+    differently when their keys are equal, with and without the dtypes in the key (the
+    C++ checks fix them; without those checks the key holds them)."""
+    from emcl_kernels.interface import COUNTER_FIELDS, HYPER_FIELDS
+    binder = _triton_binder(TB._kernels.emcl_step_kernel)
+
+    def off(dtype, n, shift):
+        return torch.zeros(n + 1, dtype=dtype)[shift:shift + n]
+
+    table = [off(torch.int64, 6, s) for s in (0, 1)]
+    hyper = [off(torch.float64, len(HYPER_FIELDS), s) for s in (0, 1)]
+    counters = [off(torch.int64, len(COUNTER_FIELDS), s) for s in (0, 1)]
+    steps = [off(torch.float32, 3, s) for s in (0, 1, 2, 4)]
+    flags = [None, off(torch.float32, 1, 0), off(torch.float32, 1, 1)]
+    ints = [0, 1, 3, 16, 17, 2 ** 31 - 1, 2 ** 31, -2 ** 31, -2 ** 31 - 1, 2 ** 62, 2 ** 63]
+    consts = (0, OP["cadence"], True, 0, 1, False, False, True, 4096, 1024)
+    seen = {True: {}, False: {}}
+    for tb, h, c, s, gs, fi, n, m in itertools.product(
+            table, hyper, counters, steps, flags, flags, ints[:6], ints):
+        if (n, m) != (3, 1) and (tb is not table[0] or h is not hyper[0]):
+            continue                        # the int range against one set of tensors
+        g = hyper[0] if gs is None else gs
+        f = hyper[0] if fi is None else fi
+        tensors = (table[0], tb, table[1], h, c, s, g, f)
+        kc = consts[:5] + (gs is not None, fi is not None) + consts[7:]
+        _, spec, _ = binder(table[0], tb, table[1], h, c, s, n, m, g, f,
+                            **dict(zip(TB._STEP.consts, kc)))
+        for dtypes in (True, False):
+            key = (kc, TB._tensor_kinds(tensors, dtypes), TB._int_kind(n), TB._int_kind(m))
+            got = seen[dtypes].setdefault(key, spec)
+            assert got == spec, (dtypes, key, got, spec)
+    assert len(set(map(repr, seen[True].values()))) > 20       # the grid meets many kernels
+    # fp16 steps would be another kernel: the key holds the dtype where no C++ check fixes it
+    s16 = off(torch.float16, 3, 0)
+    assert TB._tensor_kinds((s16,), True) != TB._tensor_kinds((steps[0],), True)
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU only
 # ---------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not ON_GPU or not TB.FAST_LAUNCH,
+                    reason="needs a GPU and the fast launch (FAST_LAUNCH_REASON)")
+def test_fast_launch_uses_the_kernel_the_jit_picks(monkeypatch):
+    """Every fast launch calls the compiled kernel that Triton's JIT picks for the same
+    arguments (``warmup`` returns it without launching), with steps aligned and not and with
+    a grad_scale; the steps equal the reference's."""
+    used = []
+    real = TB._Launcher._run
+
+    def spy(entry, grid, stream, args, consts):
+        used.append((entry, grid, args, consts))
+        real(entry, grid, stream, args, consts)
+
+    monkeypatch.setattr(TB._Launcher, "_run", staticmethod(spy))
+    mode = MODES[0]
+    hyper = step_hyper(mode)
+    case = make_case([7, 300, 4097], torch.float32, seed=8, device=DEVICE)
+    expected = clone_case(case, torch.float64, device="cpu")
+    counters, ref_counters = new_counters(DEVICE), new_counters()
+    ref_steps = torch.zeros(3, dtype=torch.float32)
+    scale = torch.full((1,), 2.0, device=DEVICE)
+    for i in range(8):
+        steps = torch.zeros(4, device=DEVICE)[i % 2:][:3]    # aligned, then 4 bytes past
+        steps.copy_(ref_steps)
+        case.grads = fresh_grads(case, seed=60 + i)
+        expected.grads = [g.to("cpu", torch.float64) for g in case.grads]
+        kw = dict(meta_every=2, check=True, grad_scale=scale if i >= 4 else None)
+        call_step(TB, "cadence", case, mode, hyper, counters, steps=steps, **kw)
+        call_step(reference_backend(), "cadence", expected, mode, hyper, ref_counters,
+                  steps=ref_steps, **kw)
+        assert_case_close(case, expected, torch.float32, f"call {i}")
+        assert torch.equal(steps.cpu(), ref_steps), f"call {i}"
+    assert len(used) >= 8
+    for entry, grid, args, consts in used:
+        launcher = TB._STEP if any(e is entry for e in TB._STEP.entries.values()) else TB._CHECK
+        jit = getattr(TB._kernels, launcher.name)
+        picked = jit.warmup(*args, grid=(grid,), num_warps=TB.NUM_WARPS,
+                            **dict(zip(launcher.consts, consts)))
+        assert picked.function == entry.function, (launcher.name, consts)
+
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU (CUDA graphs)")
 @pytest.mark.parametrize("new_grads_in_capture", (False, True), ids=("static-grads", "graph-grads"))
@@ -440,10 +801,13 @@ def test_captured_cadence_step_replays_like_eager(new_grads_in_capture):
             h_e, c_e, **codes)
     graph = torch.cuda.CUDAGraph()
     captured_before = TB.build_counts["captured"]
+    fast_before = TB.launch_counts["fast"]
     with torch.cuda.graph(graph):
         grads = [g * 1.0 for g in static_grads] if new_grads_in_capture else static_grads
         graphed_step(grads)
     assert (TB.build_counts["captured"] > captured_before) == new_grads_in_capture
+    # the warm-up launched both kernels through the JIT: the capture records fast launches
+    assert TB.launch_counts["fast"] - fast_before == (2 if TB.FAST_LAUNCH else 0)
     for i in range(7):
         new = fresh_grads(eager, seed=100 + i)
         if i == 4:

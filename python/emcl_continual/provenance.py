@@ -43,6 +43,9 @@ def _git(root: str, *args: str, strip: bool = True) -> str:
         raise RuntimeError(out.stderr.strip() or f"git {' '.join(args)} failed")
     return out.stdout.strip() if strip else out.stdout
 
+# The efficiency page (emcl_continual.efficiency) is made from result files too.
+OUTPUT_ONLY = OUTPUT_ONLY + ("python/emcl_continual/efficiency.py",)
+
 
 def _extension_hash() -> str | None:
     try:

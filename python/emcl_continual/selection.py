@@ -34,7 +34,18 @@ command resumes where it stopped. ``OUT/plan.json`` holds every row as run, so t
 
 One code version: a stage refuses to start on a working tree that differs from its commit
 (``dirty``), or when the file already holds runs of another code tree (the hash of the code
-directories at the commit, :mod:`emcl_continual.provenance`), unless told otherwise.
+directories at the commit, :mod:`emcl_continual.provenance`), unless told otherwise; a finished
+run whose record names another code tree than this command's is not kept.
+
+Where runs train and what executes them (:mod:`emcl_continual.sweep`): ``--device`` (``cpu``,
+``cuda``, ``cuda:N``, ``auto``; per method as ``METHOD=DEVICE``), ``--jobs N`` runs at a time
+placed on the host and the GPUs by their free memory (``--gpu-memory-mib`` per run), or
+``--executor ray`` (``--ray-address``) with each run a Ray task. Whatever executes the runs, this
+process writes the files; a run that fails is reported, appended to ``failed.jsonl`` and run
+again when the command is started again (the exit status is then 1).
+
+    python -m emcl_continual.selection --stream permuted-mnist --device auto --jobs 16      # one GPU machine
+    python -m emcl_continual.selection --stream permuted-mnist --executor ray --ray-address HEAD:6379 --device auto
 """
 from __future__ import annotations
 
@@ -49,7 +60,7 @@ from .methods import METHODS
 from .metrics import mean_std
 
 __all__ = ["STAGES", "RUN_STAGES", "Row", "run_key", "load_runs", "validation_rows_a", "validation_rows_b", "select_a",
-           "select_b", "report_rows", "run_rows", "main"]
+           "select_b", "report_rows", "run_rows", "RunsFailed", "main"]
 
 STAGES = ("validate-a", "select-a", "validate-b", "select-b", "report")
 RUN_STAGES = ("validate-a", "validate-b", "report")
@@ -57,6 +68,8 @@ ALL_METHODS = tuple(METHODS)  # the one list of methods, in its order
 DEFAULT_OUT = os.path.join("results", "heldout")
 # The importance-off row of stage validate-b (the report stage has its own "emcl/importance-off").
 VALIDATION_OFF = "emcl/importance-off (validation)"
+# Beside the results: one line per run that failed (the command runs it again when started again).
+FAILED_FILE = "failed.jsonl"
 
 
 class Row(dict):
@@ -286,30 +299,6 @@ def _same_config(method: str, stream: str, a: dict, b: dict) -> bool:
 
 
 # --------------------------------------------------------------------------- running
-def _init_worker(threads: int) -> None:
-    import torch
-
-    torch.set_num_threads(threads)
-
-
-def _run_task(task: dict) -> dict:
-    """One run in a worker process: build the stream, train, return the record."""
-    from .streams import make_stream
-    from .train import run
-
-    started = time.perf_counter()
-    stream = make_stream(task["stream"], task["seed"], data_root=task["data_root"], split=task["split"],
-                         n_tasks=task.get("n_tasks"), samples_per_task=task.get("samples_per_task"))
-    r = run(task["method"], stream, task["seed"], overrides=task["overrides"], progress=False)
-    r.update(key=task["key"], role=task["role"], overrides=task["overrides"], data_root=task["data_root"],
-             wall_time_s=time.perf_counter() - started)
-    try:
-        r["load_avg"] = os.getloadavg()
-    except OSError:
-        pass
-    return r
-
-
 def _check_version(path: str, allow_dirty: bool, allow_mixed: bool) -> dict:
     from .provenance import code_version
 
@@ -330,12 +319,25 @@ def _log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int = 1, threads: int = 1,
+class RunsFailed(Exception):
+    """Runs of a stage failed (each reported and in ``failed.jsonl``); the others were kept."""
+
+
+def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None = 1, threads: int = 1,
              data_root: str | None = None, n_tasks: int | None = None, samples_per_task: int | None = None,
-             log=_log) -> list:
-    """Run every (row, seed) not in ``path`` yet, ``jobs`` at a time, appending each record to
-    ``path`` as it finishes (flushed and synced). Returns every record of ``path``."""
+             devices: dict | None = None, executor: str = "local", ray_address: str | None = None,
+             gpu_memory_mib: float = 1024, runs_per_gpu: int | None = None, log=_log) -> list:
+    """Run every (row, seed) not in ``path`` yet through the executor (:mod:`emcl_continual.sweep`:
+    ``local``, ``jobs`` at a time, or ``ray``), each on the device its method's ``devices`` word
+    gives (default cpu), appending each record to ``path`` as it finishes (flushed and synced).
+    A failed run is logged and appended to ``failed.jsonl`` beside ``path``; the others go on,
+    then :class:`RunsFailed` is raised. Returns every record of ``path``."""
+    from . import sweep
+    from .provenance import code_version, command_line
+
     done = {r["key"] for r in load_runs(path)}
+    devices = devices or {}
+    command = command_line()
     tasks, seen = [], set()
     for row in rows:
         for seed in row["seeds"]:
@@ -345,32 +347,62 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int = 1, t
             seen.add(key)
             tasks.append({"key": key, "method": row["method"], "overrides": row["overrides"], "seed": seed,
                           "split": split, "stream": stream, "data_root": data_root, "role": row["role"],
-                          "row": row["name"], "n_tasks": n_tasks, "samples_per_task": samples_per_task})
+                          "row": row["name"], "n_tasks": n_tasks, "samples_per_task": samples_per_task,
+                          "command": command})
     if not tasks:
         return load_runs(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    log(f"{len(tasks)} run(s) to do into {path} ({jobs} at a time)")
+    local_gpus = _cuda_count() if executor == "local" and set(devices.values()) - {"cpu"} else 0
+    runner = sweep.make_executor(executor, jobs=jobs, threads=threads, address=ray_address,
+                                 gpu_need=int(gpu_memory_mib * sweep.MIB), runs_per_gpu=runs_per_gpu,
+                                 cuda_count=local_gpus)
+    runner.start()  # a Ray cluster says here how many GPUs it has
+    try:
+        notes = sweep.check_devices({m: devices[m] for m in {t["method"] for t in tasks} if m in devices},
+                                    runner.gpu_count(), executor=executor)
+        if executor == "ray":  # the local executor's notes came before the first stage
+            for note in notes:
+                log(f"note: {note}")
+        for t in tasks:
+            t["want"] = sweep.want_device(t["method"], t["overrides"], stream, devices.get(t["method"], "cpu"),
+                                          runner.gpu_count())
+    except BaseException:
+        runner.close(cancel=True)
+        raise
+    on_gpu = sum(t["want"] != "cpu" for t in tasks)
+    log(f"{len(tasks)} run(s) to do into {path} ({executor} executor, {runner.slots} at a time"
+        + (f"; {on_gpu} on a GPU" if on_gpu else "") + ")")
 
-    def write(rec):
-        with open(path, "a") as fh:
+    def append(file, rec):
+        with open(file, "a") as fh:
             fh.write(json.dumps(rec) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
+
+    def write(rec):
+        append(path, rec)
         log(f"  {time.strftime('%H:%M:%S')} {rec['method']:7s} seed {rec['seed']:3d} {json.dumps(rec['overrides'], sort_keys=True)[:90]}: "
-            f"ACC {rec['acc']:.2f} (train {rec['train_time_s']:.0f}s, wall {rec['wall_time_s']:.0f}s)")
+            f"ACC {rec['acc']:.2f} (train {rec['train_time_s']:.0f}s, wall {rec['wall_time_s']:.0f}s, {rec['device']})")
 
-    if jobs <= 1:
-        _init_worker(threads)
-        for t in tasks:
-            write(_run_task(t))
-    else:
-        import multiprocessing as mp
+    failed_path = os.path.join(os.path.dirname(os.path.abspath(path)), FAILED_FILE)
 
-        ctx = mp.get_context("spawn")
-        with ctx.Pool(jobs, initializer=_init_worker, initargs=(threads,)) as pool:
-            for rec in pool.imap_unordered(_run_task, tasks):
-                write(rec)
+    def failed(task, reason, detail):
+        append(failed_path, sweep.failure_record(task, reason, detail))
+        log(f"  {time.strftime('%H:%M:%S')} FAILED {task['method']} seed {task['seed']} "
+            f"{json.dumps(task['overrides'], sort_keys=True)[:90]}: {reason}")
+
+    failures = sweep.execute(tasks, runner, code_tree=code_version().get("code_tree"), on_record=write,
+                             on_failure=failed, log=log)
+    if failures:
+        raise RunsFailed(f"{len(failures)} of {len(tasks)} run(s) failed (each in {failed_path}); the "
+                         f"others are in {path}. The same command runs the failed ones again")
     return load_runs(path)
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 # --------------------------------------------------------------------------- the command
@@ -380,6 +412,26 @@ def _write_json(path: str, obj) -> None:
         json.dump(obj, fh, indent=1, sort_keys=True)
         fh.write("\n")
     os.replace(tmp, path)
+
+
+def _download(parser: argparse.ArgumentParser, args) -> None:
+    """``--download``: refuse what cannot be done (a usage error, exit 2), then fetch the stream's
+    data set into ``--data-root`` once, here, before any worker starts (a failure: exit 1)."""
+    from .download import check_request, download_for_stream
+    from .errors import DownloadError, UsageError
+
+    try:
+        if not args.download:
+            raise UsageError("--download-mirror is used only with --download")
+        check_request(args.stream, args.data_root, mirror=args.download_mirror)
+    except UsageError as exc:
+        parser.error(str(exc))
+    if args.plan:
+        return
+    try:
+        download_for_stream(args.stream, args.data_root, args.download_mirror, log=_log)
+    except DownloadError as exc:
+        raise SystemExit(f"error: {' '.join(str(exc).split())}") from None
 
 
 def main(argv: list | None = None) -> int:
@@ -393,9 +445,30 @@ def main(argv: list | None = None) -> int:
                         "runs are all done, so e.g. '--stages validate-a report' skips the importance search")
     p.add_argument("--rows", nargs="+", default=None, help="report stage: run only these rows (names as in --plan), "
                                                            "in this order")
-    p.add_argument("--jobs", type=int, default=1, help="training processes at a time")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per training process")
-    p.add_argument("--data-root", default=None)
+    p.add_argument("--jobs", type=int, default=None,
+                   help="runs at a time (local executor: training processes, default 1; ray: runs in flight, "
+                        "default the cluster's CPUs over --threads)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per run (a Ray task's num_cpus)")
+    p.add_argument("--device", nargs="+", default=["cpu"], metavar="[METHOD=]DEVICE",
+                   help="where runs train: cpu (default), cuda, cuda:N or auto, for every method or per method "
+                        "(e.g. 'cpu emcl=cuda'); auto takes a GPU only for runs measured faster there (EMCL with "
+                        "its glances in CUDA graphs) and keeps the rest on host cores")
+    p.add_argument("--gpu-memory-mib", type=float, default=1024,
+                   help="GPU memory one run is given (MiB); a run starts on a GPU only where this much is free")
+    p.add_argument("--runs-per-gpu", type=int, default=None,
+                   help="runs sharing one GPU at most (local: default no cap but memory; ray: each GPU run asks "
+                        "for 1/K of a GPU, default K=8)")
+    p.add_argument("--executor", default="local", choices=["local", "ray"],
+                   help="local processes (default) or Ray tasks (pip install -r requirements-ray.txt)")
+    p.add_argument("--ray-address", default=None,
+                   help="with --executor ray: the cluster to connect to (e.g. 10.0.0.1:6379); default: start a "
+                        "local one")
+    p.add_argument("--data-root", default=None, help="folder with the data sets (torchvision's layout)")
+    p.add_argument("--download", action="store_true",
+                   help="fetch the stream's data set (MNIST or CIFAR-100) into --data-root through torchvision "
+                        "before the first run, unless it is there")
+    p.add_argument("--download-mirror", default=None, metavar="URL",
+                   help="with --download: a server with the same files (and checksums) as torchvision's URLs")
     p.add_argument("--n-tasks", type=int, default=None, help="shrink the stream (tests and screens only)")
     p.add_argument("--samples-per-task", type=int, default=None)
     p.add_argument("--plan", action="store_true", help="print every row and how many of its runs are done, then exit")
@@ -403,12 +476,47 @@ def main(argv: list | None = None) -> int:
     p.add_argument("--allow-mixed-versions", action="store_true",
                    help="append to files that hold runs of another code version")
     args = p.parse_args(argv)
+    from . import sweep
+
+    if args.ray_address and args.executor != "ray":
+        p.error("--ray-address goes with --executor ray")
+    try:
+        devices = sweep.parse_devices(args.device, args.methods)
+        if not args.plan and args.executor == "local":  # a Ray cluster's GPUs are counted when it is reached
+            for note in sweep.check_devices(devices, _cuda_count() if set(devices.values()) - {"cpu"} else 0):
+                print(f"note: {note}", flush=True)
+        elif args.executor == "ray":
+            sweep.check_devices({m: w for m, w in devices.items() if w.startswith("cuda:")}, 1 << 30, executor="ray")
+    except ValueError as exc:
+        p.error(str(exc))
+    for name, value in (("--jobs", args.jobs), ("--threads", args.threads), ("--runs-per-gpu", args.runs_per_gpu)):
+        if value is not None and value < 1:
+            p.error(f"{name} must be >= 1, got {value}")
+    if not args.gpu_memory_mib > 0:
+        p.error(f"--gpu-memory-mib must be positive, got {args.gpu_memory_mib:g}")
+    if args.download or args.download_mirror is not None:
+        _download(p, args)
+    try:
+        return _main(args)
+    except RunsFailed as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except sweep.SweepError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _main(args) -> int:
+    from . import sweep
+
     out = args.out or os.path.join(DEFAULT_OUT, args.stream)
     os.makedirs(out, exist_ok=True)
     vpath, rpath = os.path.join(out, "validation.jsonl"), os.path.join(out, "report.jsonl")
     spath, ppath = os.path.join(out, "selected.json"), os.path.join(out, "plan.json")
-    common = dict(jobs=args.jobs, threads=args.threads, data_root=args.data_root, n_tasks=args.n_tasks,
-                  samples_per_task=args.samples_per_task)
+    common = dict(jobs=args.jobs if args.executor == "ray" else (args.jobs or 1), threads=args.threads,
+                  data_root=args.data_root, n_tasks=args.n_tasks, samples_per_task=args.samples_per_task,
+                  devices=sweep.parse_devices(args.device, args.methods), executor=args.executor,
+                  ray_address=args.ray_address, gpu_memory_mib=args.gpu_memory_mib, runs_per_gpu=args.runs_per_gpu)
     plan = {"stream": args.stream, "data_root": args.data_root, "n_tasks": args.n_tasks,
             "samples_per_task": args.samples_per_task, "validation_seeds": list(presets.VALIDATION_SEEDS),
             "report_seeds": list(presets.REPORT_SEEDS), "rows": []}

@@ -329,7 +329,7 @@ def make_stream(name: str, seed: int = 0, *, data_root: str | None = None, task_
     if data_root is None:
         raise _data.DataFileError(
             f"stream {name!r} needs its data set on disk: pass --data-root DIR "
-            + ("with DIR/cifar-100-python/{train,test}" if name == "split-cifar100"
+            + ("with DIR/cifar-100-python/{train,test} (add --download to fetch it there)" if name == "split-cifar100"
                else "with DIR/miniimagenet/mini-imagenet-cache-{train,val,test}.pkl")
             + " (or --task-file FILE.pt)")
     if name == "split-cifar100":

@@ -16,6 +16,12 @@ their accuracy matrices. In README.md and docs/results.md, the text between
 Numbers are mean ± sample standard deviation (ddof = 1) over seeds; a comparison of two rows is
 the paired difference over the seeds both ran (mean ± std, Student-t 95 % interval, and on how many
 seeds the first row was ahead). A row that lacks some of its seeds is marked *partial*.
+
+With the controlled benchmark's file ``results/efficiency/controlled_cpu.json`` there is also the
+block ``STREAM/efficiency`` (:mod:`emcl_continual.efficiency`, which also writes
+``results/efficiency/README.md`` and its figures), and the time columns give that benchmark's
+seconds per 1,000 samples; without the file they give the sweeps' own wall-clock, labelled
+uncontrolled.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import re
 import sys
 
 from . import metrics as M
+from .efficiency import controlled_time, load_controlled, results_dir_of, stream_blocks, write_outputs
 from .selection import VALIDATION_OFF, load_runs, run_key
 
 __all__ = ["build_stream_blocks", "legacy_table", "write_figures", "write_all", "main"]
@@ -83,6 +90,8 @@ class StreamResults:
         self.data_root = self.plan.get("data_root")
         self.rows = {r["name"]: r for r in self.plan["rows"]}
         self._by_key = {r["key"]: r for r in self.validation + self.report}
+        # the controlled timings (results/efficiency/, beside results/heldout/), or None
+        self.controlled = load_controlled(results_dir_of(folder))
 
     def runs(self, name: str) -> list:
         row = self.rows.get(name)
@@ -126,12 +135,27 @@ def _selected_is(sr: StreamResults, method: str, config: dict) -> bool:
     return chosen is not None and all(config.get(k) == v for k, v in chosen.items())
 
 
+def _time_head(sr: StreamResults) -> str:
+    """The time column's title: the controlled benchmark's time (results/efficiency/) when there
+    is one, else the sweeps' own wall-clock, labelled as uncontrolled."""
+    if sr.controlled is not None:
+        return "train time, s per 1,000 samples (controlled, results/efficiency)"
+    return "sweep wall-clock (s, uncontrolled)"
+
+
+def _time_cell(sr: StreamResults, name: str, st: dict) -> str:
+    if sr.controlled is None:
+        return _fmt(*st["train_time_s"], digits=0)
+    t = controlled_time(sr.controlled, sr.stream, name)
+    return "–" if t is None else f"{t:.2f}"
+
+
 def headline(sr: StreamResults) -> str:
     from .compare import PAPER_NAMES, PAPER_TABLE_III
 
     paper = PAPER_TABLE_III.get(sr.stream, {})
     lines = [f"| method | configuration (change of its defaults) | visits per sample | seeds | {METRIC_HEAD} | "
-             "ACC paper | BWT paper | train time (s) |",
+             f"ACC paper | BWT paper | {_time_head(sr)} |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = ["sgd", "ewc", "agem", "er", "gem", "mer", "lamaml/own-script", "lamaml", "emcl"]
     for name in order:
@@ -156,7 +180,7 @@ def headline(sr: StreamResults) -> str:
         cells = " | ".join(_fmt(*st[c]) for c in METRIC_COLS)
         bold = "**" if method == "emcl" else ""
         lines.append(f"| {bold}{label}{bold} | {_config_cell(row['overrides'])} | {_visits(rs[0])} | "
-                     f"{sr.seeds_cell(name)} | {cells} | {p_acc} | {p_bwt} | {_fmt(*st['train_time_s'], digits=0)} |")
+                     f"{sr.seeds_cell(name)} | {cells} | {p_acc} | {p_bwt} | {_time_cell(sr, name, st)} |")
     return "\n".join(lines)
 
 
@@ -253,14 +277,14 @@ def _visits_compared(va: str, vb: str) -> str:
 
 def visits(sr: StreamResults) -> str:
     names = ["emcl", "emcl/glances=2", "emcl/glances=5", "lamaml/glances=1", "lamaml/own-script", "mer"]
-    lines = ["| row | visits per sample | seeds | ACC | BWT ÷(T−1) | train time (s) |", "|---|---|---|---|---|---|"]
+    lines = [f"| row | visits per sample | seeds | ACC | BWT ÷(T−1) | {_time_head(sr)} |", "|---|---|---|---|---|---|"]
     for name in names:
         rs = sr.runs(name)
         if not rs:
             continue
         st = _stats(rs)
         lines.append(f"| {name} | {_visits(rs[0])} | {sr.seeds_cell(name)} | {_fmt(*st['acc'])} | {_fmt(*st['bwt'])} | "
-                     f"{_fmt(*st['train_time_s'], digits=0)} |")
+                     f"{_time_cell(sr, name, st)} |")
     pairs = [("emcl", "lamaml/glances=1", None), ("emcl/glances=5", "lamaml/own-script", None),
              ("emcl", "lamaml/own-script", "each at its source's visits"), ("mer", "emcl", "MER − EMCL")]
     extra = []
@@ -424,6 +448,10 @@ def _stream_page(folder: str, blocks: dict) -> str:
             parts += ["![average accuracy as tasks are learned](avg_accuracy.png)", ""]
         if key == "controls" and os.path.exists(os.path.join(folder, "acc_bwt.png")):
             parts += ["![ACC and BWT of EMCL's rows](acc_bwt.png)", ""]
+        if key == "visits" and blocks.get(f"{sr_stream}/efficiency"):
+            parts += ["## Training time and cost, controlled (`results/efficiency/`)", "",
+                      f"![ACC against training time and cost](../../efficiency/{sr_stream}.png)", "",
+                      blocks[f"{sr_stream}/efficiency"], ""]
     return "\n".join(parts)
 
 
@@ -497,10 +525,14 @@ def write_all(results_dir: str = "results", readme: str | None = "README.md", ch
             continue
         if not check:
             write_figures(folder)
-        b = build_stream_blocks(folder)
+        b = {**build_stream_blocks(folder), **stream_blocks(StreamResults(folder))}
         blocks.update(b)
         outputs[os.path.join(folder, "tables.md")] = _stream_page(folder, b)
     outputs[os.path.join(results_dir, "legacy_metrics.md")] = legacy_table(results_dir)
+    streams = {StreamResults(f).stream: StreamResults(f)
+               for f in sorted(glob.glob(os.path.join(results_dir, "heldout", "*")))
+               if os.path.exists(os.path.join(f, "plan.json"))}
+    outputs.update(write_outputs(results_dir, load_controlled(results_dir), streams, figures=not check))
     for page in ([readme] if readme else []) + list(pages or ()):
         if os.path.exists(page):
             text, missing = fill_readme(open(page).read(), blocks)

@@ -56,7 +56,9 @@ from emcl_continual.selection import (DEFAULT_OUT, Row, _check_version, _choose,
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reproducibility"))
 from measure import processor  # noqa: E402
 
-_train_one = selection._run_task
+# The sweep commit trains one (row, seed) in selection._run_task and its records lack the
+# processor; later code records it in provenance["processor"] and runs through its executors.
+_train_one = getattr(selection, "_run_task", None)
 
 
 def _run_task(task: dict) -> dict:
@@ -151,12 +153,14 @@ def main(argv: list | None = None) -> int:
                   samples_per_task=plan.get("samples_per_task"))
     emcl = json.load(open(spath))["methods"]["emcl"]["overrides"]
 
-    # one process at a time, in this one: the records get the processor through this module's _run_task
-    selection._run_task = _run_task
-    try:
+    if _train_one is None:  # later code: its records carry the processor themselves
         _stages(args, emcl, common, plan, vpath, rpath, spath, ppath)
-    finally:
-        selection._run_task = _train_one
+    else:  # one process at a time, in this one: the records get the processor through _run_task
+        selection._run_task = _run_task
+        try:
+            _stages(args, emcl, common, plan, vpath, rpath, spath, ppath)
+        finally:
+            selection._run_task = _train_one
     print("done; tables: python -m emcl_continual.tables")
     return 0
 

@@ -79,7 +79,7 @@ from ..streams import StreamInfo
 from .base import Method
 from .emcl_graphed import GlanceRoutine, graph_plan
 
-__all__ = ["EMCL", "OPTIMIZER_KEYS"]
+__all__ = ["EMCL", "OPTIMIZER_KEYS", "glance_plan"]
 
 # Config keys handed to FusedEMCLOptimizer as per-group hyper-parameters.
 OPTIMIZER_KEYS = ("meta_lr", "inner_lr", "reg", "gamma", "decay", "lr_scale", "lr_mode", "lr_min", "lr_max",
@@ -103,6 +103,18 @@ TABLE_II = {
     "split-cifar100": {"meta_lr": 0.1, "inner_lr": 0.075, "reg": 50.0, "gamma": 0.1},
     "split-miniimagenet": {"meta_lr": 0.1, "inner_lr": 0.075, "reg": 50.0, "gamma": 0.1},
 }
+
+
+def glance_plan(config: dict, device) -> tuple:
+    """``(use_routine, capture, why_not)``: how EMCL with ``config`` runs its glances on ``device``
+    (:func:`~emcl_continual.methods.emcl_graphed.graph_plan`, and eagerly for the normalised
+    pull, which sets γ on the host after every meta step). Needs no GPU: it reads the device's
+    type only, so the selection's ``--device auto`` asks it on any machine."""
+    use_routine, capture, why_not = graph_plan(config, torch.device(device))
+    if config.get("importance_norm") is not None and use_routine:
+        use_routine, capture = False, False
+        why_not = why_not or "importance_norm changes gamma between glances"
+    return use_routine, capture, why_not
 
 
 class EMCL(Method):
@@ -180,11 +192,7 @@ class EMCL(Method):
         hyper["lr_scale"] = resolve_lr_scale(hyper.get("lr_scale"), float(cfg.get("reg", 0.0)))
         self.hyper = hyper
         self.importance_norm = cfg.get("importance_norm")
-        use_routine, capture, why_not = graph_plan(cfg, self.device)
-        if self.importance_norm is not None and use_routine:
-            # the normalised pull sets γ on the host after every meta step: not in a captured graph
-            use_routine, capture = False, False
-            why_not = why_not or "importance_norm changes gamma between glances"
+        use_routine, capture, why_not = glance_plan(cfg, self.device)
         self.graph_choice = (use_routine, capture, why_not)
         if self.importance_norm == "tensor":
             params = [{"params": [p]} for p in self.model.parameters()]
@@ -262,7 +270,7 @@ class EMCL(Method):
         hs, pulls = [], []
         for group, imps in self._importances():
             lam = float(group["reg"])
-            scale = float(group["gamma"]) * lam if group["prox"] else float(group["inner_lr"]) * lam
+            scale = float(group["gamma"]) * lam if group["prox"] else float(group["lr"]) * lam
             for h in imps:
                 hs.append(h.flatten().double())
                 pulls.append(h.flatten().double() * scale)
@@ -296,7 +304,7 @@ class EMCL(Method):
             if mode == "recurrent" and "meta_lr" in state:
                 alpha = state["meta_lr"]
             elif mode == "inverse" and "importance" in state:
-                alpha = a0 * float(group["lr_scale"]) / (state["importance"] + float(group["eps"]))
+                alpha = a0 * float(group["meta_lr_scale"]) / (state["importance"] + float(group["eps"]))
                 alpha = alpha.clamp(float(group["lr_min"]), float(group["lr_max"]))
             else:
                 alpha = torch.full_like(p, a0, dtype=torch.float32)
