@@ -356,9 +356,9 @@ def paper(sr: StreamResults) -> str:
     if not base or not any(sr.runs(name) for name, _, _ in PAPER_ROWS[1:]):
         return ""
     lines = ["| row | the paper (Split miniImageNet) | what it changes | seeds | ACC | BWT ÷(T−1) | "
-             "train time (s) [1-min load] | h median at the end / share of elements whose meta step h damps | Δ ACC vs EMCL, paired [95 % CI] "
+             "h median at the end / share of elements whose meta step h damps | Δ ACC vs EMCL, paired [95 % CI] "
              "(seeds ahead) | the paper's Δ ACC |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     paper_base = PAPER_ROWS[0][2]
     for name, claim, acc in PAPER_ROWS:
         rs = sr.runs(name)
@@ -368,11 +368,9 @@ def paper(sr: StreamResults) -> str:
         delta = "" if name == "emcl" else _fmt_paired(_paired(rs, base))
         p_delta = "" if name == "emcl" else (f"{acc - paper_base:+.2f}" if acc is not None else "–")
         h = f"{d['h_median']:.2g} / {d.get('meta_damped_share', float('nan')):.2f}" if "h_median" in d else "–"
-        loads = [r["load_avg"][0] for r in rs if r.get("load_avg")]
-        load = f" [{sum(loads) / len(loads):.1f}]" if loads else ""
         what = sr.rows[name]["what"].replace("|", "\\|")
         lines.append(f"| {name} | {claim} | {what} | {sr.seeds_cell(name)} | {_fmt(*st['acc'])} | "
-                     f"{_fmt(*st['bwt'])} | {_fmt(*st['train_time_s'], digits=0)}{load} | {h} | {delta} | {p_delta} |")
+                     f"{_fmt(*st['bwt'])} | {h} | {delta} | {p_delta} |")
     return "\n".join(lines)
 
 
