@@ -169,9 +169,26 @@ def test_run_records_everything():
     prov = r["provenance"]
     assert set(prov) >= {"commit", "code_tree", "dirty", "extension", "command"}
     assert prov["commit"] is None or len(prov["commit"]) == 40
+    proc = prov["processor"]  # what chooses the arithmetic: a run reproduces only where it is the same
+    assert proc["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert proc["torch_threads"] == torch.get_num_threads() and proc["machine"]
     # the untrained model's evaluation changes nothing: same run without it equals this one
     again = train.run("sgd", s, 0, progress=False)
     assert again["acc_matrix"] == r["acc_matrix"]
+
+
+def test_processor_records_the_lowered_cpu_capability_and_its_variable():
+    """A process started with ATEN_CPU_CAPABILITY=default dispatches torch's DEFAULT kernels and says so."""
+    import subprocess
+    import sys
+
+    code = "import json; from emcl_continual.provenance import processor; print(json.dumps(processor()))"
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", PYTHONPATH=os.pathsep.join(
+        [REPO, os.path.join(REPO, "python"), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    proc = json.loads(out.stdout.strip().splitlines()[-1])
+    assert proc["torch_cpu_capability"] == "DEFAULT"
+    assert proc["env"]["ATEN_CPU_CAPABILITY"] == "default"
 
 
 def test_command_line_names_the_module():
@@ -361,6 +378,62 @@ def _tiny_report_rows(real):
                 "emcl/uniform-pull", "sgd")
         return [r for r in real(stream, selected, methods) if r["name"] in keep]
     return rows
+
+
+def _paper_rows_script():
+    import importlib.util
+
+    path = os.path.join(REPO, "results", "heldout", "paper_rows.py")
+    spec = importlib.util.spec_from_file_location("paper_rows", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_paper_rows_join_the_stream_files_on_one_code_version(tmp_path, tiny_protocol, capsys, monkeypatch):
+    """results/heldout/paper_rows.py: the modulation clip chosen on validation, the four rows on the
+    report seeds as changes of the selected EMCL, in the stream's own files, with the processor."""
+    out = str(tmp_path / "heldout" / "permuted-mnist")
+    monkeypatch.setattr(selection, "report_rows", _tiny_report_rows(selection.report_rows))
+    assert selection.main(["--out", out] + tiny_protocol) == 0
+    paper_rows = _paper_rows_script()
+    monkeypatch.setattr(paper_rows, "MODULATION_GRID", paper_rows.MODULATION_GRID[:2])
+    args = ["--stream", "permuted-mnist", "--out", out, "--allow-dirty"]
+    assert paper_rows.main(args) == 0
+    assert getattr(selection, "_run_task", None) is paper_rows._train_one  # nothing left patched
+    sel = json.load(open(os.path.join(out, "selected.json")))
+    emcl = sel["methods"]["emcl"]["overrides"]
+    mod = sel["methods"]["emcl/inner-lr-modulation"]
+    assert len(mod["scores"]) == 2 and mod["chosen"]["acc_mean"] == max(s["acc_mean"] for s in mod["scores"])
+    plan = json.load(open(os.path.join(out, "plan.json")))
+    keys = {selection.run_key(row["method"], row["overrides"], seed, "test")
+            for row in plan["rows"] if row.get("kind") == "paper" for seed in row["seeds"]}
+    # the sweep commit's records get the processor from the script, later ones carry it in provenance
+    rep = [dict(r, processor=r.get("processor") or r["provenance"]["processor"])
+           for r in selection.load_runs(os.path.join(out, "report.jsonl")) if r["key"] in keys]
+    changes = {"emcl/si": {"importance": "si"}, "emcl/no-prox": {"prox": False}, "emcl/no-inner-reg": {"gamma": 0.0},
+               "emcl/inner-lr-modulation": {k: v for k, v in mod["overrides"].items() if k not in emcl}}
+    assert changes["emcl/inner-lr-modulation"]["inner_lr_modulation"] is True
+    for change in changes.values():
+        runs = [r for r in rep if r["overrides"] == dict(emcl, **change)]
+        assert sorted(r["seed"] for r in runs) == [10, 11]
+        assert all(r["config"][k] == v for r in runs for k, v in change.items())
+    assert len(rep) == 8
+    assert {r["processor"]["torch_cpu_capability"] for r in rep} == {torch.backends.cpu.get_cpu_capability()}
+    assert [r["name"] for r in plan["rows"] if r.get("kind") == "paper"] == list(paper_rows.REPORT_ORDER)
+    # resumable, and the selection command keeps the modulation decision when it runs again
+    capsys.readouterr()
+    assert paper_rows.main(args) == 0 and selection.main(["--out", out] + tiny_protocol) == 0
+    assert "run(s) to do" not in capsys.readouterr().out
+    assert json.load(open(os.path.join(out, "selected.json")))["methods"]["emcl/inner-lr-modulation"] == mod
+    block = tables.build_stream_blocks(out)["permuted-mnist/paper"]
+    for name in paper_rows.REPORT_ORDER:
+        assert f"| {name} |" in block, name
+    assert "46.52" in block and "-1.48" in block
+    # another dispatch than the one asked for is refused
+    other = "DEFAULT" if torch.backends.cpu.get_cpu_capability() != "DEFAULT" else "AVX2"
+    with pytest.raises(SystemExit, match="ATEN_CPU_CAPABILITY"):
+        paper_rows.main(args + ["--require-capability", other])
 
 
 def test_run_key_shares_runs_between_rows_with_one_configuration():

@@ -7,17 +7,21 @@ changes, not when results, tables or docs are committed), whether the working tr
 the commit outside ``results/`` and ``runs/`` (``dirty``), and a hash of the compiled extension in
 use. A sweep whose runs share one ``code_tree``, none ``dirty``, ran on one code version.
 :func:`command_line` is the command that started this process, as one can type it again.
+:func:`processor` is the CPU and the code paths torch takes on it: one seed of one-sample
+training amplifies float rounding, so a run reproduces number for number only where the
+arithmetic is the same (same processor kind, torch CPU capability, BLAS path and thread count).
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import shlex
 import subprocess
 import sys
 from functools import lru_cache
 
-__all__ = ["code_version", "command_line", "CODE_PATHS"]
+__all__ = ["code_version", "command_line", "processor", "CODE_PATHS"]
 
 # The paths whose content is "the code" (everything a run's numbers depend on).
 CODE_PATHS = ("python", "emcl_kernels", "csrc", "setup.py")
@@ -28,6 +32,9 @@ OUTPUT_ONLY = ("python/emcl_continual/tables.py", "python/emcl_continual/plots.p
                "python/emcl_continual/report.py")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# Environment variables that choose the arithmetic a run does (torch's kernels, MKL's BLAS path, threads).
+ARITHMETIC_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+_ISA_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile")
 
 
 def _git(root: str, *args: str, strip: bool = True) -> str:
@@ -75,6 +82,38 @@ def code_version() -> dict:
         out["dirty_paths"] = paths[:20]
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         out["error"] = f"no git information: {exc}"
+    return out
+
+
+@lru_cache(maxsize=1)
+def _cpu() -> dict:
+    """The CPU model and its vector extensions, from /proc/cpuinfo (the platform's name elsewhere)."""
+    out: dict = {"machine": platform.machine(), "logical_cpus": os.cpu_count()}
+    try:
+        with open("/proc/cpuinfo") as fh:
+            first = fh.read().split("\n\n", 1)[0]
+    except OSError:
+        out["model_name"] = platform.processor() or None
+        return out
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first.splitlines() if ":" in line)}
+    flags = set(fields.get("flags", "").split())
+    out.update(model_name=fields.get("model name"), vendor=fields.get("vendor_id"), family=fields.get("cpu family"),
+               model=fields.get("model"), stepping=fields.get("stepping"),
+               isa=[f for f in _ISA_FLAGS if f in flags])
+    return out
+
+
+def processor() -> dict:
+    """The processor a run computes on and what chooses its arithmetic: the CPU model (name,
+    family / model / stepping, vector extensions), torch's dispatched CPU capability
+    (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2, DEFAULT, ...; lowered with the
+    environment variable ``ATEN_CPU_CAPABILITY``), torch's thread count now, and the environment
+    variables of :data:`ARITHMETIC_ENV` that are set."""
+    import torch
+
+    out = dict(_cpu())
+    out.update(torch_cpu_capability=torch.backends.cpu.get_cpu_capability(), torch_threads=torch.get_num_threads(),
+               env={k: os.environ[k] for k in ARITHMETIC_ENV if k in os.environ})
     return out
 
 

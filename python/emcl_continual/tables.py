@@ -11,7 +11,7 @@ report.jsonl}`` (written by :mod:`emcl_continual.selection`), and the earlier re
 their accuracy matrices. In README.md and docs/results.md, the text between
 ``<!-- tables:NAME -->`` and ``<!-- /tables:NAME -->`` is replaced by the block ``NAME``; blocks are named
 ``STREAM/headline``, ``STREAM/controls``, ``STREAM/deviations``, ``STREAM/importance``,
-``STREAM/selection``, ``STREAM/visits``, ``STREAM/provenance``.
+``STREAM/selection``, ``STREAM/visits``, ``STREAM/paper``, ``STREAM/provenance``.
 
 Numbers are mean ± sample standard deviation (ddof = 1) over seeds; a comparison of two rows is
 the paired difference over the seeds both ran (mean ± std, Student-t 95 % interval, and on how many
@@ -338,6 +338,42 @@ def deviations(sr: StreamResults) -> str:
     return "\n".join(lines)
 
 
+# The paper's claims the "paper" rows test (results/heldout/paper_rows.py): Table IV's ACC on Split
+# miniImageNet per column, and Figure 3's sentence on EMCL-SI (the figure has no numbers).
+PAPER_ROWS = [
+    ("emcl", "Table IV, column 1 (inner regularisation, proximal step): 46.52", 46.52),
+    ("emcl/si", "Figure 3: \"the training speed of EMCL-SI is similar to EMCL but it performs worse slightly\"", None),
+    ("emcl/no-prox", "Table IV, column 2 (inner regularisation, no proximal step): 46.17", 46.17),
+    ("emcl/inner-lr-modulation", "Table IV, column 3 (inner learning-rate modulation, no inner regularisation, "
+     "no proximal step): 45.04", 45.04),
+    ("emcl/no-inner-reg", "not in the paper (column 3's removal of the inner regularisation alone)", None),
+]
+
+
+def paper(sr: StreamResults) -> str:
+    """EMCL-SI and Table IV's columns beside the paper's numbers, paired against EMCL."""
+    base = sr.runs("emcl")
+    if not base or not any(sr.runs(name) for name, _, _ in PAPER_ROWS[1:]):
+        return ""
+    lines = ["| row | the paper (Split miniImageNet) | what it changes | seeds | ACC | BWT ÷(T−1) | "
+             "h median at the end / share of elements whose meta step h damps | Δ ACC vs EMCL, paired [95 % CI] "
+             "(seeds ahead) | the paper's Δ ACC |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    paper_base = PAPER_ROWS[0][2]
+    for name, claim, acc in PAPER_ROWS:
+        rs = sr.runs(name)
+        if not rs:
+            continue
+        st, d = _stats(rs), _diag(rs)
+        delta = "" if name == "emcl" else _fmt_paired(_paired(rs, base))
+        p_delta = "" if name == "emcl" else (f"{acc - paper_base:+.2f}" if acc is not None else "–")
+        h = f"{d['h_median']:.2g} / {d.get('meta_damped_share', float('nan')):.2f}" if "h_median" in d else "–"
+        what = sr.rows[name]["what"].replace("|", "\\|")
+        lines.append(f"| {name} | {claim} | {what} | {sr.seeds_cell(name)} | {_fmt(*st['acc'])} | "
+                     f"{_fmt(*st['bwt'])} | {h} | {delta} | {p_delta} |")
+    return "\n".join(lines)
+
+
 def provenance(sr: StreamResults) -> str:
     out = []
     for role, runs in (("validation", sr.validation), ("report", sr.report)):
@@ -349,9 +385,16 @@ def provenance(sr: StreamResults) -> str:
         loads = [r["load_avg"][0] for r in runs if r.get("load_avg")]
         machines = sorted({r.get("machine", "?") for r in runs})
         sources = sorted({r.get("data_source", "?") for r in runs})
+        caps: dict = {}
+        for r in runs:
+            proc = r.get("processor") or r.get("provenance", {}).get("processor") or {}
+            cap = proc.get("torch_cpu_capability")
+            key = f"{proc.get('model_name')} with torch {cap} kernels" if cap else "processor not recorded"
+            caps[key] = caps.get(key, 0) + 1
         out.append(f"- {role}: {len(runs)} runs; code tree {', '.join(trees)} "
                    f"({'one code version' if len(trees) == 1 else 'SEVERAL code versions'}), commits "
                    f"{', '.join(commits)}; {dirty} run(s) from a modified working tree; {', '.join(machines)}"
+                   + f"; {', '.join(f'{k} ({n})' for k, n in sorted(caps.items()))}"
                    + (f"; 1-min load average {min(loads):.1f}–{max(loads):.1f}" if loads else "")
                    + f"; data: {'; '.join(sources)}.")
     return "\n".join(out)
@@ -363,7 +406,8 @@ def build_stream_blocks(folder: str) -> dict:
     s = sr.stream
     blocks = {f"{s}/headline": headline(sr), f"{s}/controls": controls(sr), f"{s}/importance": importance(sr),
               f"{s}/deviations": deviations(sr),
-              f"{s}/selection": selection_table(sr), f"{s}/visits": visits(sr), f"{s}/provenance": provenance(sr)}
+              f"{s}/selection": selection_table(sr), f"{s}/visits": visits(sr), f"{s}/paper": paper(sr),
+              f"{s}/provenance": provenance(sr)}
     return blocks
 
 
@@ -389,6 +433,7 @@ def _stream_page(folder: str, blocks: dict) -> str:
               "controls": "EMCL's controls and ablations (report seeds, paired against EMCL)",
               "deviations": "Deviations from the paper and their measured effect",
               "importance": "Making the Taylor importance act", "visits": "Visits per incoming sample",
+              "paper": "The paper's EMCL-SI (Figure 3) and ablation (Table IV), paired against EMCL",
               "selection": "Selection on validation data", "provenance": "Where the runs come from"}
     parts = [f"# {sr_stream}: held-out selection and report", "",
              "Generated by `python -m emcl_continual.tables` from the files beside this one; do not edit.",

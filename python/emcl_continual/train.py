@@ -20,7 +20,7 @@ from .config import RUN_DEFAULTS, build_config
 from .methods import get_method
 from .models import build_model
 from .presets import BATCH_SIZE
-from .provenance import code_version, command_line
+from .provenance import code_version, command_line, processor
 from .streams import Stream, make_stream
 
 __all__ = ["run", "build_config", "RUN_DEFAULTS"]
@@ -43,7 +43,8 @@ def run(method: str, stream: str | Stream, seed: int = 0, *, overrides: dict | N
     seen so far, after each task), train_time_s (only ``observe``), eval_time_s (after each
     task), eval_before_time_s, losses per task, the config used, the data source, the
     evaluation split and its size, per-task diagnostics of methods that offer them, and
-    provenance (git commit, code tree, dirty flag, extension hash, command line).
+    provenance (git commit, code tree, dirty flag, extension hash, command line, and the processor:
+    CPU model, torch's CPU capability and threads, :func:`.provenance.processor`).
     """
     device = torch.device(device)
     if isinstance(stream, str):
@@ -136,7 +137,7 @@ def run(method: str, stream: str | Stream, seed: int = 0, *, overrides: dict | N
         "device": str(device),
         "torch": torch.__version__,
         "machine": f"{platform.machine()} {platform.system()}, {torch.get_num_threads()} torch threads",
-        "provenance": dict(code_version(), command=command_line()),
+        "provenance": dict(code_version(), command=command_line(), processor=processor()),
     }
     if diagnostics:
         result["diagnostics"] = diagnostics
