@@ -141,7 +141,8 @@ def _extensions():
     _ninja_on_path()
 
     cuda_home, why_not = _cuda_home(torch, cpp_extension)
-    sources = [os.path.join(CSRC, f) for f in ("emcl_ops.cpp", "emcl_cpu.cpp", "emcl_cpu_avx2.cpp")]
+    sources = [os.path.join(CSRC, f) for f in ("emcl_ops.cpp", "emcl_cpu.cpp", "emcl_cpu_avx2.cpp",
+                                                  "emcl_cpu_avx512.cpp")]
     cxx = ["-O3"]  # torch adds the C++ standard it was built with
     link = []
     # [note: OpenMP] at::parallel_for is a header template: it spreads a loop over torch's

@@ -3,14 +3,18 @@
 // over the elements (the finite check and the update, vectorized with at::vec over the math of
 // emcl_math.h and spread over torch's intra-op threads) are in emcl_cpu_kernels.h.
 //
-// Two copies of the kernels are built: this file's, with the portable at::vec of the default
-// compiler flags (runs on any CPU), and emcl_cpu_avx2.cpp's, compiled for AVX2+FMA. The AVX2
-// copy runs when the CPU has AVX2, FMA and F16C, unless ATEN_CPU_CAPABILITY=default (torch's own
-// switch) asks for the portable one.
+// Three copies of the kernels are built: this file's, with the portable at::vec of the default
+// compiler flags (runs on any CPU), emcl_cpu_avx2.cpp's, compiled for AVX2+FMA, and
+// emcl_cpu_avx512.cpp's, compiled for AVX-512. The copy that runs is the widest one the CPU has
+// and torch's own kernels use: AVX-512 where torch's CPU capability is AVX512 (so the step runs
+// vectors as wide as torch's fused Adam), else AVX2 where the CPU has AVX2, FMA and F16C, else
+// the portable one. ATEN_CPU_CAPABILITY (torch's own switch) lowers both: "avx2" gives at most
+// the AVX2 copy, "default" the portable one.
 #include <cstdlib>
 #include <cstring>
 #include <string>
 
+#include <ATen/Version.h>
 #include <torch/library.h>
 
 #define EMCL_CPU_NS portable
@@ -25,31 +29,50 @@ void update(const Lists& lists, Op which, bool prox, Importance importance, LrMo
             const double* hyper, const float* grad_scale);
 void stream_probe(float* a, const float* b, float* c, float* d, int64_t n, StreamProbe kind);
 }  // namespace avx2
+namespace avx512 {
+bool any_nonfinite(at::TensorList grads);
+void update(const Lists& lists, Op which, bool prox, Importance importance, LrMode lr_mode,
+            const double* hyper, const float* grad_scale);
+void stream_probe(float* a, const float* b, float* c, float* d, int64_t n, StreamProbe kind);
+}  // namespace avx512
 }  // namespace emcl
 #endif
 
 namespace emcl {
 namespace {
 
-bool use_avx2() {
+// Which copy of the kernels runs (see the top of this file); decided once per process.
+enum class Kernel { kPortable, kAvx2, kAvx512 };
+
+Kernel kernel() {
 #ifdef EMCL_HAVE_AVX2
-  static const bool yes = [] {
+  static const Kernel k = [] {
     const char* env = std::getenv("ATEN_CPU_CAPABILITY");
     if (env != nullptr && (std::strcmp(env, "default") == 0 || std::strcmp(env, "DEFAULT") == 0))
-      return false;
+      return Kernel::kPortable;
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+          __builtin_cpu_supports("f16c"))) {
+      return Kernel::kPortable;
+    }
+    const bool avx512 = __builtin_cpu_supports("avx512f") &&
+                        __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") &&
+                        __builtin_cpu_supports("avx512dq");
+    // torch's capability already follows ATEN_CPU_CAPABILITY=avx2 and the CPU's features
+    const bool torch_avx512 = at::get_cpu_capability() == "AVX512";
+    return avx512 && torch_avx512 ? Kernel::kAvx512 : Kernel::kAvx2;
   }();
-  return yes;
+  return k;
 #else
-  return false;
+  return Kernel::kPortable;
 #endif
 }
 
 bool any_nonfinite(at::TensorList grads) {
 #ifdef EMCL_HAVE_AVX2
-  if (use_avx2()) return avx2::any_nonfinite(grads);
+  if (kernel() == Kernel::kAvx512) return avx512::any_nonfinite(grads);
+  if (kernel() == Kernel::kAvx2) return avx2::any_nonfinite(grads);
 #endif
   return portable::any_nonfinite(grads);
 }
@@ -57,7 +80,10 @@ bool any_nonfinite(at::TensorList grads) {
 void update(const Lists& l, Op which, const StepCall& call, const double* hyper,
             const float* grad_scale) {
 #ifdef EMCL_HAVE_AVX2
-  if (use_avx2()) {
+  if (kernel() == Kernel::kAvx512) {
+    return avx512::update(l, which, call.prox, call.importance, call.lr_mode, hyper, grad_scale);
+  }
+  if (kernel() == Kernel::kAvx2) {
     return avx2::update(l, which, call.prox, call.importance, call.lr_mode, hyper, grad_scale);
   }
 #endif
@@ -104,7 +130,13 @@ void check_finite_cpu(at::TensorList grads, const at::Tensor& counters) {
   if (any_nonfinite(grads)) counters.data_ptr<int64_t>()[counter::kFound] = 1;
 }
 
-std::string cpu_kernel() { return use_avx2() ? "avx2" : "portable"; }
+std::string cpu_kernel() {
+  switch (kernel()) {
+    case Kernel::kAvx512: return "avx512";
+    case Kernel::kAvx2: return "avx2";
+    default: return "portable";
+  }
+}
 
 // torch.ops.emcl.stream_probe_: one memory probe of the benchmarks' roof ([note: stream probes]
 // in emcl_cpu_kernels.h) over four distinct contiguous fp32 CPU tensors of one size.
@@ -132,7 +164,8 @@ void stream_probe_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor
   auto* pd = d.data_ptr<float>();
   const auto which = static_cast<StreamProbe>(kind);
 #ifdef EMCL_HAVE_AVX2
-  if (use_avx2()) return avx2::stream_probe(pa, pb, pc, pd, a.numel(), which);
+  if (kernel() == Kernel::kAvx512) return avx512::stream_probe(pa, pb, pc, pd, a.numel(), which);
+  if (kernel() == Kernel::kAvx2) return avx2::stream_probe(pa, pb, pc, pd, a.numel(), which);
 #endif
   portable::stream_probe(pa, pb, pc, pd, a.numel(), which);
 }
@@ -141,7 +174,7 @@ void stream_probe_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor
 }  // namespace emcl
 
 TORCH_LIBRARY_FRAGMENT(emcl, m) {
-  // Which copy of the CPU kernels runs here: "avx2" or "portable".
+  // Which copy of the CPU kernels runs here: "avx512", "avx2" or "portable".
   m.def("cpu_kernel() -> str", &emcl::cpu_kernel);
   // A memory probe of the benchmarks' roof: kind 0 a <- a·1, kind 1 a <- a + 1e-6·b, kind 2
   // the update's pattern (reads a, b, c, d; writes a, c, d); fp32 CPU tensors, read the way the

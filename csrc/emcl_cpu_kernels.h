@@ -1,5 +1,6 @@
-// The CPU kernels, included twice: by emcl_cpu.cpp with torch's portable at::vec (any CPU) and
-// by emcl_cpu_avx2.cpp compiled for AVX2+FMA, where at::vec uses AVX2 intrinsics.
+// The CPU kernels, included three times: by emcl_cpu.cpp with torch's portable at::vec (any
+// CPU), by emcl_cpu_avx2.cpp compiled for AVX2+FMA, where at::vec uses AVX2 intrinsics, and by
+// emcl_cpu_avx512.cpp compiled for AVX-512, where at::vec uses AVX-512 intrinsics.
 // EMCL_CPU_NS names the namespace of each copy; emcl_cpu.cpp picks one at run time and does the
 // host-side part of a call (checks, counters, steps) itself.
 //
@@ -357,13 +358,16 @@ void update_full(const Pointers<acc_t, acc_t>& ptrs, int64_t begin, int64_t end,
   // function stopped being inlined into the pass's lambda; 5 of ~54 instructions per vector).
   const Hyper<Vec> hp = hyper;
   const Pointers<acc_t, acc_t> t = ptrs;
+  // The plan read once into locals: a call to prefetch_plan() inside the loop (GCC kept it out
+  // of line) spilled and reloaded every hyper vector around it, once per cache line.
   const int64_t ahead = prefetch_plan().bytes / static_cast<int64_t>(sizeof(acc_t));
-  const bool w = has_meta(kOp) && prefetch_plan().write;  // the meta steps write θ₀, h (α)
+  const bool wp = prefetch_plan().write;  // θ is written by every op
+  const bool w = has_meta(kOp) && wp;     // the meta steps write θ₀, h (α)
   constexpr int64_t kLine = 64 / sizeof(acc_t);  // elements per cache line
   const int64_t whole_end = begin + (end - begin) / V * V;
   for (int64_t i = begin; i < whole_end; i += V) {
     if (ahead > 0 && (i - begin) % kLine == 0) {  // once per cache line of every stream
-      prefetch_ahead(t.param, i, ahead, end, prefetch_plan().write);
+      prefetch_ahead(t.param, i, ahead, end, wp);
       prefetch_ahead(t.grad, i, ahead, end);
       prefetch_ahead(t.anchor, i, ahead, end, w);
       prefetch_ahead(t.importance, i, ahead, end, w);
@@ -422,21 +426,25 @@ void update_reduced(const Pointers<scalar_t, float>& ptrs, int64_t begin, int64_
   const Hyper<at::vec::Vectorized<float>> hp = hyper;  // see update_full
   const Pointers<scalar_t, float> t = ptrs;
   // One vector of V elements reads V floats of θ₀ and h (and α) and V halves of θ and g: with
-  // V = 16 (AVX2) a cache line of the first and half of one of the second. A range may start
-  // anywhere in a line, so the phase is counted from `begin`.
+  // V = 16 (AVX2) a cache line of the first and half of one of the second, with V = 32
+  // (AVX-512) two of the first and one of the second. A range may start anywhere in a line, so
+  // the phase is counted from `begin`.
   // in elements, fp32 streams' bytes
   const int64_t ahead = prefetch_plan().bytes / static_cast<int64_t>(sizeof(float));
-  const bool w = has_meta(kOp) && prefetch_plan().write;
+  const bool wp = prefetch_plan().write;  // see update_full
+  const bool w = has_meta(kOp) && wp;
   constexpr int64_t kFloatLine = 64 / sizeof(float), kHalfLine = 64 / sizeof(scalar_t);
   const int64_t whole_end = begin + (end - begin) / V * V;
   for (int64_t i = begin; i < whole_end; i += V) {
-    if (ahead > 0 && (i - begin) % kFloatLine == 0) {
-      prefetch_ahead(t.anchor, i, ahead, end, w);
-      prefetch_ahead(t.importance, i, ahead, end, w);
-      if constexpr (kAlpha) prefetch_ahead(t.alpha, i, ahead, end, w);
+    for (int64_t j = 0; j < V; j += kFloatLine) {  // every fp32 line this vector reads
+      if (ahead > 0 && (i + j - begin) % kFloatLine == 0) {
+        prefetch_ahead(t.anchor, i + j, ahead, end, w);
+        prefetch_ahead(t.importance, i + j, ahead, end, w);
+        if constexpr (kAlpha) prefetch_ahead(t.alpha, i + j, ahead, end, w);
+      }
     }
     if (ahead > 0 && (i - begin) % kHalfLine == 0) {
-      prefetch_ahead(t.param, i, ahead, end, prefetch_plan().write);
+      prefetch_ahead(t.param, i, ahead, end, wp);
       prefetch_ahead(t.grad, i, ahead, end);
     }
     update_reduced_vector<kOp, kProx, kImp, kLr>(t, i, V, hp);

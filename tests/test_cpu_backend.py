@@ -48,7 +48,7 @@ def test_auto_picks_cpu_for_cpu_tensors():
 def test_the_build_reports_its_interface_and_kernel_copy():
     from emcl_kernels import interface
     assert torch.ops.emcl.interface() == interface.layout_string()
-    assert torch.ops.emcl.cpu_kernel() in ("avx2", "portable")
+    assert torch.ops.emcl.cpu_kernel() in ("avx512", "avx2", "portable")
 
 
 def test_a_stale_build_is_refused_with_the_rebuild_command(monkeypatch):
@@ -316,13 +316,27 @@ def test_prefetch_knobs_change_no_bit(tmp_path, threads):
                           f"prefetch knobs {knobs} vs the default")
 
 
-def test_portable_and_avx2_kernels_give_the_same_bits(tmp_path):
-    """The portable copy of the CPU kernels (what a CPU without AVX2 runs; forced in a
-    subprocess with torch's ATEN_CPU_CAPABILITY=default) computes the same bits as the AVX2
-    copy, on the same inputs (made here and passed in a file: torch's own random kernels
-    differ between the capabilities)."""
-    if torch.ops.emcl.cpu_kernel() != "avx2":
-        pytest.skip("this CPU runs the portable kernels only")
+# The narrower copies of the CPU kernels than the one this CPU runs, each with the
+# ATEN_CPU_CAPABILITY value that forces it in a subprocess.
+_NARROWER = {"avx512": (("avx2", "avx2"), ("portable", "default")),
+             "avx2": (("portable", "default"),), "portable": ()}
+_NARROWER_CASES = [pytest.param(name, env, id=name)
+                   for name, env in (("avx2", "avx2"), ("portable", "default"))]
+
+
+def _skip_unless_narrower(name):
+    mine = torch.ops.emcl.cpu_kernel()
+    if name not in dict(_NARROWER[mine]):
+        pytest.skip(f"this CPU runs the {mine} kernels: no {name} copy narrower than them")
+
+
+@pytest.mark.parametrize("name,capability", _NARROWER_CASES)
+def test_narrower_kernel_copies_give_the_same_bits(tmp_path, name, capability):
+    """Each narrower copy of the CPU kernels (the portable one: what a CPU without AVX2 runs;
+    the AVX2 one on an AVX-512 CPU; forced in a subprocess with torch's ATEN_CPU_CAPABILITY)
+    computes the same bits as the copy this CPU runs, on the same inputs (made here and passed
+    in a file: torch's own random kernels differ between the capabilities)."""
+    _skip_unless_narrower(name)
     cases = _scenario_cases()
     torch.save([(c.params, c.grads, c.anchors, c.importances, c.meta_lrs, m, o)
                 for c, m, o in cases], tmp_path / "inputs.pt")
@@ -332,22 +346,22 @@ def test_portable_and_avx2_kernels_give_the_same_bits(tmp_path):
         import emcl_kernels.backends.extension
         from emcl_testing import Case
         import test_cpu_backend as t
-        assert torch.ops.emcl.cpu_kernel() == "portable", torch.ops.emcl.cpu_kernel()
+        assert torch.ops.emcl.cpu_kernel() == sys.argv[3], torch.ops.emcl.cpu_kernel()
         torch.set_num_threads(1)
         raw = torch.load(sys.argv[1], weights_only=False)
         cases = [(Case(*lists), m, o) for (*lists, m, o) in raw]
         torch.save(t._run_scenarios(cases), sys.argv[2])
         print("ok")
     """)
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default",
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability,
            "PYTHONPATH": os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "inputs.pt"),
-                          str(tmp_path / "portable.pt")], env=env, capture_output=True,
+                          str(tmp_path / "narrow.pt"), name], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-4000:]
-    portable = torch.load(tmp_path / "portable.pt", weights_only=False)
-    avx2 = _run_scenarios(cases)
-    _assert_same_bits(avx2, portable, "avx2 vs portable")
+    narrow = torch.load(tmp_path / "narrow.pt", weights_only=False)
+    mine = _run_scenarios(cases)
+    _assert_same_bits(mine, narrow, f"{torch.ops.emcl.cpu_kernel()} vs {name}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,22 +443,24 @@ def test_check_finite_finds_one_bad_value_anywhere(threads, n_threads):
     _assert_check_probes(_check_probe_results(n_threads), f"{n_threads} thread(s)")
 
 
-def test_portable_check_finite_finds_one_bad_value_anywhere():
-    """The same probes on the portable copy of the kernels (ATEN_CPU_CAPABILITY=default)."""
-    if torch.ops.emcl.cpu_kernel() != "avx2":
-        pytest.skip("this CPU runs the portable kernels only (the test above ran them)")
+@pytest.mark.parametrize("name,capability", _NARROWER_CASES)
+def test_narrower_check_finite_finds_one_bad_value_anywhere(name, capability):
+    """The same probes on each narrower copy of the kernels (forced with
+    ATEN_CPU_CAPABILITY)."""
+    _skip_unless_narrower(name)
     code = textwrap.dedent("""
+        import sys
         import torch
         import emcl_kernels.backends.extension
         import test_cpu_backend as t
-        assert torch.ops.emcl.cpu_kernel() == "portable", torch.ops.emcl.cpu_kernel()
+        assert torch.ops.emcl.cpu_kernel() == sys.argv[1], torch.ops.emcl.cpu_kernel()
         wrong = [r for r in t._check_probe_results(1) if r[1] != r[2]]
         print("wrong:", wrong[:6])
     """)
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default",
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability,
            "PYTHONPATH": os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run([sys.executable, "-c", code, name], env=env, capture_output=True,
+                         text=True, timeout=600)
     assert out.returncode == 0 and "wrong: []" in out.stdout, (out.stdout + out.stderr)[-4000:]
 
 

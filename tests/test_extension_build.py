@@ -293,6 +293,7 @@ def test_build_runs_the_self_check_and_fails_when_the_library_crashes(tmp_path):
     (csrc / "emcl_ops.cpp").write_text(_TINY_OPS)
     (csrc / "emcl_cpu.cpp").write_text("// empty for the test\n")
     (csrc / "emcl_cpu_avx2.cpp").write_text("// empty for the test\n")
+    (csrc / "emcl_cpu_avx512.cpp").write_text("// empty for the test\n")
     env = {"CXX": cxx, "CC": cc}
 
     out = _build(tmp_path, env=env)

@@ -1,0 +1,60 @@
+// The CPU kernels of emcl_cpu_kernels.h compiled for AVX-512 (F, BW, VL, DQ) with FMA and F16C
+// (at::vec's AVX512 Vectorized: 16 floats per vector). emcl_cpu.cpp calls them only on a CPU
+// that has these features and where torch's own kernels run AVX-512 (torch's CPU capability is
+// AVX512: torch.backends.cpu.get_cpu_capability()), so that the step and torch's fused Adam run
+// vectors of the same width.
+//
+// Built like emcl_cpu_avx2.cpp ([note: AVX2 copy], [note: no FMA contraction]): the general torch
+// headers first, as baseline code, then the target pragma, then at::vec and the kernels. Every
+// element is computed with the same IEEE operations in the same order as in the other copies
+// (no contraction), so the three copies give bitwise the same results.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+
+#include <ATen/Dispatch.h>
+#include <ATen/NumericUtils.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/native/Math.h>
+#include <ATen/native/cpu/zmath.h>
+#include <c10/util/BFloat16-math.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <c10/util/TypeCast.h>
+
+#include "emcl_ops.h"
+
+#pragma GCC target("avx,avx2,fma,f16c,prfchw,avx512f,avx512bw,avx512vl,avx512dq")
+// The pragma does not define the feature macros that at::vec and sleef.h test; the code below
+// is compiled for exactly these features, so define them.
+#ifndef __AVX__
+#define __AVX__ 1
+#endif
+#ifndef __AVX2__
+#define __AVX2__ 1
+#endif
+#ifndef __FMA__
+#define __FMA__ 1
+#endif
+#ifndef __F16C__
+#define __F16C__ 1
+#endif
+#ifndef __AVX512F__
+#define __AVX512F__ 1
+#endif
+#ifndef __AVX512BW__
+#define __AVX512BW__ 1
+#endif
+#ifndef __AVX512VL__
+#define __AVX512VL__ 1
+#endif
+#ifndef __AVX512DQ__
+#define __AVX512DQ__ 1
+#endif
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#define EMCL_CPU_NS avx512
+#include "emcl_cpu_kernels.h"
+
+#endif
