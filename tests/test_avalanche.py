@@ -178,7 +178,7 @@ def test_growing_multi_head_model_trains_its_new_heads(stream, importance_norm, 
     if importance_norm == "tensor":
         # a group per tensor, the new ones with the strategy's hyper-parameters
         assert rec.end[-1]["groups"] == len(list(model.parameters()))
-        keys = ("meta_lr", "inner_lr", "reg", "decay", "lr_mode", "eps", "importance", "prox")
+        keys = ("meta_lr", "lr", "reg", "decay", "lr_mode", "eps", "importance", "prox")
         first = opt.param_groups[0]
         for g in opt.param_groups[1:]:
             assert all(g[k] == first[k] for k in keys), (g, first)

@@ -70,8 +70,6 @@ def pareto_front(points: list) -> set:
 def _rows(sr, controlled: dict) -> list:
     """Each timed row of stream ``sr`` with its report ACC (mean, std over seeds), its
     controlled time and counts, and the sweeps' wall-clock mean."""
-    from .tables import _stats, _visits
-
     out = []
     for s in controlled["summary"]:
         if s["stream"] != sr.stream:
@@ -80,8 +78,8 @@ def _rows(sr, controlled: dict) -> list:
         runs = sr.runs(s["row"])
         if not runs:
             continue
-        st = _stats(runs)
-        out.append({"row": s["row"], "names": names, "visits": _visits(runs[0]), "seeds": len(runs),
+        st = sr.stats_of(runs)
+        out.append({"row": s["row"], "names": names, "visits": sr.visits_of(runs[0]), "seeds": len(runs),
                     "acc": st["acc"], "sweep_time": st["train_time_s"], "summary": s})
     emcl = next((r for r in out if r["row"] == "emcl"), None)
     for r in out:

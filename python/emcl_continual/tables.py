@@ -105,6 +105,18 @@ class StreamResults:
                 out.append(r)
         return out
 
+    # what emcl_continual.efficiency reads of a row through the StreamResults it is handed (it
+    # does not import this module, which imports it)
+    @staticmethod
+    def stats_of(runs: list) -> dict:
+        """Mean and std over ``runs`` of every metric column and of the training time."""
+        return _stats(runs)
+
+    @staticmethod
+    def visits_of(run: dict) -> str:
+        """How many times the run's method visits each incoming sample."""
+        return _visits(run)
+
     def seeds_cell(self, name: str) -> str:
         row, rs = self.rows[name], self.runs(name)
         cell = f"{len(rs)}"
