@@ -146,6 +146,50 @@ def _rounds(fn, steps, rounds, subtract=None):
             "rounds_us": [round(x, 2) for x in wall]}
 
 
+class _Layout:
+    """One layout's tensors for both harnesses: parameters with three gradient sets to swap in
+    (``assign``), and one group's state and arguments for a backend call on the first set."""
+
+    def __init__(self, shapes, gen):
+        from emcl_kernels.interface import COUNTER_FIELDS, HYPER_FIELDS
+        self.params = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.01) for s in shapes]
+        self.pool = [[torch.randn(s, generator=gen) * 1e-3 for s in shapes] for _ in range(3)]
+        self.i = 0
+        self.assign(0)
+        self.anchors = [p.detach().clone() for p in self.params]
+        self.importances = [torch.rand(s, generator=gen) + 0.1 for s in shapes]
+        self.hyper = torch.tensor([{"lr_scale": 1.0}.get(k, 0.1) for k in HYPER_FIELDS],
+                                  dtype=torch.float64)
+        self.counters = torch.zeros(len(COUNTER_FIELDS), dtype=torch.int64)
+        self.steps = torch.zeros(len(shapes))
+        self.grads = [p.grad for p in self.params]
+        self.plist = [p.detach() for p in self.params]
+
+    def assign(self, i: int) -> None:
+        for p, g in zip(self.params, self.pool[i % 3]):
+            p.grad = g
+
+    def backend_step(self, mod, check: bool) -> None:
+        """One call of backend module ``mod`` on the group's tensors."""
+        from emcl_kernels.interface import IMPORTANCE, LR_MODE, OP
+        mod.step(self.plist, self.grads, self.anchors, self.importances, [], self.steps,
+                 self.hyper, self.counters, op=OP["cadence"], prox=True,
+                 importance=IMPORTANCE["taylor"], lr_mode=LR_MODE["inverse"], meta_every=1,
+                 check=check, finalize=True)
+
+    def swap(self) -> None:
+        """The next gradient set (what a new backward pass hands the step)."""
+        self.i += 1
+        self.assign(self.i)
+
+    def new_grads_step(self, opt):
+        """A step of ``opt`` after new gradients (time it with ``swap`` subtracted)."""
+        def fresh():
+            self.swap()
+            opt.step()
+        return fresh
+
+
 def measure(args) -> dict:
     """Every number of the module docstring, for the ``emcl_kernels`` this process imports."""
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -154,7 +198,7 @@ def measure(args) -> dict:
     from emcl_kernels import FusedEMCLOptimizer
     from emcl_kernels import plan as P
     from emcl_kernels.backends import triton as TB
-    from emcl_kernels.interface import COUNTER_FIELDS, HYPER_FIELDS, IMPORTANCE, LR_MODE, OP
+    from emcl_kernels.interface import OP
     if TB._kernels is None:
         raise SystemExit(f"triton backend unavailable: {TB._IMPORT_ERROR}")
     K = TB._kernels
@@ -170,50 +214,24 @@ def measure(args) -> dict:
     for name, shapes in LAYOUTS.items():
         steps = args.steps if name == "mlp" else max(20, args.steps // 20)
         res = out["layouts"][name] = {}
-        params = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.01) for s in shapes]
-        pool = [[torch.randn(s, generator=gen) * 1e-3 for s in shapes] for _ in range(3)]
-
-        def assign(i):
-            for p, g in zip(params, pool[i % 3]):
-                p.grad = g
-
-        assign(0)
+        lay = _Layout(shapes, gen)
         # the backend alone, on one group's tensors
-        anchors = [p.detach().clone() for p in params]
-        importances = [torch.rand(s, generator=gen) + 0.1 for s in shapes]
-        hyper = torch.tensor([{"lr_scale": 1.0}.get(k, 0.1) for k in HYPER_FIELDS],
-                             dtype=torch.float64)
-        counters = torch.zeros(len(COUNTER_FIELDS), dtype=torch.int64)
-        steps_t = torch.zeros(len(shapes))
-        grads = [p.grad for p in params]
-        plist = [p.detach() for p in params]
         for check in (True, False):
             def call(check=check):
-                TB.step(plist, grads, anchors, importances, [], steps_t, hyper, counters,
-                        op=OP["cadence"], prox=True, importance=IMPORTANCE["taylor"],
-                        lr_mode=LR_MODE["inverse"], meta_every=1, check=check, finalize=True)
+                lay.backend_step(TB, check)
             call()
             res[f"backend_step{'' if check else '_unchecked'}"] = _rounds(call, steps, args.rounds)
         # the optimizer's path
         for check in (True, False):
-            opt = FusedEMCLOptimizer(params, meta_every=1, backend="triton", check_finite=check)
+            opt = FusedEMCLOptimizer(lay.params, meta_every=1, backend="triton",
+                                     check_finite=check)
             opt.step()
             suffix = "" if check else "_unchecked"
             res["optimizer_step" + suffix] = _rounds(opt.step, steps, args.rounds)
             if check:
-                i = [0]
-
-                def fresh():
-                    i[0] += 1
-                    assign(i[0])
-                    opt.step()
-
-                def swap():
-                    i[0] += 1
-                    assign(i[0])
-
-                res["optimizer_step_new_grads"] = _rounds(fresh, steps, args.rounds, swap)
-                assign(0)
+                fresh = lay.new_grads_step(opt)
+                res["optimizer_step_new_grads"] = _rounds(fresh, steps, args.rounds, lay.swap)
+                lay.assign(0)
                 opt.step()
                 # where the optimizer's own time goes (private names: skipped where absent)
                 if hasattr(opt, "_step"):        # step() without torch's Optimizer wrapper
@@ -225,7 +243,7 @@ def measure(args) -> dict:
                 real, backend.step = backend.step, (lambda *a, **k: None)
                 try:
                     res["plan_layer"] = _rounds(opt.step, steps, args.rounds)
-                    res["plan_layer_new_grads"] = _rounds(fresh, steps, args.rounds, swap)
+                    res["plan_layer_new_grads"] = _rounds(fresh, steps, args.rounds, lay.swap)
                 finally:
                     backend.step = real
         res["launches"] = {"jit_stand_in_calls": K.emcl_step_kernel.calls
@@ -253,7 +271,6 @@ def interleave(args) -> dict:
     from emcl_kernels import FusedEMCLOptimizer
     from emcl_kernels import plan as P
     from emcl_kernels.backends import triton as after
-    from emcl_kernels.interface import COUNTER_FIELDS, HYPER_FIELDS, IMPORTANCE, LR_MODE, OP
     before = _load_module(os.path.abspath(args.interleave), "emcl_triton_before")
     K = after._kernels
     if before._kernels is not K:
@@ -268,42 +285,14 @@ def interleave(args) -> dict:
     gen = torch.Generator().manual_seed(0)
     for name, shapes in LAYOUTS.items():
         steps = args.steps if name == "mlp" else max(20, args.steps // 20)
-        params = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.01) for s in shapes]
-        pool = [[torch.randn(s, generator=gen) * 1e-3 for s in shapes] for _ in range(3)]
-
-        def assign(i):
-            for p, g in zip(params, pool[i % 3]):
-                p.grad = g
-
-        assign(0)
-        anchors = [p.detach().clone() for p in params]
-        importances = [torch.rand(s, generator=gen) + 0.1 for s in shapes]
-        hyper = torch.tensor([{"lr_scale": 1.0}.get(k, 0.1) for k in HYPER_FIELDS],
-                             dtype=torch.float64)
-        counters = torch.zeros(len(COUNTER_FIELDS), dtype=torch.int64)
-        steps_t = torch.zeros(len(shapes))
-        grads = [p.grad for p in params]
-        plist = [p.detach() for p in params]
-        opt = FusedEMCLOptimizer(params, meta_every=1, backend="triton")
+        lay = _Layout(shapes, gen)
+        opt = FusedEMCLOptimizer(lay.params, meta_every=1, backend="triton")
         opt.step()
-        i = [0]
-
-        def fresh():
-            i[0] += 1
-            assign(i[0])
-            opt.step()
-
-        def swap():
-            i[0] += 1
-            assign(i[0])
 
         def calls(mod):
-            def backend_step():
-                mod.step(plist, grads, anchors, importances, [], steps_t, hyper, counters,
-                         op=OP["cadence"], prox=True, importance=IMPORTANCE["taylor"],
-                         lr_mode=LR_MODE["inverse"], meta_every=1, check=True, finalize=True)
-            return {"backend_step": (backend_step, None), "optimizer_step": (opt.step, None),
-                    "optimizer_step_new_grads": (fresh, swap)}
+            return {"backend_step": (lambda: lay.backend_step(mod, True), None),
+                    "optimizer_step": (opt.step, None),
+                    "optimizer_step_new_grads": (lay.new_grads_step(opt), lay.swap)}
 
         table = {label: calls(mod) for label, mod in versions.items()}
         times = {label: {what: [] for what in table[label]} for label in versions}
@@ -312,11 +301,11 @@ def interleave(args) -> dict:
             for label in order:
                 for plan in opt._runtime.plans:
                     plan.backend = versions[label]
-                assign(0)
+                lay.assign(0)
                 for what, (fn, sub) in table[label].items():
                     fn()                                  # this version's tables, warm
                     times[label][what].append(_rounds(fn, steps, 1, sub))
-            assign(0)
+            lay.assign(0)
         res = out["layouts"][name] = {}
         for what in table["after"]:
             b = [x["median_us"] for x in times["before"][what]]
