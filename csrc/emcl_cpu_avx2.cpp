@@ -15,37 +15,9 @@
 // results, tests/test_cpu_backend.py). The update is memory-bound; the separate multiply costs
 // nothing measurable.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("fp-contract=off")
-
-#include <ATen/Dispatch.h>
-#include <ATen/NumericUtils.h>
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/native/Math.h>
-#include <ATen/native/cpu/zmath.h>
-#include <c10/util/BFloat16-math.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <c10/util/TypeCast.h>
-
-#include "emcl_ops.h"
+#include "emcl_cpu_copy_prelude.h"
 
 #pragma GCC target("avx,avx2,fma,f16c,prfchw")
-// The pragma does not define the feature macros that at::vec and sleef.h test; the code below
-// is compiled for exactly these features, so define them.
-#ifndef __AVX__
-#define __AVX__ 1
-#endif
-#ifndef __AVX2__
-#define __AVX2__ 1
-#endif
-#ifndef __FMA__
-#define __FMA__ 1
-#endif
-#ifndef __F16C__
-#define __F16C__ 1
-#endif
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
 #define EMCL_CPU_NS avx2

@@ -9,37 +9,10 @@
 // element is computed with the same IEEE operations in the same order as in the other copies
 // (no contraction), so the three copies give bitwise the same results.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("fp-contract=off")
-
-#include <ATen/Dispatch.h>
-#include <ATen/NumericUtils.h>
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/native/Math.h>
-#include <ATen/native/cpu/zmath.h>
-#include <c10/util/BFloat16-math.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <c10/util/TypeCast.h>
-
-#include "emcl_ops.h"
+#include "emcl_cpu_copy_prelude.h"
 
 #pragma GCC target("avx,avx2,fma,f16c,prfchw,avx512f,avx512bw,avx512vl,avx512dq")
-// The pragma does not define the feature macros that at::vec and sleef.h test; the code below
-// is compiled for exactly these features, so define them.
-#ifndef __AVX__
-#define __AVX__ 1
-#endif
-#ifndef __AVX2__
-#define __AVX2__ 1
-#endif
-#ifndef __FMA__
-#define __FMA__ 1
-#endif
-#ifndef __F16C__
-#define __F16C__ 1
-#endif
+// the AVX-512 feature macros (the prelude defines AVX2's)
 #ifndef __AVX512F__
 #define __AVX512F__ 1
 #endif
