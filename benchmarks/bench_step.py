@@ -580,6 +580,25 @@ def add_ratios(records: list) -> None:
             r["ratio_to_peer_spread"] = spread
             r["verdict"] = ("met" if ratio <= goal else
                             "tie" if spread is not None and spread <= goal else "missed")
+            add_floor_ratios(r, p)
+
+
+def add_floor_ratios(r: dict, peer: dict) -> None:
+    """For an fp32 ``inner_step()`` record whose group measured the inner step's floors
+    (``common.inner_floors``): ``floor_ratio_to_peer`` (probe -> the ratio to the peer the step
+    would have if it moved its elements at the probe's median speed; ``_best``: at the probe's
+    fastest repeat) and ``ratio_to_floor`` (the step's median time over the time of its own
+    streams, ``inner_pattern``'s median). A goal below ``floor_ratio_to_peer["inner_pattern"]``
+    cannot be met by moving the same bytes faster on this machine."""
+    floors = r.get("inner_floors") or {}
+    if r.get("emcl_step") != "inner" or r.get("dtype") != "fp32" or not floors:
+        return
+    ms = {name: {k: f["bytes_per_element"] * r["numel"] / (f[k] * 1e9) * 1e3
+                 for k in ("gbps", "gbps_best")} for name, f in floors.items()}
+    r["floor_ratio_to_peer"] = {n: m["gbps"] / peer["wall_ms"] for n, m in ms.items()}
+    r["floor_ratio_to_peer_best"] = {n: m["gbps_best"] / peer["wall_ms"] for n, m in ms.items()}
+    if "inner_pattern" in ms:
+        r["ratio_to_floor"] = r["wall_ms"] / ms["inner_pattern"]["gbps"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -633,7 +652,8 @@ def run_layout(device, choice, dtype, thread_counts, emcl_backends, args, settin
                  "load_average_before": load_before, "load_average_after": load_after,
                  "group_rounds": rounds,
                  "roof_gbps": roof["roof_gbps"] if roof else None,
-                 "copy_gbps": roof["copy_gbps"] if roof else None}
+                 "copy_gbps": roof["copy_gbps"] if roof else None,
+                 "inner_floors": common.inner_floors(roof) if roof else {}}
         for c in contenders:
             rec = record_of(c, group, device, dtype)
             rec.update(profile.get(c.name, {"device_ms": None, "gpu_activities_per_step": None,
@@ -672,10 +692,14 @@ def _log_group(records: list, log) -> None:
 
 
 def _peer_text(r: dict) -> str:
-    """", 0.93x adam_fused_checked (goal 1.0: met)" for a record with a peer, else ""."""
+    """", 0.93x adam_fused_checked (goal 1.0: met)" for a record with a peer, else "" (and for
+    an inner step with floors: ", floor 0.81x (1.04x its streams)")."""
     if r.get("ratio_to_peer") is None:
         return ""
-    return f", {r['ratio_to_peer']:.2f}x {r['peer']} (goal {r['goal']}: {r['verdict']})"
+    floor = (r.get("floor_ratio_to_peer") or {}).get("inner_pattern")
+    extra = (f"; at its streams' speed {floor:.2f}x ({r['ratio_to_floor']:.2f}x their time)"
+             if floor is not None else "")
+    return f", {r['ratio_to_peer']:.2f}x {r['peer']} (goal {r['goal']}: {r['verdict']}{extra})"
 
 
 def _devices(name: str) -> torch.device:

@@ -232,13 +232,20 @@ ROOF_KERNELS = {
     "axpy_inplace": (8, 4, True),   # a.add_(b, alpha=s): read a and b, write a
     "scale_inplace": (4, 4, True),  # a.mul_(1.0): read a, write a
     "fill": (0, 4, False),          # a.fill_(0.5): write only
-    # CPU only, when the extension has them: the in-place kernels read the way EMCL's CPU
-    # kernels read, with a software prefetch ([note: stream probes] in csrc/emcl_cpu_kernels.h)
+    # CPU only, when the extension has them: kernels that read the way EMCL's CPU kernels read
+    # ([note: stream probes] in csrc/emcl_cpu_kernels.h), with a software prefetch ...
     "scale_inplace_prefetch": (4, 4, True),   # torch.ops.emcl.stream_probe_(a, b, c, d, 0)
     "axpy_inplace_prefetch": (8, 4, True),    # torch.ops.emcl.stream_probe_(a, b, c, d, 1)
     "update_pattern_prefetch": (16, 12, True),  # stream_probe_(..., 2): reads a-d, writes a, c, d
+    # ... and without one, as the update runs: the inner step's streams, and their reads alone
+    "inner_pattern": (16, 4, True),           # stream_probe_(..., 3): reads a-d, writes a
+    "read_pattern": (16, 0, True),            # stream_probe_(..., 4): reads a-d, writes nothing
 }
-PREFETCH_PROBES = ("scale_inplace_prefetch", "axpy_inplace_prefetch", "update_pattern_prefetch")
+EXTENSION_PROBES = ("scale_inplace_prefetch", "axpy_inplace_prefetch", "update_pattern_prefetch",
+                    "inner_pattern", "read_pattern")
+# The probes with the fp32 inner step's streams (θ, g, θ₀, h read; θ written), and with its reads
+# alone: the least time an inner step can take on this machine (bench_step's floor ratios).
+INNER_FLOOR_PROBES = ("inner_pattern", "read_pattern")
 
 
 def stream_probes_available(device: torch.device) -> bool:
@@ -262,7 +269,8 @@ def roof_kernels(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> dict:
     """The streaming kernels of the roof, name -> callable, on three distinct 1-d fp32 tensors
     of one size: ``a`` is written (its values kept by ``scale_inplace``, moved by 1e-6·b per
     ``axpy_inplace``, set by the others), ``b`` and ``c`` are only read, except that the
-    extension's ``update_pattern_prefetch`` (CPU) also moves ``c`` by 1e-6·b per call."""
+    extension's ``update_pattern_prefetch`` (CPU) also moves ``c`` by 1e-6·b per call;
+    ``read_pattern`` writes nothing."""
     a_chunks, b_chunks = a.chunk(FOREACH_CHUNKS), b.chunk(FOREACH_CHUNKS)
     kernels = {
         "copy": lambda: a.copy_(b),
@@ -279,6 +287,8 @@ def roof_kernels(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> dict:
         kernels["scale_inplace_prefetch"] = lambda: probe(a, b, c, d, 0)
         kernels["axpy_inplace_prefetch"] = lambda: probe(a, b, c, d, 1)
         kernels["update_pattern_prefetch"] = lambda: probe(a, b, c, d, 2)
+        kernels["inner_pattern"] = lambda: probe(a, b, c, d, 3)
+        kernels["read_pattern"] = lambda: probe(a, b, c, d, 4)
     return kernels
 
 
@@ -361,6 +371,20 @@ def _roof_summary(head: dict, samples: dict) -> dict:
     return {**head, "records": records, "roof_gbps": top["gbps_best"],
             "roof_kernel": top["kernel"], "roof_numel": top["numel"],
             "copy_gbps": max(r["gbps_best"] for r in streaming if r["kernel"] == "copy")}
+
+
+def inner_floors(roof: dict) -> dict:
+    """From a :func:`measure_roof` result: probe -> {"gbps", "gbps_best", "bytes_per_element"}
+    of the :data:`INNER_FLOOR_PROBES` at the roof's largest size (empty where they did not run).
+    A step that reads θ, g, θ₀ and h can be no faster than ``read_pattern``, and one that also
+    writes θ back no faster than ``inner_pattern``: with a peer's time for the same elements
+    they give the least ratio to that peer the fp32 inner step can reach (bench_step's
+    ``floor_ratio_to_peer``)."""
+    largest = max((r["numel"] for r in roof.get("records", ())
+                   if r["kernel"] in ROOF_KERNELS), default=None)
+    return {r["kernel"]: {k: r[k] for k in ("gbps", "gbps_best", "bytes_per_element")}
+            for r in roof.get("records", ())
+            if r["kernel"] in INNER_FLOOR_PROBES and r["numel"] == largest}
 
 
 # The backends whose kernels are compiled: their fp32 steps are timed beside the roof.

@@ -68,7 +68,13 @@ extern std::atomic<int64_t> g_launch_count;
 extern std::atomic<uint64_t> g_cpu_threads_mask;
 
 // The CPU memory probes of the benchmarks' roof ([note: stream probes] in emcl_cpu_kernels.h).
-enum class StreamProbe : int64_t { kScaleInplace = 0, kAxpyInplace = 1, kUpdatePattern = 2 };
+enum class StreamProbe : int64_t {
+  kScaleInplace = 0,
+  kAxpyInplace = 1,
+  kUpdatePattern = 2,
+  kInnerPattern = 3,
+  kReadPattern = 4,
+};
 
 // Calls f(std::integral_constant<bool, prox>, std::integral_constant<Importance, ...>,
 // std::integral_constant<LrMode, ...>) with the call's modes as compile-time constants.

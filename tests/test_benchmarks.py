@@ -200,14 +200,15 @@ def _roof_kernel_names(device) -> set:
     where they do not run."""
     names = set(common.ROOF_KERNELS)
     if not common.stream_probes_available(device):
-        names -= set(common.PREFETCH_PROBES)
+        names -= set(common.EXTENSION_PROBES)
     return names
 
 
 def test_prefetching_roof_kernels_do_what_their_names_say():
     """The extension's roof probes as the roof calls them (CPU; the op itself is tested in
     tests/test_cpu_backend.py): scale keeps a, axpy adds 1e-6·b to a, the update's pattern adds
-    1e-6·b to a and c; b is never written."""
+    1e-6·b to a and c, the inner step's pattern adds 1e-6·(b + c·d) to a, its reads alone write
+    nothing; b is never written."""
     if not common.stream_probes_available(torch.device("cpu")):
         pytest.skip("the cpu backend (the extension) is not available")
     gen = torch.Generator().manual_seed(5)
@@ -223,6 +224,11 @@ def test_prefetching_roof_kernels_do_what_their_names_say():
     fns["update_pattern_prefetch"]()
     assert torch.allclose(a, a1 + 1e-6 * b0, rtol=1e-7, atol=0)
     assert torch.allclose(c, c0 + 1e-6 * b0, rtol=1e-7, atol=0) and not torch.equal(c, c0)
+    a2, c2 = a.clone(), c.clone()
+    fns["read_pattern"]()
+    assert torch.equal(a, a2) and torch.equal(c, c2)
+    fns["inner_pattern"]()
+    assert not torch.equal(a, a2) and torch.equal(c, c2)
     assert torch.equal(b, b0)
 
 

@@ -248,10 +248,11 @@ def test_big_passes_run_on_every_thread(threads, dtype):
 @pytest.mark.parametrize("n_threads", (1, 2))
 @pytest.mark.parametrize("n", (0, 1003, (1 << 20) + 5))
 def test_stream_probes_compute_what_they_say(threads, n_threads, n):
-    """torch.ops.emcl.stream_probe_, the benchmarks' prefetching memory probes ([note: stream
-    probes]): kind 0 keeps a, kind 1 adds 1e-6·b to a, kind 2 (the update's pattern) adds 1e-6·b
-    to a and c and keeps d; b is never written; sizes with a tail, empty, one and two threads;
-    bad calls are refused."""
+    """torch.ops.emcl.stream_probe_, the benchmarks' memory probes ([note: stream probes]):
+    kind 0 keeps a, kind 1 adds 1e-6·b to a, kind 2 (the update's pattern) adds 1e-6·b to a and
+    c and keeps d, kind 3 (the inner step's pattern) adds 1e-6·(b + c·d) to a alone, kind 4 (its
+    reads alone) writes nothing; b is never written; sizes with a tail, empty, one and two
+    threads; bad calls are refused."""
     threads(n_threads)
     gen = torch.Generator().manual_seed(n + 1)
     a, b, c, d = (torch.randn(n, generator=gen) for _ in range(4))
@@ -269,10 +270,19 @@ def test_stream_probes_compute_what_they_say(threads, n_threads, n):
     assert torch.equal(d, d0) and torch.equal(b, b0)
     if n:
         assert not torch.equal(a, a0) and not torch.equal(c, c0)
+    a2, c2 = a.clone(), c.clone()
+    probe(a, b, c, d, 4)
+    assert torch.equal(a, a2) and torch.equal(c, c2) and torch.equal(d, d0)
     if n > (1 << 20):
         assert torch.ops.emcl.cpu_threads_used() == n_threads
-    with pytest.raises(RuntimeError, match="kind"):
-        probe(a, b, c, d, 3)
+    probe(a, b, c, d, 3)
+    assert torch.allclose(a, a2 + 1e-6 * (b0 + c2 * d0), rtol=1e-7, atol=0)
+    assert torch.equal(c, c2) and torch.equal(d, d0) and torch.equal(b, b0)
+    if n:
+        assert not torch.equal(a, a2)
+    for kind in (-1, 5):
+        with pytest.raises(RuntimeError, match="kind"):
+            probe(a, b, c, d, kind)
     with pytest.raises(RuntimeError, match="fp32"):
         probe(a.double(), b.double(), c.double(), d.double(), 0)
     if n:
