@@ -180,7 +180,8 @@ def bytes_per_element(kind: str, dtype: torch.dtype) -> int:
     * EMCL inner (``inner_step()``): 3p + 8 (20 B, 14 B);
     * Adam: θ read+write, g, exp_avg and exp_avg_sq read+write, the state in the parameter's
       dtype (as torch keeps it): 7p (28 B, 14 B);
-    * SGD with momentum: θ read+write, g, the buffer read+write: 5p (20 B, 10 B).
+    * SGD with momentum: θ read+write, g, the buffer read+write: 5p (20 B, 10 B);
+    * the inner step's reads alone (a floor, :func:`floor_contenders`): 2p + 8 (16 B).
 
     The non-finite check of EMCL's default setting reads g once more (+p), not counted here.
     """
@@ -193,6 +194,8 @@ def bytes_per_element(kind: str, dtype: torch.dtype) -> int:
         return 7 * p
     if kind == "sgd":
         return 5 * p
+    if kind == "inner_reads":
+        return common.bytes_per_element("inner_step", dtype) - p
     raise ValueError(f"no byte model for {kind!r}")
 
 
@@ -357,7 +360,33 @@ def make_contenders(params: list, emcl_backends: list, log) -> tuple:
     return out, errors
 
 
+# The floors: the extension's probes ([note: stream probes] in csrc/emcl_cpu_kernels.h) with the
+# fp32 inner step's streams, timed in the same rounds as the optimizers, on four flat tensors of
+# the layout's size: name -> (stream_probe_ kind, byte model).
+FLOORS = {"floor: inner streams": (3, "emcl_inner"),   # reads θ, g, θ₀, h; writes θ (20 B)
+          "floor: inner reads": (4, "inner_reads")}    # reads them, writes nothing (16 B)
+
+
+def floor_contenders(numel: int, dtype: torch.dtype, device: torch.device) -> list:
+    """The :data:`FLOORS` as contenders (family ``floor``) for an fp32 layout on a CPU whose
+    extension has the probes, else none. No kernel that reads θ, g, θ₀ and h and writes θ
+    moves them faster than ``floor: inner streams`` does on the same machine in the same
+    rounds, give or take how well a loop is written: the step's ``ratio_to_floor`` says how
+    close it is, and ``floor_ratio_to_peer`` what ratio to fused Adam that speed gives."""
+    if dtype != torch.float32 or not common.stream_probes_available(device):
+        return []
+    tensors = [torch.rand(numel, device=device) for _ in range(4)]
+    out = []
+    for name, (kind, bytes_kind) in FLOORS.items():
+        run = (lambda kind=kind: torch.ops.emcl.stream_probe_(*tensors, kind))
+        out.append(Contender(name, "floor", None, "stream_probe_", bytes_kind,
+                             settings={"stream_probe_kind": kind}, runner=run))
+    return out
+
+
 def state_tensors(optimizer) -> list:
+    if optimizer is None:
+        return []
     return [v for st in optimizer.state.values() for v in st.values()
             if torch.is_tensor(v) and v.is_floating_point()]
 
@@ -524,7 +553,8 @@ def record_of(c: Contender, group: dict, device: torch.device, dtype: torch.dtyp
     rec = {"device": device.type, "device_name": common.device_name(device), **group,
            "contender": c.name, "family": c.family, "call": c.call, "backend": c.backend,
            "check_finite": c.check_finite, "grad_scaler": c.scaler, "settings": c.settings,
-           "emcl_step": {"emcl_step": "inner+meta", "emcl_inner": "inner"}.get(c.bytes_kind),
+           "emcl_step": ({"emcl_step": "inner+meta", "emcl_inner": "inner"}.get(c.bytes_kind)
+                         if c.family == "emcl" else None),
            "bytes_per_element": bytes_per_element(c.bytes_kind, dtype),
            "error": c.error, "steps_taken": c.steps}
     if c.error or not c.wall:
@@ -557,6 +587,7 @@ def add_ratios(records: list) -> None:
         groups.setdefault((r["device"], r["threads"], r["layout"], r["dtype"]), []).append(r)
     for recs in groups.values():
         base = {r["family"]: r for r in recs if r["family"] in BASELINES and r.get("wall_ms")}
+        floors = {r["contender"]: r for r in recs if r["family"] == "floor" and r.get("wall_ms")}
         for r in recs:
             for b in BASELINES:
                 ok = bool(r.get("wall_ms")) and b in base
@@ -580,25 +611,22 @@ def add_ratios(records: list) -> None:
             r["ratio_to_peer_spread"] = spread
             r["verdict"] = ("met" if ratio <= goal else
                             "tie" if spread is not None and spread <= goal else "missed")
-            add_floor_ratios(r, p)
+            if r.get("emcl_step") == "inner" and floors:
+                add_floor_ratios(r, p, floors)
 
 
-def add_floor_ratios(r: dict, peer: dict) -> None:
-    """For an fp32 ``inner_step()`` record whose group measured the inner step's floors
-    (``common.inner_floors``): ``floor_ratio_to_peer`` (probe -> the ratio to the peer the step
-    would have if it moved its elements at the probe's median speed; ``_best``: at the probe's
-    fastest repeat) and ``ratio_to_floor`` (the step's median time over the time of its own
-    streams, ``inner_pattern``'s median). A goal below ``floor_ratio_to_peer["inner_pattern"]``
-    cannot be met by moving the same bytes faster on this machine."""
-    floors = r.get("inner_floors") or {}
-    if r.get("emcl_step") != "inner" or r.get("dtype") != "fp32" or not floors:
-        return
-    ms = {name: {k: f["bytes_per_element"] * r["numel"] / (f[k] * 1e9) * 1e3
-                 for k in ("gbps", "gbps_best")} for name, f in floors.items()}
-    r["floor_ratio_to_peer"] = {n: m["gbps"] / peer["wall_ms"] for n, m in ms.items()}
-    r["floor_ratio_to_peer_best"] = {n: m["gbps_best"] / peer["wall_ms"] for n, m in ms.items()}
-    if "inner_pattern" in ms:
-        r["ratio_to_floor"] = r["wall_ms"] / ms["inner_pattern"]["gbps"]
+def add_floor_ratios(r: dict, peer: dict, floors: dict) -> None:
+    """For an ``inner_step()`` record whose group timed the floors (:func:`floor_contenders`):
+    ``floor_ratio_to_peer`` (floor -> the floor's median time over the peer's: the ratio the
+    step would have at that floor's speed), ``ratio_to_floor`` (the step's median time over
+    ``floor: inner streams``'s) and ``ratio_to_floor_spread`` (the step's lower quartile over
+    that floor's upper one). A goal below ``floor_ratio_to_peer["floor: inner streams"]`` is one
+    that moving the same bytes faster does not reach on this machine."""
+    r["floor_ratio_to_peer"] = {n: f["wall_ms"] / peer["wall_ms"] for n, f in floors.items()}
+    streams = floors.get("floor: inner streams")
+    if streams:
+        r["ratio_to_floor"] = r["wall_ms"] / streams["wall_ms"]
+        r["ratio_to_floor_spread"] = r["wall_ms_q25"] / streams["wall_ms_q75"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -630,6 +658,7 @@ def run_layout(device, choice, dtype, thread_counts, emcl_backends, args, settin
                 if b != "reference" or numel <= settings.reference_cap]
     log(f"   {name} ({len(shapes)} tensors, {numel:,} elements, {source}) {dname}")
     contenders, errors = make_contenders(params, backends, log)
+    contenders += floor_contenders(numel, dtype, device)
     records = []
     for threads in thread_counts:
         if threads is not None:
@@ -652,8 +681,7 @@ def run_layout(device, choice, dtype, thread_counts, emcl_backends, args, settin
                  "load_average_before": load_before, "load_average_after": load_after,
                  "group_rounds": rounds,
                  "roof_gbps": roof["roof_gbps"] if roof else None,
-                 "copy_gbps": roof["copy_gbps"] if roof else None,
-                 "inner_floors": common.inner_floors(roof) if roof else {}}
+                 "copy_gbps": roof["copy_gbps"] if roof else None}
         for c in contenders:
             rec = record_of(c, group, device, dtype)
             rec.update(profile.get(c.name, {"device_ms": None, "gpu_activities_per_step": None,
@@ -696,7 +724,7 @@ def _peer_text(r: dict) -> str:
     an inner step with floors: ", floor 0.81x (1.04x its streams)")."""
     if r.get("ratio_to_peer") is None:
         return ""
-    floor = (r.get("floor_ratio_to_peer") or {}).get("inner_pattern")
+    floor = (r.get("floor_ratio_to_peer") or {}).get("floor: inner streams")
     extra = (f"; at its streams' speed {floor:.2f}x ({r['ratio_to_floor']:.2f}x their time)"
              if floor is not None else "")
     return f", {r['ratio_to_peer']:.2f}x {r['peer']} (goal {r['goal']}: {r['verdict']}{extra})"
@@ -801,7 +829,8 @@ def _main(args, argv, settings: Settings, device: torch.device) -> dict:
                      "thread_counts": [t or torch.get_num_threads() for t in thread_counts]},
         "emcl_backends": emcl_backends, "skipped_backends": skipped,
         "byte_model": {f"{k}/{d}": bytes_per_element(k, common.DTYPE_NAMES[d])
-                       for k in ("emcl_step", "emcl_inner", "adam", "sgd") for d in args.dtypes},
+                       for k in ("emcl_step", "emcl_inner", "adam", "sgd", "inner_reads")
+                       for d in args.dtypes},
         "roofs": [], "records": [], "notes": [],
     }
     log(f"== {result['device_name']}: EMCL backends {', '.join(emcl_backends)}; "

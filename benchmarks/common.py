@@ -243,9 +243,6 @@ ROOF_KERNELS = {
 }
 EXTENSION_PROBES = ("scale_inplace_prefetch", "axpy_inplace_prefetch", "update_pattern_prefetch",
                     "inner_pattern", "read_pattern")
-# The probes with the fp32 inner step's streams (θ, g, θ₀, h read; θ written), and with its reads
-# alone: the least time an inner step can take on this machine (bench_step's floor ratios).
-INNER_FLOOR_PROBES = ("inner_pattern", "read_pattern")
 
 
 def stream_probes_available(device: torch.device) -> bool:
@@ -371,20 +368,6 @@ def _roof_summary(head: dict, samples: dict) -> dict:
     return {**head, "records": records, "roof_gbps": top["gbps_best"],
             "roof_kernel": top["kernel"], "roof_numel": top["numel"],
             "copy_gbps": max(r["gbps_best"] for r in streaming if r["kernel"] == "copy")}
-
-
-def inner_floors(roof: dict) -> dict:
-    """From a :func:`measure_roof` result: probe -> {"gbps", "gbps_best", "bytes_per_element"}
-    of the :data:`INNER_FLOOR_PROBES` at the roof's largest size (empty where they did not run).
-    A step that reads θ, g, θ₀ and h can be no faster than ``read_pattern``, and one that also
-    writes θ back no faster than ``inner_pattern``: with a peer's time for the same elements
-    they give the least ratio to that peer the fp32 inner step can reach (bench_step's
-    ``floor_ratio_to_peer``)."""
-    largest = max((r["numel"] for r in roof.get("records", ())
-                   if r["kernel"] in ROOF_KERNELS), default=None)
-    return {r["kernel"]: {k: r[k] for k in ("gbps", "gbps_best", "bytes_per_element")}
-            for r in roof.get("records", ())
-            if r["kernel"] in INNER_FLOOR_PROBES and r["numel"] == largest}
 
 
 # The backends whose kernels are compiled: their fp32 steps are timed beside the roof.

@@ -256,12 +256,20 @@ def make_step_table(result: dict, *, backends=None, layouts=None, dtypes=None,
         caption += f" Note: {result['note']}."
     lines = [caption]
     emcl_backends = list(dict.fromkeys(r["backend"] for r in recs if r["family"] == "emcl"))
+    floors = any(r["family"] == "floor" for r in recs)
+    if floors:
+        lines[0] += (" Floor: `floor: inner streams` (the fp32 inner step's streams, θ, g, θ₀, h "
+                     "read and θ written, by `torch.ops.emcl.stream_probe_` on four flat tensors "
+                     "of the layout's size, timed in the same rounds) over Adam fused, in "
+                     "parentheses the reads alone (`floor: inner reads`).")
     for threads in dict.fromkeys(r["threads"] for r in recs):
         sub = [r for r in recs if r["threads"] == threads]
         head = ["layout", "dtype"] + [f"{STEP_TITLES[b]} (ms)" for b in STEP_BASELINES[:3]]
         for backend in emcl_backends:
             prefix = f"EMCL `{backend}` " if len(emcl_backends) > 1 else "EMCL "
             head += [prefix + title for _, title in STEP_PAIRS]
+        if floors:
+            head.append("floor / Adam fused")
         title = f"{threads} thread(s)" if result["device"] == "cpu" else result["device_name"]
         lines += ["", f"*{title}*", "", "| " + " | ".join(head) + " |",
                   "|" + "|".join(["---", "---"] + ["--:"] * (len(head) - 2)) + "|"]
@@ -291,6 +299,8 @@ def make_step_table(result: dict, *, backends=None, layouts=None, dtypes=None,
                                          f"({r['ratio_to_peer_min']:.2f}x)"
                                          + VERDICT_MARK.get(r.get("verdict"), "")
                                          + ("" if r.get("finite", True) else " (not finite)"))
+                if floors:
+                    cells.append(_floor_cell(here))
                 lines.append("| " + " | ".join(cells) + " |")
     gpu = [r for r in recs if r.get("device_ms") is not None]
     if gpu:
@@ -310,6 +320,15 @@ def make_step_table(result: dict, *, backends=None, layouts=None, dtypes=None,
     lines += goals
     lines += [f"- {_step_title(n)}: {e}" for n, e in sorted(errors)]
     return "\n".join(lines)
+
+
+def _floor_cell(here: list) -> str:
+    """"0.86x (0.74x)": the floors' median times over Adam fused's in one group ("-" without)."""
+    ratio = {r["contender"]: r.get("ratio_to_adam_fused") for r in here if r["family"] == "floor"}
+    streams, reads = ratio.get("floor: inner streams"), ratio.get("floor: inner reads")
+    if streams is None:
+        return "-"
+    return f"{streams:.2f}x" + (f" ({reads:.2f}x)" if reads is not None else "")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -631,10 +631,34 @@ def test_step_run_times_every_contender_on_every_dtype(step_run):
                 "sgd_foreach"} | {
         f"emcl[{b}] {call}{suffix}" for b in emcl for call in ("step()", "inner_step()")
         for suffix in ("", " nocheck")} | {f"emcl[{b}] step() scaler" for b in emcl}
+    # the inner step's floors: fp32 only, where the extension's probes run
+    floors = set(bench_step.FLOORS) if "cpu" in emcl else set()
     for dtype in ("fp32", "bf16"):
         names = {r["contender"] for r in saved["records"] if r["dtype"] == dtype}
-        assert names == expected
+        assert names == expected | (floors if dtype == "fp32" else set())
     assert len(saved["roofs"]) == 1 and saved["roofs"][0]["threads"] == 1
+
+
+def test_inner_step_records_carry_their_floor(step_run):
+    """An fp32 inner_step() record's floor ratios are the floors' times over Adam fused's in the
+    same group, and ratio_to_floor its own time over the streams' floor."""
+    result, _ = step_run
+    recs = [r for r in result["records"] if r["dtype"] == "fp32"]
+    floors = {r["contender"]: r for r in recs if r["family"] == "floor"}
+    if not floors:
+        pytest.skip("the cpu backend's probes are not built")
+    adam = next(r for r in recs if r["family"] == "adam_fused")
+    assert floors["floor: inner streams"]["bytes_per_element"] == 20
+    assert floors["floor: inner reads"]["bytes_per_element"] == 16
+    inner = [r for r in recs if r["family"] == "emcl" and r["call"] == "inner_step()"
+             and r["check_finite"] is False]
+    assert inner
+    for r in inner:
+        for name, f in floors.items():
+            assert r["floor_ratio_to_peer"][name] == pytest.approx(f["wall_ms"] / adam["wall_ms"])
+        streams = floors["floor: inner streams"]
+        assert r["ratio_to_floor"] == pytest.approx(r["wall_ms"] / streams["wall_ms"])
+    assert all("floor_ratio_to_peer" not in r for r in recs if r["call"] == "step()")
 
 
 def test_step_plot_is_redrawn_from_the_results_file(step_run):
