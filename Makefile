@@ -20,6 +20,11 @@
 #   make gpu-check-2 OUT=dir   index needed): the two stages of the GPU check, each within one
 #                              10-minute command; summary and archive in OUT (docs/gpu-check.md)
 #   make gpu-check-12 OUT=dir  both stages in one command (one build; fits 10 minutes)
+#   make gpu-validate-a OUT=dir  on the GPU machine (after gpu-check, or building here): the
+#                   Permuted MNIST validation stage with --device auto --jobs $(GPU_JOBS), then
+#                   emcl_continual.sweep_diff against the 2-core CPU's run in
+#                   results/scale/permuted-mnist/cpu-jobs2 (OUT/cpu-vs-gpu.md: same selection?
+#                   the time ratio)
 #   make gpu-check  every full stage without a time budget (30+ minutes): build against that
 #                   torch, every test, memcheck, the benchmarks, the main job on GPU and CPU;
 #                   results in benchmarks/results/ (tools/gpu_check.py --help).
@@ -39,8 +44,9 @@ MAX_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 export MAX_JOBS
 GPU_CHECK_ARGS ?=
 OUT ?= build/gpu-check/out
+GPU_JOBS ?= 16
 
-.PHONY: setup setup-avalanche setup-frameworks setup-ray test-ray demo test bench gpu-check gpu-check-1 gpu-check-2 gpu-check-12 clean
+.PHONY: setup setup-avalanche setup-frameworks setup-ray test-ray demo test bench gpu-check gpu-check-1 gpu-check-2 gpu-check-12 gpu-validate-a clean
 
 setup: $(VENV)/.installed
 
@@ -100,6 +106,15 @@ gpu-check-12:
 	rc=0; $(PYTHON) tools/gpu_check.py --stage 1 --budget 300 --out $(OUT) $(GPU_CHECK_ARGS) || rc=1; \
 	$(PYTHON) tools/gpu_check.py --stage 2 --budget 270 --out $(OUT) $(GPU_CHECK_ARGS) || rc=1; \
 	exit $$rc
+
+gpu-validate-a:
+	$(PYTHON) tools/gpu_check.py --only deps,build --out $(OUT)/build $(GPU_CHECK_ARGS)
+	PYTHONPATH=$(CURDIR):$(CURDIR)/python:$(CURDIR)/build/gpu-check/site $(PYTHON) -m emcl_continual.selection \
+	  --stream permuted-mnist --until validate-a --device auto --jobs $(GPU_JOBS) --threads 1 \
+	  --allow-dirty --out $(OUT)/gpu-validate-a
+	PYTHONPATH=$(CURDIR):$(CURDIR)/python $(PYTHON) -m emcl_continual.sweep_diff \
+	  results/scale/permuted-mnist/cpu-jobs2 $(OUT)/gpu-validate-a --label-a "2-core CPU, --jobs 2" \
+	  --label-b "GPU machine, --device auto --jobs $(GPU_JOBS)" --out $(OUT)/cpu-vs-gpu
 
 clean:
 	rm -rf $(VENV) build *.egg-info emcl_kernels/*.so runs

@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from emcl_continual import presets, selection, sweep
+from emcl_continual import presets, selection, sweep, sweep_diff
 from emcl_continual.config import build_config
 from emcl_continual.methods.emcl import glance_plan
 
@@ -217,6 +217,8 @@ def test_a_failed_run_is_reported_kept_pending_and_the_others_written(tmp_path, 
     with pytest.raises(selection.RunsFailed, match="1 of 1 run"):
         selection.run_rows([bad, good], path, "permuted-mnist", "validation", jobs=1, n_tasks=1, samples_per_task=10)
     assert "1 run(s) to do" in capsys.readouterr().out
+    timing = selection.load_runs(str(out / selection.TIMINGS_FILE))
+    assert [(t["runs"], t["failed"], t["slots"]) for t in timing] == [(3, 1, 2), (1, 1, 1)]
 
 
 def test_the_command_says_device_errors_in_one_line(tmp_path, capsys):
@@ -250,9 +252,28 @@ def test_local_jobs_and_auto_without_a_gpu_give_the_one_job_numbers(tmp_path, on
         assert (ra[k]["acc"], ra[k]["acc_matrix"], ra[k]["task_losses"]) == (rb[k]["acc"], rb[k]["acc_matrix"],
                                                                              rb[k]["task_losses"]), k
         assert rb[k]["device"] == "cpu" and rb[k]["executor"] == "local"
+    # each command that ran something timed it: one line per stage run, with its runs and slots
+    timing = selection.load_runs(os.path.join(b, selection.TIMINGS_FILE))
+    assert len(timing) == 1 and timing[0]["runs"] == 9 and timing[0]["failed"] == 0
+    assert timing[0]["slots"] == 2 and timing[0]["executor"] == "local" and timing[0]["split"] == "validation"
+    assert timing[0]["wall_s"] > 0 and timing[0]["host"]["logical_cpus"] == os.cpu_count()
+    assert timing[0]["rows"] == sorted(r["name"] for r in selection.validation_rows_a("permuted-mnist",
+                                                                                     ["sgd", "emcl"]))
     capsys.readouterr()
     assert selection.main(["--out", b, "--jobs", "2"] + args) == 0
     assert "run(s) to do" not in capsys.readouterr().out
+    assert len(selection.load_runs(os.path.join(b, selection.TIMINGS_FILE))) == 1   # nothing ran: no line
+    # the two sweeps side by side (python -m emcl_continual.sweep_diff): the same bits, the same
+    # selection, both timed
+    d = sweep_diff.diff(a, b)
+    assert d["runs_in_both"] == 9 and d["only_a"] == d["only_b"] == 0
+    assert all(m["identical"] == m["runs"] and m["max_abs_diff"] == 0 for m in d["methods"].values())
+    assert set(d["selection"]) == {"sgd", "emcl", "emcl/algorithm-1"}
+    assert all(s["same"] and s["a"] is not None for s in d["selection"].values())
+    assert d["timing_a"]["slots"] == [1] and d["timing_b"]["slots"] == [2] and d["time_ratio_a_over_b"] > 0
+    assert sweep_diff.main([a, b, "--out", str(tmp_path / "diff")]) == 0
+    text = (tmp_path / "diff.md").read_text()
+    assert "the same for 3 of 3 groups" in text and "| sgd | 4 | 4 | 0.00 |" in text
 
 
 # --------------------------------------------------------------------------- on a GPU

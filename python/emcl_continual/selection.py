@@ -70,6 +70,9 @@ DEFAULT_OUT = os.path.join("results", "heldout")
 VALIDATION_OFF = "emcl/importance-off (validation)"
 # Beside the results: one line per run that failed (the command runs it again when started again).
 FAILED_FILE = "failed.jsonl"
+# One line per run_rows call that ran something: how long it took and on what (its wall clock is the
+# sweep's cost on that machine; a run's own train_time_s is not, since runs overlap).
+TIMINGS_FILE = "timings.jsonl"
 
 
 class Row(dict):
@@ -391,12 +394,46 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None
         log(f"  {time.strftime('%H:%M:%S')} FAILED {task['method']} seed {task['seed']} "
             f"{json.dumps(task['overrides'], sort_keys=True)[:90]}: {reason}")
 
+    gpus, slots = runner.gpu_count(), runner.slots
+    started, load_before, t0 = _utc_now(), _load_average(), time.perf_counter()
     failures = sweep.execute(tasks, runner, code_tree=code_version().get("code_tree"), on_record=write,
                              on_failure=failed, log=log)
+    wall = time.perf_counter() - t0
+    append(os.path.join(os.path.dirname(os.path.abspath(path)), TIMINGS_FILE), {
+        "file": os.path.basename(path), "split": split, "rows": sorted({t["row"] for t in tasks}),
+        "runs": len(tasks), "failed": len(failures), "on_gpu": on_gpu, "wall_s": round(wall, 3),
+        "started_utc": started, "finished_utc": _utc_now(), "executor": executor, "slots": slots,
+        "threads": threads, "devices": dict(devices), "gpus": gpus,
+        "load_average_before": load_before, "load_average_after": _load_average(),
+        "host": _host(), "commit": code_version().get("commit"), "code_tree": code_version().get("code_tree"),
+        "command": command})
+    log(f"{len(tasks) - len(failures)} of {len(tasks)} run(s) done in {wall:.0f} s "
+        f"({slots} at a time; {TIMINGS_FILE})")
     if failures:
         raise RunsFailed(f"{len(failures)} of {len(tasks)} run(s) failed (each in {failed_path}); the "
                          f"others are in {path}. The same command runs the failed ones again")
     return load_runs(path)
+
+
+def _utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _load_average() -> list | None:
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+def _host() -> dict:
+    """The machine the sweep ran on: CPU model and count, GPUs by name."""
+    from .provenance import processor
+
+    cpu = processor()
+    gpus = []
+    if _cuda_count():
+        import torch
+
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"cpu": cpu.get("model_name"), "logical_cpus": cpu.get("logical_cpus"), "gpus": gpus}
 
 
 def _cuda_count() -> int:
