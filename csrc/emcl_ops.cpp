@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
@@ -582,6 +583,91 @@ PyObject* py_plainly_valid_call(PyObject* /*module*/, PyObject* const* args, Py_
   END_HANDLE_TH_ERRORS
 }
 
+// emcl_kernels._C.layout_key(lists) and layouts_are(lists, key): what the Triton launcher keeps
+// of a call whose checks passed ([note: checked plans] in emcl_kernels/backends/triton.py), and
+// the comparison of a later call with it, each in one C++ pass. `lists` is a list of lists of
+// tensors; the key holds, per tensor in order, its address, dtype, device, ndim, sizes and
+// strides (everything check_step_call's per-tensor checks look at), and per list its length.
+// layouts_are is False on any difference (or anything that is not a tensor), never raising
+// for one: the caller then runs the checks, which name what is wrong.
+int64_t device_code(const at::Device& d) {
+  return static_cast<int64_t>(d.type()) * 65536 + d.index() + 1;
+}
+
+template <typename Visit>
+bool visit_lists(PyObject* lists, Visit&& visit) {
+  if (!PyList_Check(lists)) return false;
+  for (Py_ssize_t j = 0; j < PyList_GET_SIZE(lists); ++j) {
+    PyObject* list = PyList_GET_ITEM(lists, j);
+    if (!PyList_Check(list)) return false;
+    const Py_ssize_t n = PyList_GET_SIZE(list);
+    if (!visit(nullptr, static_cast<int64_t>(n))) return false;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* item = PyList_GET_ITEM(list, i);
+      if (!THPVariable_Check(item)) return false;
+      const at::Tensor& t = THPVariable_Unpack(item);
+      if (!t.defined() || t.layout() != at::kStrided) return false;
+      if (!visit(&t, 0)) return false;
+    }
+  }
+  return true;
+}
+
+PyObject* py_layout_key(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(nargs == 1 && PyList_Check(args[0]),
+                   "emcl_kernels._C.layout_key takes one list of lists of tensors");
+  std::vector<int64_t> key;
+  const bool ok = visit_lists(args[0], [&](const at::Tensor* t, int64_t count) {
+    if (t == nullptr) {
+      key.push_back(count);
+      return true;
+    }
+    key.insert(key.end(), {address(*t), static_cast<int64_t>(t->scalar_type()),
+                           device_code(t->device()), t->dim()});
+    key.insert(key.end(), t->sizes().begin(), t->sizes().end());
+    key.insert(key.end(), t->strides().begin(), t->strides().end());
+    return true;
+  });
+  TORCH_CHECK_TYPE(ok, "emcl_kernels._C.layout_key takes a list of lists of defined dense "
+                   "tensors");
+  at::Tensor out = at::empty({static_cast<int64_t>(key.size())}, at::kLong);
+  std::copy(key.begin(), key.end(), out.mutable_data_ptr<int64_t>());
+  return THPVariable_Wrap(out);
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* py_layouts_are(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(nargs == 2, "emcl_kernels._C.layouts_are takes (lists, key)");
+  const at::Tensor& key = unpack_tensor(args[1], "key");
+  TORCH_CHECK_VALUE(key.device().is_cpu() && key.scalar_type() == at::kLong &&
+                        key.dim() == 1 && key.is_contiguous(),
+                    "key must be a contiguous 1-d int64 CPU tensor");
+  const int64_t* k = key.const_data_ptr<int64_t>();
+  const int64_t klen = key.numel();
+  int64_t pos = 0;
+  const bool same = visit_lists(args[0], [&](const at::Tensor* t, int64_t count) {
+    if (t == nullptr) return pos < klen && k[pos++] == count;
+    const int64_t ndim = t->dim();
+    if (pos + 4 + 2 * ndim > klen || k[pos] != address(*t) ||
+        k[pos + 1] != static_cast<int64_t>(t->scalar_type()) ||
+        k[pos + 2] != device_code(t->device()) || k[pos + 3] != ndim) {
+      return false;
+    }
+    const auto sizes = t->sizes();
+    const auto strides = t->strides();
+    for (int64_t d = 0; d < ndim; ++d) {
+      if (k[pos + 4 + d] != sizes[d] || k[pos + 4 + ndim + d] != strides[d]) return false;
+    }
+    pos += 4 + 2 * ndim;
+    return true;
+  });
+  if (same && pos == klen) Py_RETURN_TRUE;
+  Py_RETURN_FALSE;
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef kMethods[] = {
     {"step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_step)),
      METH_FASTCALL,
@@ -604,6 +690,13 @@ PyMethodDef kMethods[] = {
     {"items_are", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_items_are)),
      METH_FASTCALL,
      "items_are(dicts, key, values): dicts[i].get(key) is values[i] for every i."},
+    {"layout_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_layout_key)),
+     METH_FASTCALL,
+     "layout_key(lists): per tensor of a list of lists, its address, dtype, device, sizes and "
+     "strides (and each list's length), as one int64 tensor."},
+    {"layouts_are", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_layouts_are)),
+     METH_FASTCALL,
+     "layouts_are(lists, key): the tensors of lists are exactly what layout_key recorded."},
     {"plainly_valid_call",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_plainly_valid_call)),
      METH_FASTCALL,

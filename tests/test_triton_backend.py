@@ -413,7 +413,8 @@ def test_cached_tables_confirmed_by_the_cpp_passes():
         call_step(TB, "inner_meta", case, mode, hyper, counters, check=True)
         call_step(reference_backend(), "inner_meta", expected, mode, hyper, ref_counters)
         assert_case_close(case, expected, torch.float32, f"seed {seed}")
-        return {k: TB.lookups[k] - start[k] for k in start}
+        # (each call_step packs a new hyper tensor: never a checked plan, [note: checked plans])
+        return {k: TB.lookups[k] - start[k] for k in ("confirmed", "compared")}
 
     assert step(seed=1) == dict(confirmed=0, compared=0)            # built
     assert step(seed=2) == dict(confirmed=1, compared=0)
@@ -432,6 +433,52 @@ def test_cached_tables_confirmed_by_the_cpp_passes():
     built = TB.build_counts["state"]
     assert step(seed=7) == dict(confirmed=2, compared=1)
     assert TB.build_counts["state"] == built + 1
+
+
+@pytest.mark.skipif(TB._LAYOUTS_ARE is None, reason="the extension's layout passes are not built")
+def test_a_checked_plan_skips_only_calls_the_checks_would_pass():
+    """[note: checked plans]: once a confirmed plan's call passed the checks, the same call
+    skips them; a call that differs in any tensor the checks look at (here: the counters, a
+    state tensor's dtype, hyper's size) or in an option is checked again, and a bad one is
+    refused before anything is written, as on the first call."""
+    TB.clear_cache()
+    mode = MODES[1]
+    case = make_case([7, 301], torch.float32, seed=14, device=DEVICE)
+    for p, g in zip(case.params, case.grads):
+        p.grad = g
+    h = pack_hyper(step_hyper(mode), DEVICE)
+    counters = new_counters(DEVICE)
+    steps = torch.zeros(0, device=DEVICE)
+    codes = dict(mode_codes(mode), meta_every=1, check=True, finalize=True)
+
+    def call(anchors=None, hyper=None, counters_=None, meta_every=1):
+        TB.step(case.params, case.grads, case.anchors if anchors is None else anchors,
+                case.importances, [], steps, h if hyper is None else hyper,
+                counters if counters_ is None else counters_, op=OP["inner_meta"],
+                **{**codes, "meta_every": meta_every})
+
+    case.grads = [p.grad for p in case.params]
+    call()
+    call()                                              # recorded
+    before = TB.lookups["checked"]
+    call()
+    assert TB.lookups["checked"] == before + 1          # skipped
+    snapshot = [t.clone() for t in case.params + case.anchors + case.importances]
+    bad = {"counters_": torch.zeros(3, dtype=torch.float32, device=DEVICE),
+           "hyper": h[:-1].clone(),
+           "anchors": [case.anchors[0].double()] + case.anchors[1:]}
+    for name, value in bad.items():
+        before = TB.lookups["checked"]
+        with pytest.raises((TypeError, ValueError, RuntimeError)):
+            call(**{name: value})
+        assert TB.lookups["checked"] == before, name     # checked, not skipped
+    for now, then in zip(case.params + case.anchors + case.importances, snapshot):
+        assert torch.equal(now, then)                   # refused before anything was written
+    before = TB.lookups["checked"]
+    call(meta_every=2)                                  # another option: checked, then recorded
+    assert TB.lookups["checked"] == before
+    call(meta_every=2)
+    assert TB.lookups["checked"] == before + 1
 
 
 def test_hyper_is_read_at_every_call():
