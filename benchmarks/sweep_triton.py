@@ -157,8 +157,25 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--host", action="store_true", help="host cost only (stubbed launches)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, to check it runs on CPU")
+    ap.add_argument("--out", default=None, help="also write the JSON lines to this file")
     args = ap.parse_args(argv)
-    out = lambda rec: print(json.dumps(rec), flush=True)  # noqa: E731
+    sink = open(args.out, "w") if args.out else None
+
+    def out(rec):
+        line = json.dumps(rec)
+        print(line, flush=True)
+        if sink is not None:
+            sink.write(line + "\n")
+            sink.flush()
+
+    try:
+        _run(args, out)
+    finally:
+        if sink is not None:
+            sink.close()
+
+
+def _run(args, out):
     if args.host:
         if TB.INTERPRETED:
             sys.exit("--host times the compiled path: run it without TRITON_INTERPRET=1")

@@ -12,7 +12,10 @@ command, the most valuable facts first, each within its own time budget (``--bud
   GPU-only tests, under pytest-xdist);
 - ``--stage 2`` (5 minutes on a warm machine): what only a GPU can tell first, ``big_tests``
   (the 2**31-element tests, one at a time), ``sanitizer`` (a memcheck subset), ``bench_step``
-  and ``bench_kernels --quick`` on cuda, the main job on cuda for 5 tasks; then ``rest_tests``
+  and ``bench_kernels --quick`` on cuda (at 2**18, 2**22 and 2**26 elements, where the device
+  time is measured), ``triton_sweep`` (``benchmarks/sweep_triton.py`` at 2**26: the Triton
+  step against a copy per block size and warp count, and its ``fast_launch`` lines against
+  fused Adam), the main job on cuda for 5 tasks; then ``rest_tests``
   (every other test file, mostly what CI runs on its CPU) in the time that is left.
 
 A device tool's machine goes back 30 s after a command, so in practice each command starts a
@@ -50,6 +53,9 @@ checkout:
    (without the 2**31-element test; ``--quick``: the many-tensor and unaligned tests), when
    ``compute-sanitizer`` is on PATH or in ``$CUDA_HOME/bin``.
 6. ``bench_kernels``: ``benchmarks/bench_kernels.py --device cuda`` (``--quick`` with --quick).
+   ``triton_sweep``: ``benchmarks/sweep_triton.py --numel 2**26`` (its JSON lines in
+   ``gpu_check_<stamp>_triton_sweep_cuda.jsonl``; two block sizes, two warp counts and 10
+   repeats with --quick or --stage).
 7. ``bench_step``: ``benchmarks/bench_step.py --device cuda --out benchmarks/results``, if
    that script exists.
    ``plan_key``: ``benchmarks/bench_plan_key.py --host-only --device cuda``: the host's part
@@ -102,15 +108,15 @@ from typing import Dict, List, Optional, Sequence
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 STAGES = ("env", "deps", "build", "smoke", "gpu_tests", "tests", "rest_tests", "big_tests",
-          "sanitizer", "bench_kernels", "bench_step", "plan_key", "check_finite",
-          "bench_training", "main_job")
+          "sanitizer", "bench_kernels", "triton_sweep", "bench_step", "plan_key",
+          "check_finite", "bench_training", "main_job")
 #: The stages of the full run (no --stage).
-FULL = ("env", "deps", "build", "tests", "sanitizer", "bench_kernels", "bench_step",
-        "plan_key", "check_finite", "bench_training", "main_job")
+FULL = ("env", "deps", "build", "tests", "sanitizer", "bench_kernels", "triton_sweep",
+        "bench_step", "plan_key", "check_finite", "bench_training", "main_job")
 #: [note: two stages]: the stages of --stage 1 and --stage 2, and their time budgets (s).
 STAGE_SETS = {1: ("env", "deps", "build", "smoke", "gpu_tests"),
               2: ("env", "deps", "build", "big_tests", "sanitizer", "bench_step",
-                  "bench_kernels", "plan_key", "main_job", "rest_tests")}
+                  "bench_kernels", "triton_sweep", "plan_key", "main_job", "rest_tests")}
 STAGE_BUDGETS = {1: 360, 2: 300}
 #: The test files with tests that run only on a GPU or on the GPU backends (stage 1); the
 #: others run in stage 2.
@@ -138,13 +144,15 @@ _MENTIONS_GPU = re.compile(r"\b(GPU|GPUs|CUDA|cuda)\b")
 # time of the ones after it.
 _TIMEOUTS = {"env": (300, 300), "deps": (300, 300), "build": (1800, 1800),
              "tests": (5400, 3600), "sanitizer": (3600, 120), "bench_kernels": (2400, 90),
+             "triton_sweep": (1200, 120),
              "bench_step": (2400, 120), "plan_key": (300, 60), "check_finite": (900, 300),
              "bench_training": (2400, 900), "main_job": (1800, 90),
              "smoke": (240, 150), "gpu_tests": (600, 600), "rest_tests": (600, 600),
              "big_tests": (300, 120)}
 # Below this many seconds left in the budget, a stage is not started.
 _MIN_SECONDS = {"build": 60, "smoke": 30, "gpu_tests": 30, "rest_tests": 30, "big_tests": 40,
-                "sanitizer": 30, "bench_kernels": 30, "bench_step": 30, "plan_key": 20,
+                "sanitizer": 30, "bench_kernels": 30, "triton_sweep": 30, "bench_step": 30,
+                "plan_key": 20,
                 "main_job": 30}
 
 
@@ -882,6 +890,10 @@ class GpuCheck:
             cmd += ["--out", os.path.relpath(self.results, ROOT)]
         if (self.quick or self.args.stage) and "--quick" in help_text:
             cmd.append("--quick")
+        if self.args.stage and script == "bench_kernels.py":
+            # the quick sizes (2**10..2**18) are host time on a GPU: one of them, and two where
+            # the device time, not the call, is measured
+            cmd += ["--sizes", "18", "22", "26"]
         if self.args.stage and "--backends" in help_text:
             # within a stage's minutes: EMCL's GPU backends beside torch's optimizers (the
             # reference and foreach EMCL backends took 60 of bench_step's 109 s on the H200)
@@ -908,6 +920,37 @@ class GpuCheck:
 
     def stage_bench_kernels(self, st: StageResult) -> None:
         self._bench(st, "bench_kernels.py", "kernels_*cuda*", required_device=False)
+
+    def stage_triton_sweep(self, st: StageResult) -> None:
+        """``benchmarks/sweep_triton.py`` at 2**26 fp32/bf16 elements: the Triton step's GB/s
+        against a copy for each block size and warp count, the odd-tensor and check costs, the
+        1,000-tensor host time and the ``fast_launch`` lines (the optimizer's step on the MLP
+        and on 1,000 x 4,096 against fused Adam). Staged or quick: two block sizes and two warp
+        counts, 10 repeats."""
+        out = os.path.join(self.results, f"gpu_check_{self.stamp}_triton_sweep_cuda.jsonl")
+        cmd = self._py("benchmarks/sweep_triton.py", "--numel", str(2 ** 26),
+                       "--out", os.path.relpath(out, ROOT))
+        if self.quick or self.args.stage:
+            cmd += ["--blocks", "2048", "4096", "--warps", "4", "8", "--reps", "10"]
+        rc, _ = self.run(st, cmd, st.name, self.timeout(st.name))
+        if self.args.dry_run:
+            st.status = "passed"
+            return
+        lines = []
+        if os.path.isfile(out):
+            self.files.append(out)
+            with open(out) as fh:
+                lines = [json.loads(line) for line in fh if line.strip()]
+        best = {}
+        for r in lines:
+            if "bandwidth" in r:
+                k = f"{r['bandwidth']}/{r['dtype']}"
+                if r["of_copy"] > best.get(k, {}).get("of_copy", -1):
+                    best[k] = {"of_copy": r["of_copy"], "block": r["block"], "warps": r["warps"]}
+        st.data.update(best_of_copy=best,
+                       fast_launch=[r for r in lines if "fast_launch" in r])
+        st.status = "passed" if rc == 0 and lines else "failed"
+        st.detail = (f"exit {rc}; " if rc else "") + f"{len(lines)} lines in {os.path.basename(out)}"
 
     def stage_bench_step(self, st: StageResult) -> None:
         self._bench(st, "bench_step.py", "step_*", required_device=False)
@@ -999,7 +1042,8 @@ class GpuCheck:
         if self.args.skip_tests:
             skip |= {"tests", "sanitizer"}
         if self.args.skip_benchmarks:
-            skip |= {"bench_kernels", "bench_step", "plan_key", "check_finite", "bench_training"}
+            skip |= {"bench_kernels", "triton_sweep", "bench_step", "plan_key", "check_finite",
+                     "bench_training"}
         for name in list(only) + list(skip):
             if name not in STAGES:
                 raise SystemExit(f"unknown stage {name!r}; the stages are {', '.join(STAGES)}")
@@ -1124,7 +1168,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--skip", help="comma-separated stages to leave out")
     p.add_argument("--skip-tests", action="store_true", help="leave out tests and sanitizer")
     p.add_argument("--skip-benchmarks", action="store_true",
-                   help="leave out bench_kernels, bench_step, plan_key, check_finite and "
+                   help="leave out bench_kernels, triton_sweep, bench_step, plan_key, check_finite and "
                         "bench_training")
     p.add_argument("--dry-run", action="store_true", help="print the stages and commands only")
     p.add_argument("--results-dir", default=RESULTS, help="default benchmarks/results")
