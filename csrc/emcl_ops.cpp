@@ -410,6 +410,16 @@ int64_t address(const at::Tensor& t) {
   return static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr()));
 }
 
+// The entries of a key argument (plan_grads', layouts_are's): a contiguous 1-d int64 CPU tensor.
+const int64_t* key_entries(PyObject* arg, int64_t* count) {
+  const at::Tensor& key = unpack_tensor(arg, "key");
+  TORCH_CHECK_VALUE(key.device().is_cpu() && key.scalar_type() == at::kLong &&
+                        key.dim() == 1 && key.is_contiguous(),
+                    "key must be a contiguous 1-d int64 CPU tensor");
+  *count = key.numel();
+  return key.const_data_ptr<int64_t>();
+}
+
 PyObject* py_plan_grads(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(nargs == 3, "emcl_kernels._C.plan_grads takes (sources, key, like), got ",
@@ -417,13 +427,9 @@ PyObject* py_plan_grads(PyObject* /*module*/, PyObject* const* args, Py_ssize_t 
   PyObject* sources = args[0];
   TORCH_CHECK_TYPE(PyList_Check(sources), "sources must be a list, got ",
                    Py_TYPE(sources)->tp_name);
-  const at::Tensor& key = unpack_tensor(args[1], "key");
+  int64_t klen = 0;
+  const int64_t* k = key_entries(args[1], &klen);
   const at::Tensor& like = unpack_tensor(args[2], "like");
-  TORCH_CHECK_VALUE(key.device().is_cpu() && key.scalar_type() == at::kLong &&
-                        key.dim() == 1 && key.is_contiguous(),
-                    "key must be a contiguous 1-d int64 CPU tensor");
-  const int64_t* k = key.const_data_ptr<int64_t>();
-  const int64_t klen = key.numel();
   const at::ScalarType dtype = like.scalar_type();
   const at::Device device = like.device();
   const Py_ssize_t n = PyList_GET_SIZE(sources);
@@ -640,12 +646,8 @@ PyObject* py_layout_key(PyObject* /*module*/, PyObject* const* args, Py_ssize_t 
 PyObject* py_layouts_are(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(nargs == 2, "emcl_kernels._C.layouts_are takes (lists, key)");
-  const at::Tensor& key = unpack_tensor(args[1], "key");
-  TORCH_CHECK_VALUE(key.device().is_cpu() && key.scalar_type() == at::kLong &&
-                        key.dim() == 1 && key.is_contiguous(),
-                    "key must be a contiguous 1-d int64 CPU tensor");
-  const int64_t* k = key.const_data_ptr<int64_t>();
-  const int64_t klen = key.numel();
+  int64_t klen = 0;
+  const int64_t* k = key_entries(args[1], &klen);
   int64_t pos = 0;
   const bool same = visit_lists(args[0], [&](const at::Tensor* t, int64_t count) {
     if (t == nullptr) return pos < klen && k[pos++] == count;

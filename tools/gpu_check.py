@@ -785,6 +785,14 @@ class GpuCheck:
         self._pytest(st, "big_tests", ["tests/test_cuda_backend.py",
                                        "tests/test_triton_backend.py", "-k", BIG_TESTS])
 
+    def _jsonl(self, path: str) -> list:
+        """The records of a JSON-lines file a stage wrote (kept with the run's files), or []."""
+        if not os.path.isfile(path):
+            return []
+        self.files.append(path)
+        with open(path) as fh:
+            return [json.loads(line) for line in fh if line.strip()]
+
     def stage_smoke(self, st: StageResult) -> None:
         jsonl = os.path.join(self.results, f"gpu_check_{self.stamp}_smoke.jsonl")
         rc, tail = self.run(st, self._py("tools/gpu_smoke.py", "--out", jsonl), "smoke",
@@ -792,11 +800,7 @@ class GpuCheck:
         if self.args.dry_run:
             st.status = "passed"
             return
-        rows = []
-        if os.path.isfile(jsonl):
-            self.files.append(jsonl)
-            with open(jsonl) as fh:
-                rows = [json.loads(line) for line in fh if line.strip()]
+        rows = self._jsonl(jsonl)
         failed = [r for r in rows if not r.get("ok")]
         st.data = {"checks": len(rows), "failed": len(failed),
                    "failures": [{k: v for k, v in r.items() if k != "where"} for r in failed][:20],
@@ -936,11 +940,7 @@ class GpuCheck:
         if self.args.dry_run:
             st.status = "passed"
             return
-        lines = []
-        if os.path.isfile(out):
-            self.files.append(out)
-            with open(out) as fh:
-                lines = [json.loads(line) for line in fh if line.strip()]
+        lines = self._jsonl(out)
         best = {}
         for r in lines:
             if "bandwidth" in r:
