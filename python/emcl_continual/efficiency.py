@@ -181,7 +181,8 @@ def _machine_lines(controlled: dict) -> list:
     return [f"- Command: `{controlled['command']}` ({controlled['created_utc']}, commit "
             f"{(m.get('git_commit') or '?')[:10]}, {controlled['wall_time_s'] / 60:.0f} min).",
             f"- Machine: {m['summary']}; torch {m['torch']}, CPU capability `{m.get('cpu_capability')}`; "
-            f"{st['threads']} torch thread; this benchmark at nice {m.get('nice')} beside other jobs.",
+            f"{st['threads']} torch thread; this benchmark at nice {m.get('nice')}"
+            + (f" ({controlled['note']})." if controlled.get("note") else "."),
             f"- Load average (1, 5, 15 min): {m.get('load_average_before')} before, "
             f"{m.get('load_average_after')} after; 1-min load during the timed rounds "
             f"{min(loads):.1f}–{max(loads):.1f}." if loads else "- Load average: not recorded.",
