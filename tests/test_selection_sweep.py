@@ -274,6 +274,19 @@ def test_local_jobs_and_auto_without_a_gpu_give_the_one_job_numbers(tmp_path, on
     assert sweep_diff.main([a, b, "--out", str(tmp_path / "diff")]) == 0
     text = (tmp_path / "diff.md").read_text()
     assert "the same for 3 of 3 groups" in text and "| sgd | 4 | 4 | 0.00 |" in text
+    # what it refuses, in one line: a folder that is not there, one without runs, no run in common
+    with pytest.raises(SystemExit) as exc:
+        sweep_diff.main([a, str(tmp_path / "nowhere")])
+    assert exc.value.code == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit, match="holds no runs"):
+        sweep_diff.diff(a, str(empty))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "validation.jsonl").write_text(json.dumps({**next(iter(rb.values())), "key": "x|{}|1|validation|embedded"}) + "\n")
+    with pytest.raises(SystemExit, match="no run in common"):
+        sweep_diff.diff(a, str(other))
 
 
 # --------------------------------------------------------------------------- on a GPU
