@@ -164,7 +164,8 @@ class _Reserve:
 # a tuple again at every dict operation (~0.1 us per int here): the state tables and the check
 # tables are therefore found by a short signature (device, chunk size, count, first address)
 # and then compared in full with the stored sizes and addresses (an equality test, no hash).
-_plans: "OrderedDict[tuple, tuple]" = OrderedDict()  # sig -> (numels, columns, plan, native key, checked)
+# sig -> (numels, columns, plan, native key, [options, layout key] of its last checked call)
+_plans: "OrderedDict[tuple, tuple]" = OrderedDict()
 _checks: "OrderedDict[tuple, tuple]" = OrderedDict()         # sig -> (numels, grad_key, tables)
 _grad_tables: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 _chunk_tables: "OrderedDict[tuple, tuple]" = OrderedDict()
@@ -868,7 +869,7 @@ def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, 
     if params:
         plan = _plan(device, block, params, grads, anchors, importances,
                      meta_lrs if recurrent else None, capturing, found, known)
-        if found is not _UNASKED and found is not None and not known and plan is found[0]:
+        if type(found) is tuple and not known and plan is found[0]:
             # checked just now, on the confirmed plan's own tensors: kept for the next calls
             found[3][:] = [call, _LAYOUT_KEY(others)]
     if plan is not None:
