@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -743,13 +742,9 @@ def _main(args, argv, settings: Settings) -> dict:
         result["records"].extend(run.records)
     result["wall_time_s"] = time.perf_counter() - started
 
-    os.makedirs(args.out_dir, exist_ok=True)
     base = args.name or f"kernels_{common.utc_stamp()}"
-    stem = args.name or f"{base}_{'-'.join(result['devices'])}"
-    path = os.path.join(args.out_dir, stem + ".json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    result["paths"] = {"json": path}
+    common.write_result(result, args.out_dir,
+                        args.name or f"{base}_{'-'.join(result['devices'])}")
     no_plot = None if args.no_plot else common.plotting_unavailable()
     if no_plot:
         print(f"no plot: {no_plot}")

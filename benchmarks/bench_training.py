@@ -807,12 +807,8 @@ def run_heldout(args, argv, train, get_method, make_stream) -> dict:
         "summary": summary,
         "wall_time_s": time.perf_counter() - started,
     }
-    os.makedirs(args.out_dir, exist_ok=True)
-    stem = args.name or f"heldout_{common.utc_stamp()}_cpu"
-    path = os.path.join(args.out_dir, stem + ".json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    result["paths"] = {"json": path}
+    path = common.write_result(result, args.out_dir,
+                               args.name or f"heldout_{common.utc_stamp()}_cpu")
     print(f"\nwall time {result['wall_time_s']:.1f} s; load {load_before} -> "
           f"{result['machine']['load_average_after']}; wrote {path}")
     return result
@@ -1034,12 +1030,8 @@ def _main(args, argv, train, METHODS, get_method, make_stream, devices, device_n
         "summary": summarize(records),
         "wall_time_s": time.perf_counter() - started,
     }
-    os.makedirs(args.out_dir, exist_ok=True)
     stem = args.name or f"training_{common.utc_stamp()}_{'-'.join(d.type for d in devices)}"
-    path = os.path.join(args.out_dir, stem + ".json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    result["paths"] = {"json": path}
+    common.write_result(result, args.out_dir, stem)
     if not args.no_plot:
         png = os.path.join(args.out_dir, stem + ".png")
         plot(result, png)
