@@ -38,8 +38,9 @@ def _entry(rank: int, fn, world: int, out_dir: str, args: tuple, backend: str) -
         raise
     # The result is on disk: leave without the interpreter's teardown. With torch 2.14's gloo a
     # rank that ran, destroyed its group and saved its result still aborts now and then while
-    # the interpreter finalizes ("terminate called without an active exception", about 1 launch
-    # in 40 on the 2-core CI machine), which would fail a test whose ranks all succeeded.
+    # the interpreter finalizes ("terminate called without an active exception"; 1 to 3
+    # launches in 100 on the 2-core CI machine, without this package too:
+    # tools/gloo_teardown_repro.py), which would fail a test whose ranks all succeeded.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
