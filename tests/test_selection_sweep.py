@@ -284,7 +284,8 @@ def test_local_jobs_and_auto_without_a_gpu_give_the_one_job_numbers(tmp_path, on
         sweep_diff.diff(a, str(empty))
     other = tmp_path / "other"
     other.mkdir()
-    (other / "validation.jsonl").write_text(json.dumps({**next(iter(rb.values())), "key": "x|{}|1|validation|embedded"}) + "\n")
+    unrelated = {**next(iter(rb.values())), "key": "x|{}|1|validation|embedded"}
+    (other / "validation.jsonl").write_text(json.dumps(unrelated) + "\n")
     with pytest.raises(SystemExit, match="no run in common"):
         sweep_diff.diff(a, str(other))
 

@@ -152,8 +152,7 @@ _TIMEOUTS = {"env": (300, 300), "deps": (300, 300), "build": (1800, 1800),
 # Below this many seconds left in the budget, a stage is not started.
 _MIN_SECONDS = {"build": 60, "smoke": 30, "gpu_tests": 30, "rest_tests": 30, "big_tests": 40,
                 "sanitizer": 30, "bench_kernels": 30, "triton_sweep": 30, "bench_step": 30,
-                "plan_key": 20,
-                "main_job": 30}
+                "plan_key": 20, "main_job": 30}
 
 
 @dataclass
