@@ -361,23 +361,29 @@ def make_contenders(params: list, emcl_backends: list, log) -> tuple:
 
 
 # The floors: the extension's probes ([note: stream probes] in csrc/emcl_cpu_kernels.h) with the
-# fp32 inner step's streams, timed in the same rounds as the optimizers, on four flat tensors of
-# the layout's size: name -> (stream_probe_ kind, byte model).
-FLOORS = {"floor: inner streams": (3, "emcl_inner"),   # reads θ, g, θ₀, h; writes θ (20 B)
-          "floor: inner reads": (4, "inner_reads")}    # reads them, writes nothing (16 B)
+# fp32 steps' streams, timed in the same rounds as the optimizers, on four flat tensors of the
+# layout's size: name -> (stream_probe_ kind, byte model, the EMCL step it bounds).
+FLOORS = {"floor: step streams": (5, "emcl_step", "inner+meta"),  # reads θ, g, θ₀, h; writes
+                                                                  # θ, θ₀, h (28 B, as Adam's)
+          "floor: inner streams": (3, "emcl_inner", "inner"),     # writes θ alone (20 B)
+          "floor: inner reads": (4, "inner_reads", "inner")}      # writes nothing (16 B)
+#: The floor a step's ``ratio_to_floor`` is taken against: the one with all its streams.
+STREAMS_FLOOR = {"inner+meta": "floor: step streams", "inner": "floor: inner streams"}
 
 
 def floor_contenders(numel: int, dtype: torch.dtype, device: torch.device) -> list:
     """The :data:`FLOORS` as contenders (family ``floor``) for an fp32 layout on a CPU whose
     extension has the probes, else none. No kernel that reads θ, g, θ₀ and h and writes θ
     moves them faster than ``floor: inner streams`` does on the same machine in the same
-    rounds, give or take how well a loop is written: the step's ``ratio_to_floor`` says how
-    close it is, and ``floor_ratio_to_peer`` what ratio to fused Adam that speed gives."""
+    rounds, give or take how well a loop is written, and none that also writes θ₀ and h (or,
+    fused Adam, reads θ, g, m, v and writes θ, m, v) faster than ``floor: step streams``: a
+    step's ``ratio_to_floor`` says how close it is, and ``floor_ratio_to_peer`` what ratio to
+    fused Adam that speed gives."""
     if dtype != torch.float32 or not common.stream_probes_available(device):
         return []
     tensors = [torch.rand(numel, device=device) for _ in range(4)]
     out = []
-    for name, (kind, bytes_kind) in FLOORS.items():
+    for name, (kind, bytes_kind, _) in FLOORS.items():
         run = (lambda kind=kind: torch.ops.emcl.stream_probe_(*tensors, kind))
         out.append(Contender(name, "floor", None, "stream_probe_", bytes_kind,
                              settings={"stream_probe_kind": kind}, runner=run))
@@ -611,20 +617,26 @@ def add_ratios(records: list) -> None:
             r["ratio_to_peer_spread"] = spread
             r["verdict"] = ("met" if ratio <= goal else
                             "tie" if spread is not None and spread <= goal else "missed")
-            if r.get("emcl_step") == "inner" and floors:
+            if floors and not r.get("check_finite") and not r.get("grad_scaler"):
                 add_floor_ratios(r, p, floors)
 
 
 def add_floor_ratios(r: dict, peer: dict, floors: dict) -> None:
-    """For an ``inner_step()`` record whose group timed the floors (:func:`floor_contenders`):
-    ``floor_ratio_to_peer`` (floor -> the floor's median time over the peer's: the ratio the
-    step would have at that floor's speed), ``ratio_to_floor`` (the step's median time over
-    ``floor: inner streams``'s) and ``ratio_to_floor_spread`` (the step's lower quartile over
-    that floor's upper one). A goal below ``floor_ratio_to_peer["floor: inner streams"]`` is one
-    that moving the same bytes faster does not reach on this machine."""
-    r["floor_ratio_to_peer"] = {n: f["wall_ms"] / peer["wall_ms"] for n, f in floors.items()}
-    streams = floors.get("floor: inner streams")
+    """For an EMCL record without the check whose group timed its step's floors
+    (:func:`floor_contenders`): ``floor_ratio_to_peer`` (floor -> the floor's median time over
+    the peer's: the ratio the step would have at that floor's speed), ``ratio_to_floor`` (the
+    step's median time over its :data:`STREAMS_FLOOR`'s), ``floor`` (that floor's name) and
+    ``ratio_to_floor_spread`` (the step's lower quartile over that floor's upper one). A goal
+    below ``floor_ratio_to_peer[r["floor"]]`` is one that moving the same bytes faster does not
+    reach on this machine."""
+    step = r.get("emcl_step")
+    mine = {n: f for n, f in floors.items() if FLOORS.get(n, (0, 0, None))[2] == step}
+    if not mine:
+        return
+    r["floor_ratio_to_peer"] = {n: f["wall_ms"] / peer["wall_ms"] for n, f in mine.items()}
+    streams = mine.get(STREAMS_FLOOR.get(step))
     if streams:
+        r["floor"] = streams["contender"]
         r["ratio_to_floor"] = r["wall_ms"] / streams["wall_ms"]
         r["ratio_to_floor_spread"] = r["wall_ms_q25"] / streams["wall_ms_q75"]
 
@@ -721,10 +733,10 @@ def _log_group(records: list, log) -> None:
 
 def _peer_text(r: dict) -> str:
     """", 0.93x adam_fused_checked (goal 1.0: met)" for a record with a peer, else "" (and for
-    an inner step with floors: ", floor 0.81x (1.04x its streams)")."""
+    a step with floors: "; at its streams' speed 0.81x (1.04x their time)")."""
     if r.get("ratio_to_peer") is None:
         return ""
-    floor = (r.get("floor_ratio_to_peer") or {}).get("floor: inner streams")
+    floor = (r.get("floor_ratio_to_peer") or {}).get(r.get("floor"))
     extra = (f"; at its streams' speed {floor:.2f}x ({r['ratio_to_floor']:.2f}x their time)"
              if floor is not None else "")
     return f", {r['ratio_to_peer']:.2f}x {r['peer']} (goal {r['goal']}: {r['verdict']}{extra})"

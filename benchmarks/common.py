@@ -238,12 +238,14 @@ ROOF_KERNELS = {
     "scale_inplace_prefetch": (4, 4, True),   # torch.ops.emcl.stream_probe_(a, b, c, d, 0)
     "axpy_inplace_prefetch": (8, 4, True),    # torch.ops.emcl.stream_probe_(a, b, c, d, 1)
     "update_pattern_prefetch": (16, 12, True),  # stream_probe_(..., 2): reads a-d, writes a, c, d
-    # ... and without one, as the update runs: the inner step's streams, and their reads alone
+    # ... and without one, as the update runs: the step's streams, the inner step's, and the
+    # inner step's reads alone
+    "step_pattern": (16, 12, True),           # stream_probe_(..., 5): reads a-d, writes a, c, d
     "inner_pattern": (16, 4, True),           # stream_probe_(..., 3): reads a-d, writes a
     "read_pattern": (16, 0, True),            # stream_probe_(..., 4): reads a-d, writes nothing
 }
 EXTENSION_PROBES = ("scale_inplace_prefetch", "axpy_inplace_prefetch", "update_pattern_prefetch",
-                    "inner_pattern", "read_pattern")
+                    "step_pattern", "inner_pattern", "read_pattern")
 
 
 def stream_probes_available(device: torch.device) -> bool:
@@ -267,7 +269,8 @@ def roof_kernels(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> dict:
     """The streaming kernels of the roof, name -> callable, on three distinct 1-d fp32 tensors
     of one size: ``a`` is written (its values kept by ``scale_inplace``, moved by 1e-6·b per
     ``axpy_inplace``, set by the others), ``b`` and ``c`` are only read, except that the
-    extension's ``update_pattern_prefetch`` (CPU) also moves ``c`` by 1e-6·b per call;
+    extension's ``update_pattern_prefetch`` and ``step_pattern`` (CPU) also move ``c`` by 1e-6·b
+    per call;
     ``read_pattern`` writes nothing."""
     a_chunks, b_chunks = a.chunk(FOREACH_CHUNKS), b.chunk(FOREACH_CHUNKS)
     kernels = {
@@ -285,6 +288,7 @@ def roof_kernels(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> dict:
         kernels["scale_inplace_prefetch"] = lambda: probe(a, b, c, d, 0)
         kernels["axpy_inplace_prefetch"] = lambda: probe(a, b, c, d, 1)
         kernels["update_pattern_prefetch"] = lambda: probe(a, b, c, d, 2)
+        kernels["step_pattern"] = lambda: probe(a, b, c, d, 5)
         kernels["inner_pattern"] = lambda: probe(a, b, c, d, 3)
         kernels["read_pattern"] = lambda: probe(a, b, c, d, 4)
     return kernels

@@ -258,10 +258,12 @@ def make_step_table(result: dict, *, backends=None, layouts=None, dtypes=None,
     emcl_backends = list(dict.fromkeys(r["backend"] for r in recs if r["family"] == "emcl"))
     floors = any(r["family"] == "floor" for r in recs)
     if floors:
-        lines[0] += (" Floor: `floor: inner streams` (the fp32 inner step's streams, θ, g, θ₀, h "
-                     "read and θ written, by `torch.ops.emcl.stream_probe_` on four flat tensors "
-                     "of the layout's size, timed in the same rounds) over Adam fused, in "
-                     "parentheses the reads alone (`floor: inner reads`).")
+        lines[0] += (" Floors over Adam fused (`torch.ops.emcl.stream_probe_` on four flat "
+                     "fp32 tensors of the layout's size, timed in the same rounds): step, "
+                     "`floor: step streams` (θ, g, θ₀, h read, θ, θ₀, h written: the fp32 "
+                     "inner+meta step's streams, as many as fused Adam's); inner, `floor: inner "
+                     "streams` (θ, g, θ₀, h read, θ written: the inner step's), in parentheses "
+                     "its reads alone (`floor: inner reads`).")
     for threads in dict.fromkeys(r["threads"] for r in recs):
         sub = [r for r in recs if r["threads"] == threads]
         head = ["layout", "dtype"] + [f"{STEP_TITLES[b]} (ms)" for b in STEP_BASELINES[:3]]
@@ -323,12 +325,15 @@ def make_step_table(result: dict, *, backends=None, layouts=None, dtypes=None,
 
 
 def _floor_cell(here: list) -> str:
-    """"0.86x (0.74x)": the floors' median times over Adam fused's in one group ("-" without)."""
+    """"step 1.01x, inner 0.86x (0.74x)": the floors' median times over Adam fused's in one
+    group ("-" without; a file from before the step's floor has only the inner ones)."""
     ratio = {r["contender"]: r.get("ratio_to_adam_fused") for r in here if r["family"] == "floor"}
-    streams, reads = ratio.get("floor: inner streams"), ratio.get("floor: inner reads")
-    if streams is None:
-        return "-"
-    return f"{streams:.2f}x" + (f" ({reads:.2f}x)" if reads is not None else "")
+    step, streams = ratio.get("floor: step streams"), ratio.get("floor: inner streams")
+    reads = ratio.get("floor: inner reads")
+    parts = [] if step is None else [f"step {step:.2f}x"]
+    if streams is not None:
+        parts.append(f"inner {streams:.2f}x" + (f" ({reads:.2f}x)" if reads is not None else ""))
+    return ", ".join(parts) or "-"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -142,10 +142,10 @@ std::string cpu_kernel() {
 // in emcl_cpu_kernels.h) over four distinct contiguous fp32 CPU tensors of one size.
 void stream_probe_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
                       const at::Tensor& d, int64_t kind) {
-  TORCH_CHECK(kind >= 0 && kind <= static_cast<int64_t>(StreamProbe::kReadPattern),
+  TORCH_CHECK(kind >= 0 && kind <= static_cast<int64_t>(StreamProbe::kStepPattern),
               "stream_probe_: kind must be 0 (scale in place), 1 (axpy in place), 2 (the "
-              "update's pattern), 3 (the inner step's pattern) or 4 (its reads alone), got ",
-              kind);
+              "update's pattern), 3 (the inner step's pattern), 4 (its reads alone) or 5 (the "
+              "update's pattern without a software prefetch), got ", kind);
   const at::Tensor* all[] = {&a, &b, &c, &d};
   for (const at::Tensor* t : all) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous(),

@@ -531,7 +531,9 @@ void update(const Lists& l, Op which, bool prox, Importance importance, LrMode l
 //   kAxpyInplace a <- a + s·b (12 B), kUpdatePattern the update's pattern without its math:
 //   reads a, b, c, d, writes a <- a + s·b, c <- c + s·b, d <- d·1 (28 B, as the fp32 inner+meta
 //   step);
-// - without one, as the update runs: kInnerPattern the inner step's pattern without its math:
+// - without one, as the update runs: kStepPattern the same pattern as kUpdatePattern (θ, g, θ₀,
+//   h read; θ, θ₀, h written: 28 B, the streams of the fp32 inner+meta step and of fp32 Adam);
+//   kInnerPattern the inner step's pattern without its math:
 //   reads a, b, c, d (θ, g, θ₀, h), writes a <- a + s·(b + c·d) (20 B, as the fp32 inner step);
 //   kReadPattern its reads alone: reads a, b, c, d, writes nothing (16 B), the least time any
 //   kernel that must read θ, g, θ₀ and h can take (a is written only if the sum of everything it
@@ -574,12 +576,14 @@ void stream_probe(float* a, const float* b, float* c, float* d, int64_t n, Strea
     });
     return;
   }
-  const int64_t ahead = kProbePrefetchBytes / static_cast<int64_t>(sizeof(float));
+  const bool four = kind == StreamProbe::kUpdatePattern || kind == StreamProbe::kStepPattern;
+  const int64_t ahead = kind == StreamProbe::kStepPattern
+                            ? 0
+                            : kProbePrefetchBytes / static_cast<int64_t>(sizeof(float));
   const bool w = prefetch_plan().write;
   constexpr int64_t kLine = 64 / sizeof(float);
   const Vec one(1.0f), alpha(1e-6f);
   const bool reads_b = kind != StreamProbe::kScaleInplace;
-  const bool four = kind == StreamProbe::kUpdatePattern;
   const auto& offsets = flat_offsets(1, [&](size_t) { return n; });
   for_each_range(offsets, [&](size_t, int64_t begin, int64_t end) {
     const int64_t whole_end = begin + (end - begin) / V * V;

@@ -74,6 +74,7 @@ enum class StreamProbe : int64_t {
   kUpdatePattern = 2,
   kInnerPattern = 3,
   kReadPattern = 4,
+  kStepPattern = 5,
 };
 
 // Calls f(std::integral_constant<bool, prox>, std::integral_constant<Importance, ...>,

@@ -207,8 +207,8 @@ def _roof_kernel_names(device) -> set:
 def test_prefetching_roof_kernels_do_what_their_names_say():
     """The extension's roof probes as the roof calls them (CPU; the op itself is tested in
     tests/test_cpu_backend.py): scale keeps a, axpy adds 1e-6·b to a, the update's pattern adds
-    1e-6·b to a and c, the inner step's pattern adds 1e-6·(b + c·d) to a, its reads alone write
-    nothing; b is never written."""
+    1e-6·b to a and c (with the prefetch and, the step's pattern, without), the inner step's
+    pattern adds 1e-6·(b + c·d) to a, its reads alone write nothing; b is never written."""
     if not common.stream_probes_available(torch.device("cpu")):
         pytest.skip("the cpu backend (the extension) is not available")
     gen = torch.Generator().manual_seed(5)
@@ -224,6 +224,10 @@ def test_prefetching_roof_kernels_do_what_their_names_say():
     fns["update_pattern_prefetch"]()
     assert torch.allclose(a, a1 + 1e-6 * b0, rtol=1e-7, atol=0)
     assert torch.allclose(c, c0 + 1e-6 * b0, rtol=1e-7, atol=0) and not torch.equal(c, c0)
+    a1, c1 = a.clone(), c.clone()
+    fns["step_pattern"]()
+    assert torch.allclose(a, a1 + 1e-6 * b0, rtol=1e-7, atol=0)
+    assert torch.allclose(c, c1 + 1e-6 * b0, rtol=1e-7, atol=0) and not torch.equal(c, c1)
     a2, c2 = a.clone(), c.clone()
     fns["read_pattern"]()
     assert torch.equal(a, a2) and torch.equal(c, c2)
@@ -631,7 +635,7 @@ def test_step_run_times_every_contender_on_every_dtype(step_run):
                 "sgd_foreach"} | {
         f"emcl[{b}] {call}{suffix}" for b in emcl for call in ("step()", "inner_step()")
         for suffix in ("", " nocheck")} | {f"emcl[{b}] step() scaler" for b in emcl}
-    # the inner step's floors: fp32 only, where the extension's probes run
+    # the steps' floors: fp32 only, where the extension's probes run
     floors = set(bench_step.FLOORS) if "cpu" in emcl else set()
     for dtype in ("fp32", "bf16"):
         names = {r["contender"] for r in saved["records"] if r["dtype"] == dtype}
@@ -639,26 +643,36 @@ def test_step_run_times_every_contender_on_every_dtype(step_run):
     assert len(saved["roofs"]) == 1 and saved["roofs"][0]["threads"] == 1
 
 
-def test_inner_step_records_carry_their_floor(step_run):
-    """An fp32 inner_step() record's floor ratios are the floors' times over Adam fused's in the
-    same group, and ratio_to_floor its own time over the streams' floor."""
+def test_steps_without_the_check_carry_their_floors(step_run):
+    """An fp32 step without the check carries its own floors' times over Adam fused's in the
+    same group (inner_step(): the inner streams and their reads; step(): the step's streams), and
+    ratio_to_floor, its own time over the floor with all its streams; a checked step or one
+    with a GradScaler carries none (the floors read no check)."""
     result, _ = step_run
     recs = [r for r in result["records"] if r["dtype"] == "fp32"]
     floors = {r["contender"]: r for r in recs if r["family"] == "floor"}
     if not floors:
         pytest.skip("the cpu backend's probes are not built")
     adam = next(r for r in recs if r["family"] == "adam_fused")
+    assert floors["floor: step streams"]["bytes_per_element"] == 28
     assert floors["floor: inner streams"]["bytes_per_element"] == 20
     assert floors["floor: inner reads"]["bytes_per_element"] == 16
-    inner = [r for r in recs if r["family"] == "emcl" and r["call"] == "inner_step()"
-             and r["check_finite"] is False]
-    assert inner
-    for r in inner:
-        for name, f in floors.items():
-            assert r["floor_ratio_to_peer"][name] == pytest.approx(f["wall_ms"] / adam["wall_ms"])
-        streams = floors["floor: inner streams"]
-        assert r["ratio_to_floor"] == pytest.approx(r["wall_ms"] / streams["wall_ms"])
-    assert all("floor_ratio_to_peer" not in r for r in recs if r["call"] == "step()")
+    mine = {"inner_step()": ("floor: inner streams", {"floor: inner streams", "floor: inner reads"}),
+            "step()": ("floor: step streams", {"floor: step streams"})}
+    emcl = [r for r in recs if r["family"] == "emcl"]
+    for call, (streams, names) in mine.items():
+        plain = [r for r in emcl if r["call"] == call and r["check_finite"] is False
+                 and not r["grad_scaler"]]
+        assert plain
+        for r in plain:
+            assert set(r["floor_ratio_to_peer"]) == names and r["floor"] == streams
+            for name in names:
+                assert r["floor_ratio_to_peer"][name] == pytest.approx(
+                    floors[name]["wall_ms"] / adam["wall_ms"])
+            assert r["ratio_to_floor"] == pytest.approx(r["wall_ms"] /
+                                                        floors[streams]["wall_ms"])
+    assert all("floor_ratio_to_peer" not in r for r in emcl
+               if r["check_finite"] or r["grad_scaler"])
 
 
 def test_step_plot_is_redrawn_from_the_results_file(step_run):
@@ -722,6 +736,11 @@ def test_step_readme_table_comes_from_the_results_file(step_run):
                 r = recs[name]
                 assert cell.startswith(f"{r['ratio_to_peer']:.2f}x ({r['ratio_to_peer_min']:.2f}x)")
                 assert ("missed" in cell) is (r["verdict"] == "missed")
+            if "floor: step streams" in recs:   # fp32: the floors over Adam fused, last
+                ratio = {n: recs[n]["ratio_to_adam_fused"] for n in bench_step.FLOORS}
+                assert cells[-1] == (f"step {ratio['floor: step streams']:.2f}x, inner "
+                                     f"{ratio['floor: inner streams']:.2f}x "
+                                     f"({ratio['floor: inner reads']:.2f}x)")
     assert "emcl[foreach]" not in text and "EMCL `foreach`" not in text
     assert any(l.startswith("- EMCL `cpu` `step()`") for l in text.splitlines()) or \
         "cpu" not in result["emcl_backends"]

@@ -250,9 +250,9 @@ def test_big_passes_run_on_every_thread(threads, dtype):
 def test_stream_probes_compute_what_they_say(threads, n_threads, n):
     """torch.ops.emcl.stream_probe_, the benchmarks' memory probes ([note: stream probes]):
     kind 0 keeps a, kind 1 adds 1e-6·b to a, kind 2 (the update's pattern) adds 1e-6·b to a and
-    c and keeps d, kind 3 (the inner step's pattern) adds 1e-6·(b + c·d) to a alone, kind 4 (its
-    reads alone) writes nothing; b is never written; sizes with a tail, empty, one and two
-    threads; bad calls are refused."""
+    c and keeps d, kind 5 (the same pattern without the software prefetch) too, kind 3 (the inner
+    step's pattern) adds 1e-6·(b + c·d) to a alone, kind 4 (its reads alone) writes nothing; b is
+    never written; sizes with a tail, empty, one and two threads; bad calls are refused."""
     threads(n_threads)
     gen = torch.Generator().manual_seed(n + 1)
     a, b, c, d = (torch.randn(n, generator=gen) for _ in range(4))
@@ -263,13 +263,14 @@ def test_stream_probes_compute_what_they_say(threads, n_threads, n):
     probe(a, b, c, d, 1)
     assert torch.allclose(a, a0 + 1e-6 * b0, rtol=1e-7, atol=0)
     assert torch.equal(c, c0) and torch.equal(d, d0)
-    a1 = a.clone()
-    probe(a, b, c, d, 2)
-    assert torch.allclose(a, a1 + 1e-6 * b0, rtol=1e-7, atol=0)
-    assert torch.allclose(c, c0 + 1e-6 * b0, rtol=1e-7, atol=0)
-    assert torch.equal(d, d0) and torch.equal(b, b0)
-    if n:
-        assert not torch.equal(a, a0) and not torch.equal(c, c0)
+    for kind in (2, 5):  # the update's pattern, with and without the software prefetch
+        a1, c1 = a.clone(), c.clone()
+        probe(a, b, c, d, kind)
+        assert torch.allclose(a, a1 + 1e-6 * b0, rtol=1e-7, atol=0)
+        assert torch.allclose(c, c1 + 1e-6 * b0, rtol=1e-7, atol=0)
+        assert torch.equal(d, d0) and torch.equal(b, b0)
+        if n:
+            assert not torch.equal(a, a1) and not torch.equal(c, c1)
     a2, c2 = a.clone(), c.clone()
     probe(a, b, c, d, 4)
     assert torch.equal(a, a2) and torch.equal(c, c2) and torch.equal(d, d0)
@@ -280,7 +281,7 @@ def test_stream_probes_compute_what_they_say(threads, n_threads, n):
     assert torch.equal(c, c2) and torch.equal(d, d0) and torch.equal(b, b0)
     if n:
         assert not torch.equal(a, a2)
-    for kind in (-1, 5):
+    for kind in (-1, 6):
         with pytest.raises(RuntimeError, match="kind"):
             probe(a, b, c, d, kind)
     with pytest.raises(RuntimeError, match="fp32"):
