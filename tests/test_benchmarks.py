@@ -172,6 +172,31 @@ def test_roof_kernels_count_write_allocate_only_for_stores_to_unread_lines(kerne
     assert common.roof_bytes_per_element(kernel, False) == without_wa
     assert common.write_allocate_default(torch.device("cpu")) is True
     assert common.write_allocate_default(torch.device("cuda")) is False
+    # a count that charges a read nobody may make is not exact: such a kernel sets no roof
+    assert common.counted_exactly(kernel, True) is (with_wa == without_wa)
+    assert common.counted_exactly(kernel, False) is True
+
+
+def test_the_roof_is_set_by_kernels_counted_exactly():
+    """A write-only kernel whose charged write-allocate reads the CPU skipped would show twice
+    its bandwidth: recorded beside the roof, never the roof."""
+    samples = {("fill", 1 << 20): ([1e-4, 2e-4], 8, 1),          # 84 GB/s on the charged count
+               ("axpy_inplace", 1 << 20): ([2e-4, 3e-4], 12, 1),  # 63 GB/s, exactly counted
+               ("read_pattern", 1 << 20): ([4e-4], 16, 1)}        # 42 GB/s
+    roof = common._roof_summary({"threads": 1, "write_allocate": True, "rotate_bytes": 0},
+                                samples)
+    assert roof["roof_kernel"] == "axpy_inplace"
+    assert roof["roof_gbps"] == pytest.approx(12 * (1 << 20) / 2e-4 / 1e9)
+    fill = next(r for r in roof["records"] if r["kernel"] == "fill")
+    assert fill["in_roof"] is False and fill["ratio_to_roof_best"] > 1.0
+    gpu = common._roof_summary({"threads": 1, "write_allocate": False, "rotate_bytes": 0},
+                               {("fill", 1 << 20): ([1e-4], 4, 1),
+                                ("axpy_inplace", 1 << 20): ([2e-4], 12, 1)})
+    assert gpu["roof_kernel"] == "axpy_inplace"      # 63 GB/s against fill's 42
+    gpu = common._roof_summary({"threads": 1, "write_allocate": False, "rotate_bytes": 0},
+                               {("fill", 1 << 20): ([0.5e-4], 4, 1),
+                                ("axpy_inplace", 1 << 20): ([2e-4], 12, 1)})
+    assert gpu["roof_kernel"] == "fill"              # nothing charged that may not happen
 
 
 def test_roof_kernels_do_what_their_names_say():
@@ -261,10 +286,11 @@ def test_measure_roof_returns_sane_numbers():
     small = [r for r in streaming if r["numel"] == 2 ** 12]
     assert all(r["sets"] == -(-(1 << 20) // (3 * 4 * 2 ** 12)) for r in small)
     assert len(small[0]["seconds"]) == 2 * small[0]["sets"]   # every set used twice
-    top = max(streaming, key=lambda r: r["gbps_best"])
+    assert all(r["in_roof"] is common.counted_exactly(r["kernel"], True) for r in streaming)
+    top = max((r for r in streaming if r["in_roof"]), key=lambda r: r["gbps_best"])
     assert roof["roof_gbps"] == top["gbps_best"] and roof["roof_kernel"] == top["kernel"]
     assert roof["roof_numel"] == top["numel"]
-    assert all(r["ratio_to_roof_best"] <= 1.0 for r in streaming)
+    assert all(r["ratio_to_roof_best"] <= 1.0 for r in streaming if r["in_roof"])
     assert roof["copy_gbps"] == max(r["gbps_best"] for r in streaming if r["kernel"] == "copy")
     pooled = common.pool_roofs([roof, roof])
     assert pooled["roof_gbps"] == roof["roof_gbps"]
