@@ -725,7 +725,6 @@ def run_heldout(args, argv, train, get_method, make_stream) -> dict:
         raise SystemExit("--heldout times the CPU (--device cpu): the held-out sweeps ran there")
     device = torch.device("cpu")
     machine = common.machine_info()
-    machine["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     machine["nice"] = os.nice(0)
     load_before = _load()
     started = time.perf_counter()

@@ -518,6 +518,35 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _cpu_ids() -> Optional[str]:
+    """"vendor family F model M stepping S" from /proc/cpuinfo: the model name alone ("AMD
+    EPYC") does not tell a processor generation from another."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break                         # the first processor is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        return None
+    if "cpu family" not in fields:
+        return None
+    return (f"{fields.get('vendor_id', '?')} family {fields['cpu family']} model "
+            f"{fields.get('model', '?')} stepping {fields.get('stepping', '?')}")
+
+
+def emcl_cpu_kernel() -> Optional[str]:
+    """Which copy of the ``cpu`` backend's kernels runs here (``torch.ops.emcl.cpu_kernel()``:
+    AVX-512, AVX2 or portable), or None where the extension is not built."""
+    try:
+        import emcl_kernels.backends.extension  # noqa: F401  (loads torch.ops.emcl)
+        return str(torch.ops.emcl.cpu_kernel())
+    except Exception:  # noqa: BLE001 - optional: a results file without it is still valid
+        return None
+
+
 def _memory_gib() -> Optional[float]:
     try:
         return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1)
@@ -561,6 +590,10 @@ def machine_info() -> dict:
     return {
         "summary": summary,
         "cpu": _cpu_model(),
+        "cpu_ids": _cpu_ids(),
+        # SPEC section 7: a claim names the processor and what torch dispatches on it
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "emcl_cpu_kernel": emcl_cpu_kernel(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "memory_gib": _memory_gib(),

@@ -22,6 +22,7 @@ sys.path.insert(0, ROOT)
 from benchmarks import (bench_kernels, bench_step, bench_training, common,  # noqa: E402
                         make_readme_table)
 
+from emcl_kernels import available_backends  # noqa: E402
 from emcl_kernels.backends import BACKENDS, get_backend  # noqa: E402
 
 REQUIRED = ("backend", "op", "dtype", "layout", "numel", "time_ms", "gbps", "copy_gbps", "device")
@@ -647,6 +648,22 @@ def step_run(tmp_path_factory):
                               "--roof-mb", "1", "--rotate-mb", "2", "--out", str(out),
                               "--name", "step", "--quiet"])
     return result, out
+
+
+def test_step_file_names_the_processor_and_what_runs_on_it(step_run):
+    """SPEC section 7: a results file records the processor (its family and model, which the
+    model name alone does not give), torch's CPU capability and the copy of EMCL's CPU kernels
+    that ran (None only where the extension is not built)."""
+    _, out = step_run
+    with open(out / "step.json") as f:
+        machine = json.load(f)["machine"]
+    assert machine["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    if os.path.exists("/proc/cpuinfo") and "cpu family" in open("/proc/cpuinfo").read():
+        assert re.fullmatch(r"\S+ family \d+ model \d+ stepping \S+", machine["cpu_ids"])
+    if "cpu" in available_backends():
+        assert machine["emcl_cpu_kernel"] == torch.ops.emcl.cpu_kernel()
+    else:
+        assert machine["emcl_cpu_kernel"] is None
 
 
 def test_step_run_times_every_contender_on_every_dtype(step_run):
