@@ -367,23 +367,29 @@ FLOORS = {"floor: step streams": (5, "emcl_step", "inner+meta"),  # reads θ, g,
                                                                   # θ, θ₀, h (28 B, as Adam's)
           "floor: inner streams": (3, "emcl_inner", "inner"),     # writes θ alone (20 B)
           "floor: inner reads": (4, "inner_reads", "inner")}      # writes nothing (16 B)
+#: The same floors for bf16 layouts: θ and g bf16, θ₀ and h fp32, as the bf16 steps read them
+#: (kinds 6 and 7: 22 B and 14 B per element).
+BF16_FLOORS = {"floor: step streams": (6, "emcl_step", "inner+meta"),
+               "floor: inner streams": (7, "emcl_inner", "inner")}
 #: The floor a step's ``ratio_to_floor`` is taken against: the one with all its streams.
 STREAMS_FLOOR = {"inner+meta": "floor: step streams", "inner": "floor: inner streams"}
 
 
 def floor_contenders(numel: int, dtype: torch.dtype, device: torch.device) -> list:
-    """The :data:`FLOORS` as contenders (family ``floor``) for an fp32 layout on a CPU whose
-    extension has the probes, else none. No kernel that reads θ, g, θ₀ and h and writes θ
+    """The :data:`FLOORS` as contenders (family ``floor``) for an fp32 layout, the
+    :data:`BF16_FLOORS` for a bf16 one, on a CPU whose extension has the probes, else none. No kernel that reads θ, g, θ₀ and h and writes θ
     moves them faster than ``floor: inner streams`` does on the same machine in the same
     rounds, give or take how well a loop is written, and none that also writes θ₀ and h (or,
     fused Adam, reads θ, g, m, v and writes θ, m, v) faster than ``floor: step streams``: a
     step's ``ratio_to_floor`` says how close it is, and ``floor_ratio_to_peer`` what ratio to
     fused Adam that speed gives."""
-    if dtype != torch.float32 or not common.stream_probes_available(device):
+    floors = {torch.float32: FLOORS, torch.bfloat16: BF16_FLOORS}.get(dtype)
+    if floors is None or not common.stream_probes_available(device):
         return []
-    tensors = [torch.rand(numel, device=device) for _ in range(4)]
+    tensors = [torch.rand(numel, device=device).to(dtype if i < 2 else torch.float32)
+               for i in range(4)]
     out = []
-    for name, (kind, bytes_kind, _) in FLOORS.items():
+    for name, (kind, bytes_kind, _) in floors.items():
         run = (lambda kind=kind: torch.ops.emcl.stream_probe_(*tensors, kind))
         out.append(Contender(name, "floor", None, "stream_probe_", bytes_kind,
                              settings={"stream_probe_kind": kind}, runner=run))
@@ -630,7 +636,8 @@ def add_floor_ratios(r: dict, peer: dict, floors: dict) -> None:
     below ``floor_ratio_to_peer[r["floor"]]`` is one that moving the same bytes faster does not
     reach on this machine."""
     step = r.get("emcl_step")
-    mine = {n: f for n, f in floors.items() if FLOORS.get(n, (0, 0, None))[2] == step}
+    mine = {n: f for n, f in floors.items()
+            if {**FLOORS, **BF16_FLOORS}.get(n, (0, 0, None))[2] == step}
     if not mine:
         return
     r["floor_ratio_to_peer"] = {n: f["wall_ms"] / peer["wall_ms"] for n, f in mine.items()}

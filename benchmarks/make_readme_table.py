@@ -259,8 +259,9 @@ def make_step_table(result: dict, *, backends=None, layouts=None, dtypes=None,
     floors = any(r["family"] == "floor" for r in recs)
     if floors:
         lines[0] += (" Floors over Adam fused (`torch.ops.emcl.stream_probe_` on four flat "
-                     "fp32 tensors of the layout's size, timed in the same rounds): step, "
-                     "`floor: step streams` (θ, g, θ₀, h read, θ, θ₀, h written: the fp32 "
+                     "tensors of the layout's size, fp32, in bf16 rows θ and g bf16, timed in "
+                     "the same rounds): step, "
+                     "`floor: step streams` (θ, g, θ₀, h read, θ, θ₀, h written: the "
                      "inner+meta step's streams, as many as fused Adam's); inner, `floor: inner "
                      "streams` (θ, g, θ₀, h read, θ written: the inner step's), in parentheses "
                      "its reads alone (`floor: inner reads`).")

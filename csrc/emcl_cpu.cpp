@@ -28,12 +28,16 @@ bool any_nonfinite(at::TensorList grads);
 void update(const Lists& lists, Op which, bool prox, Importance importance, LrMode lr_mode,
             const double* hyper, const float* grad_scale);
 void stream_probe(float* a, const float* b, float* c, float* d, int64_t n, StreamProbe kind);
+void stream_probe_bf16(at::BFloat16* a, const at::BFloat16* b, float* c, float* d, int64_t n,
+                      bool step);
 }  // namespace avx2
 namespace avx512 {
 bool any_nonfinite(at::TensorList grads);
 void update(const Lists& lists, Op which, bool prox, Importance importance, LrMode lr_mode,
             const double* hyper, const float* grad_scale);
 void stream_probe(float* a, const float* b, float* c, float* d, int64_t n, StreamProbe kind);
+void stream_probe_bf16(at::BFloat16* a, const at::BFloat16* b, float* c, float* d, int64_t n,
+                      bool step);
 }  // namespace avx512
 }  // namespace emcl
 #endif
@@ -142,14 +146,21 @@ std::string cpu_kernel() {
 // in emcl_cpu_kernels.h) over four distinct contiguous fp32 CPU tensors of one size.
 void stream_probe_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
                       const at::Tensor& d, int64_t kind) {
-  TORCH_CHECK(kind >= 0 && kind <= static_cast<int64_t>(StreamProbe::kStepPattern),
+  TORCH_CHECK(kind >= 0 && kind <= static_cast<int64_t>(StreamProbe::kInnerPatternBf16),
               "stream_probe_: kind must be 0 (scale in place), 1 (axpy in place), 2 (the "
-              "update's pattern), 3 (the inner step's pattern), 4 (its reads alone) or 5 (the "
-              "update's pattern without a software prefetch), got ", kind);
+              "update's pattern), 3 (the inner step's pattern), 4 (its reads alone), 5 (the "
+              "update's pattern without a software prefetch), 6 or 7 (the step's and the inner "
+              "step's pattern with bf16 a and b), got ", kind);
+  const auto which = static_cast<StreamProbe>(kind);
+  const bool bf16 =
+      which == StreamProbe::kStepPatternBf16 || which == StreamProbe::kInnerPatternBf16;
   const at::Tensor* all[] = {&a, &b, &c, &d};
-  for (const at::Tensor* t : all) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous(),
-                "stream_probe_: a, b, c and d must be contiguous fp32 CPU tensors");
+  for (int i = 0; i < 4; ++i) {
+    const at::Tensor* t = all[i];
+    const auto want = bf16 && i < 2 ? at::kBFloat16 : at::kFloat;
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == want && t->is_contiguous(),
+                "stream_probe_: a, b, c and d must be contiguous CPU tensors, fp32 (kinds 6 "
+                "and 7: a and b bf16)");
     TORCH_CHECK(t->numel() == a.numel(), "stream_probe_: a, b, c and d must have as many "
                 "elements");
   }
@@ -159,11 +170,20 @@ void stream_probe_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor
                   "stream_probe_: a, b, c and d must be different tensors");
     }
   }
-  auto* pa = a.data_ptr<float>();
-  const auto* pb = b.data_ptr<float>();
   auto* pc = c.data_ptr<float>();
   auto* pd = d.data_ptr<float>();
-  const auto which = static_cast<StreamProbe>(kind);
+  if (bf16) {
+    auto* pa = a.data_ptr<at::BFloat16>();
+    const auto* pb = b.data_ptr<at::BFloat16>();
+    const bool step = which == StreamProbe::kStepPatternBf16;
+#ifdef EMCL_HAVE_AVX2
+    if (kernel() == Kernel::kAvx512) return avx512::stream_probe_bf16(pa, pb, pc, pd, a.numel(), step);
+    if (kernel() == Kernel::kAvx2) return avx2::stream_probe_bf16(pa, pb, pc, pd, a.numel(), step);
+#endif
+    return portable::stream_probe_bf16(pa, pb, pc, pd, a.numel(), step);
+  }
+  auto* pa = a.data_ptr<float>();
+  const auto* pb = b.data_ptr<float>();
 #ifdef EMCL_HAVE_AVX2
   if (kernel() == Kernel::kAvx512) return avx512::stream_probe(pa, pb, pc, pd, a.numel(), which);
   if (kernel() == Kernel::kAvx2) return avx2::stream_probe(pa, pb, pc, pd, a.numel(), which);

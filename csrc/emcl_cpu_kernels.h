@@ -51,6 +51,8 @@ bool any_nonfinite(at::TensorList grads);
 void update(const Lists& lists, Op which, bool prox, Importance importance, LrMode lr_mode,
             const double* hyper, const float* grad_scale);
 void stream_probe(float* a, const float* b, float* c, float* d, int64_t n, StreamProbe kind);
+void stream_probe_bf16(at::BFloat16* a, const at::BFloat16* b, float* c, float* d, int64_t n,
+                      bool step);
 
 namespace {
 
@@ -618,6 +620,48 @@ void stream_probe(float* a, const float* b, float* c, float* d, int64_t n, Strea
       if (four) {
         c[i] = c[i] + y;
         d[i] = d[i] * 1.0f;
+      }
+    }
+  });
+}
+
+// kStepPatternBf16 / kInnerPatternBf16: the bf16 steps' streams without their math, no software
+// prefetch, read the way update_reduced reads them (one vector of bf16 θ and g widened to two
+// fp32 vectors beside two of θ₀ and h): reads a, b (bf16: θ, g), c, d (fp32: θ₀, h); the step's
+// pattern writes a <- a + s·b (rounded to bf16), c <- c + s·b, d <- d·1 (22 B per element, as
+// the bf16 inner+meta step), the inner step's a <- a + s·(b + c·d) alone (14 B).
+void stream_probe_bf16(at::BFloat16* a, const at::BFloat16* b, float* c, float* d, int64_t n,
+                       bool step) {
+  using fVec = at::vec::Vectorized<float>;
+  using bVec = at::vec::Vectorized<at::BFloat16>;
+  constexpr int64_t W = fVec::size(), V = bVec::size();
+  const fVec one(1.0f), alpha(1e-6f);
+  const auto& offsets = flat_offsets(1, [&](size_t) { return n; });
+  for_each_range(offsets, [&](size_t, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i += V) {
+      const int64_t m = std::min(V, end - i), m0 = std::min(m, W), m1 = m - m0;
+      auto [x_lo, x_hi] = at::vec::convert_to_float<at::BFloat16>(load<bVec>(a + i, m));
+      auto [y_lo, y_hi] = at::vec::convert_to_float<at::BFloat16>(load<bVec>(b + i, m));
+      fVec z_lo = load<fVec>(c + i, m0), w_lo = load<fVec>(d + i, m0);
+      fVec z_hi(0.f), w_hi(0.f);
+      if (m1 > 0) {
+        z_hi = load<fVec>(c + i + W, m1);
+        w_hi = load<fVec>(d + i + W, m1);
+      }
+      if (step) {
+        y_lo = alpha * y_lo;
+        y_hi = alpha * y_hi;
+        store(at::vec::convert_from_float<at::BFloat16>(x_lo + y_lo, x_hi + y_hi), a + i, m);
+        store(z_lo + y_lo, c + i, m0);
+        store(w_lo * one, d + i, m0);
+        if (m1 > 0) {
+          store(z_hi + y_hi, c + i + W, m1);
+          store(w_hi * one, d + i + W, m1);
+        }
+      } else {
+        store(at::vec::convert_from_float<at::BFloat16>(x_lo + alpha * (y_lo + z_lo * w_lo),
+                                                        x_hi + alpha * (y_hi + z_hi * w_hi)),
+              a + i, m);
       }
     }
   });

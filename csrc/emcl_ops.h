@@ -75,6 +75,8 @@ enum class StreamProbe : int64_t {
   kInnerPattern = 3,
   kReadPattern = 4,
   kStepPattern = 5,
+  kStepPatternBf16 = 6,
+  kInnerPatternBf16 = 7,
 };
 
 // Calls f(std::integral_constant<bool, prox>, std::integral_constant<Importance, ...>,

@@ -678,29 +678,33 @@ def test_step_run_times_every_contender_on_every_dtype(step_run):
                 "sgd_foreach"} | {
         f"emcl[{b}] {call}{suffix}" for b in emcl for call in ("step()", "inner_step()")
         for suffix in ("", " nocheck")} | {f"emcl[{b}] step() scaler" for b in emcl}
-    # the steps' floors: fp32 only, where the extension's probes run
-    floors = set(bench_step.FLOORS) if "cpu" in emcl else set()
+    # the steps' floors, where the extension's probes run: fp32's three, bf16's two
+    floors = {"fp32": set(bench_step.FLOORS), "bf16": set(bench_step.BF16_FLOORS)}
     for dtype in ("fp32", "bf16"):
         names = {r["contender"] for r in saved["records"] if r["dtype"] == dtype}
-        assert names == expected | (floors if dtype == "fp32" else set())
+        assert names == expected | (floors[dtype] if "cpu" in emcl else set())
     assert len(saved["roofs"]) == 1 and saved["roofs"][0]["threads"] == 1
 
 
-def test_steps_without_the_check_carry_their_floors(step_run):
-    """An fp32 step without the check carries its own floors' times over Adam fused's in the
-    same group (inner_step(): the inner streams and their reads; step(): the step's streams), and
-    ratio_to_floor, its own time over the floor with all its streams; a checked step or one
-    with a GradScaler carries none (the floors read no check)."""
+@pytest.mark.parametrize("dtype, nbytes, inner_floors", [
+    ("fp32", {"floor: step streams": 28, "floor: inner streams": 20, "floor: inner reads": 16},
+     {"floor: inner streams", "floor: inner reads"}),
+    ("bf16", {"floor: step streams": 22, "floor: inner streams": 14},
+     {"floor: inner streams"})])
+def test_steps_without_the_check_carry_their_floors(step_run, dtype, nbytes, inner_floors):
+    """A step without the check carries its own floors' times over Adam fused's in the same
+    group (inner_step(): the inner streams, and on fp32 their reads; step(): the step's
+    streams), and ratio_to_floor, its own time over the floor with all its streams; a checked
+    step or one with a GradScaler carries none (the floors read no check). bf16's floors move
+    the bf16 steps' bytes (θ and g bf16, θ₀ and h fp32)."""
     result, _ = step_run
-    recs = [r for r in result["records"] if r["dtype"] == "fp32"]
+    recs = [r for r in result["records"] if r["dtype"] == dtype]
     floors = {r["contender"]: r for r in recs if r["family"] == "floor"}
     if not floors:
         pytest.skip("the cpu backend's probes are not built")
     adam = next(r for r in recs if r["family"] == "adam_fused")
-    assert floors["floor: step streams"]["bytes_per_element"] == 28
-    assert floors["floor: inner streams"]["bytes_per_element"] == 20
-    assert floors["floor: inner reads"]["bytes_per_element"] == 16
-    mine = {"inner_step()": ("floor: inner streams", {"floor: inner streams", "floor: inner reads"}),
+    assert {n: f["bytes_per_element"] for n, f in floors.items()} == nbytes
+    mine = {"inner_step()": ("floor: inner streams", inner_floors),
             "step()": ("floor: step streams", {"floor: step streams"})}
     emcl = [r for r in recs if r["family"] == "emcl"]
     for call, (streams, names) in mine.items():
@@ -779,11 +783,13 @@ def test_step_readme_table_comes_from_the_results_file(step_run):
                 r = recs[name]
                 assert cell.startswith(f"{r['ratio_to_peer']:.2f}x ({r['ratio_to_peer_min']:.2f}x)")
                 assert ("missed" in cell) is (r["verdict"] == "missed")
-            if "floor: step streams" in recs:   # fp32: the floors over Adam fused, last
-                ratio = {n: recs[n]["ratio_to_adam_fused"] for n in bench_step.FLOORS}
+            if "floor: step streams" in recs:   # the floors over Adam fused, last
+                ratio = {n: r["ratio_to_adam_fused"] for n, r in recs.items()
+                         if r["family"] == "floor"}
+                reads = ratio.get("floor: inner reads")        # fp32 rows only
                 assert cells[-1] == (f"step {ratio['floor: step streams']:.2f}x, inner "
-                                     f"{ratio['floor: inner streams']:.2f}x "
-                                     f"({ratio['floor: inner reads']:.2f}x)")
+                                     f"{ratio['floor: inner streams']:.2f}x"
+                                     + ("" if reads is None else f" ({reads:.2f}x)"))
     assert "emcl[foreach]" not in text and "EMCL `foreach`" not in text
     assert any(l.startswith("- EMCL `cpu` `step()`") for l in text.splitlines()) or \
         "cpu" not in result["emcl_backends"]

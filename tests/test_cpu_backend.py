@@ -252,7 +252,8 @@ def test_stream_probes_compute_what_they_say(threads, n_threads, n):
     kind 0 keeps a, kind 1 adds 1e-6·b to a, kind 2 (the update's pattern) adds 1e-6·b to a and
     c and keeps d, kind 5 (the same pattern without the software prefetch) too, kind 3 (the inner
     step's pattern) adds 1e-6·(b + c·d) to a alone, kind 4 (its reads alone) writes nothing; b is
-    never written; sizes with a tail, empty, one and two threads; bad calls are refused."""
+    never written; kinds 6 and 7 the step's and the inner step's with bf16 a and b; sizes with a
+    tail, empty, one and two threads; bad calls are refused."""
     threads(n_threads)
     gen = torch.Generator().manual_seed(n + 1)
     a, b, c, d = (torch.randn(n, generator=gen) for _ in range(4))
@@ -281,11 +282,30 @@ def test_stream_probes_compute_what_they_say(threads, n_threads, n):
     assert torch.equal(c, c2) and torch.equal(d, d0) and torch.equal(b, b0)
     if n:
         assert not torch.equal(a, a2)
-    for kind in (-1, 6):
+    for kind in (-1, 8):
         with pytest.raises(RuntimeError, match="kind"):
             probe(a, b, c, d, kind)
     with pytest.raises(RuntimeError, match="fp32"):
         probe(a.double(), b.double(), c.double(), d.double(), 0)
+    with pytest.raises(RuntimeError, match="bf16"):
+        probe(a, b, c, d, 6)                        # kinds 6 and 7 want bf16 a and b
+    # kinds 6 and 7: the bf16 steps' streams (θ, g bf16; θ₀, h fp32); a rounded to bf16 once
+    ab, bb = a.bfloat16(), b.bfloat16()
+    ab0, bb0, c3, d3 = ab.clone(), bb.clone(), c.clone(), d.clone()
+    probe(ab, bb, c, d, 6)
+    assert torch.allclose(ab.float(), (ab0.float() + 1e-6 * bb0.float()).bfloat16().float(),
+                          rtol=2 ** -8, atol=0)
+    assert torch.allclose(c, c3 + 1e-6 * bb0.float(), rtol=1e-7, atol=0)
+    assert torch.equal(d, d3) and torch.equal(bb, bb0)
+    if n:
+        assert not torch.equal(c, c3)
+    ab1, c4 = ab.clone(), c.clone()
+    probe(ab, bb, c, d, 7)
+    expected = (ab1.float() + 1e-6 * (bb0.float() + c4 * d3)).bfloat16().float()
+    assert torch.allclose(ab.float(), expected, rtol=2 ** -8, atol=0)
+    assert torch.equal(c, c4) and torch.equal(d, d3) and torch.equal(bb, bb0)
+    with pytest.raises(RuntimeError, match="bf16"):
+        probe(a, bb, c, d, 7)
     if n:
         with pytest.raises(RuntimeError, match="as many"):
             probe(a, b[:-1].contiguous(), c, d, 1)
