@@ -377,12 +377,12 @@ STREAMS_FLOOR = {"inner+meta": "floor: step streams", "inner": "floor: inner str
 
 def floor_contenders(numel: int, dtype: torch.dtype, device: torch.device) -> list:
     """The :data:`FLOORS` as contenders (family ``floor``) for an fp32 layout, the
-    :data:`BF16_FLOORS` for a bf16 one, on a CPU whose extension has the probes, else none. No kernel that reads θ, g, θ₀ and h and writes θ
-    moves them faster than ``floor: inner streams`` does on the same machine in the same
-    rounds, give or take how well a loop is written, and none that also writes θ₀ and h (or,
-    fused Adam, reads θ, g, m, v and writes θ, m, v) faster than ``floor: step streams``: a
-    step's ``ratio_to_floor`` says how close it is, and ``floor_ratio_to_peer`` what ratio to
-    fused Adam that speed gives."""
+    :data:`BF16_FLOORS` for a bf16 one, on a CPU whose extension has the probes, else none. No
+    kernel that reads θ, g, θ₀ and h and writes θ moves them faster than ``floor: inner
+    streams`` does on the same machine in the same rounds, give or take how well a loop is
+    written, and none that also writes θ₀ and h (or, fused Adam, reads θ, g, m, v and writes θ,
+    m, v) faster than ``floor: step streams``: a step's ``ratio_to_floor`` says how close it
+    is, and ``floor_ratio_to_peer`` what ratio to fused Adam that speed gives."""
     floors = {torch.float32: FLOORS, torch.bfloat16: BF16_FLOORS}.get(dtype)
     if floors is None or not common.stream_probes_available(device):
         return []

@@ -143,7 +143,8 @@ std::string cpu_kernel() {
 }
 
 // torch.ops.emcl.stream_probe_: one memory probe of the benchmarks' roof ([note: stream probes]
-// in emcl_cpu_kernels.h) over four distinct contiguous fp32 CPU tensors of one size.
+// in emcl_cpu_kernels.h) over four distinct contiguous CPU tensors of one size: fp32, except a
+// and b in bf16 for kinds 6 and 7 (the bf16 steps' streams).
 void stream_probe_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
                       const at::Tensor& d, int64_t kind) {
   TORCH_CHECK(kind >= 0 && kind <= static_cast<int64_t>(StreamProbe::kInnerPatternBf16),
@@ -176,11 +177,12 @@ void stream_probe_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor
     auto* pa = a.data_ptr<at::BFloat16>();
     const auto* pb = b.data_ptr<at::BFloat16>();
     const bool step = which == StreamProbe::kStepPatternBf16;
+    const int64_t n = a.numel();
 #ifdef EMCL_HAVE_AVX2
-    if (kernel() == Kernel::kAvx512) return avx512::stream_probe_bf16(pa, pb, pc, pd, a.numel(), step);
-    if (kernel() == Kernel::kAvx2) return avx2::stream_probe_bf16(pa, pb, pc, pd, a.numel(), step);
+    if (kernel() == Kernel::kAvx512) return avx512::stream_probe_bf16(pa, pb, pc, pd, n, step);
+    if (kernel() == Kernel::kAvx2) return avx2::stream_probe_bf16(pa, pb, pc, pd, n, step);
 #endif
-    return portable::stream_probe_bf16(pa, pb, pc, pd, a.numel(), step);
+    return portable::stream_probe_bf16(pa, pb, pc, pd, n, step);
   }
   auto* pa = a.data_ptr<float>();
   const auto* pb = b.data_ptr<float>();
