@@ -371,6 +371,9 @@ FLOORS = {"floor: step streams": (5, "emcl_step", "inner+meta"),  # reads θ, g,
 #: (kinds 6 and 7: 22 B and 14 B per element).
 BF16_FLOORS = {"floor: step streams": (6, "emcl_step", "inner+meta"),
                "floor: inner streams": (7, "emcl_inner", "inner")}
+#: The EMCL step each floor bounds (the same name bounds the same step in either dtype).
+FLOOR_STEP = {name: step for floors in (FLOORS, BF16_FLOORS)
+              for name, (_, _, step) in floors.items()}
 #: The floor a step's ``ratio_to_floor`` is taken against: the one with all its streams.
 STREAMS_FLOOR = {"inner+meta": "floor: step streams", "inner": "floor: inner streams"}
 
@@ -636,8 +639,7 @@ def add_floor_ratios(r: dict, peer: dict, floors: dict) -> None:
     below ``floor_ratio_to_peer[r["floor"]]`` is one that moving the same bytes faster does not
     reach on this machine."""
     step = r.get("emcl_step")
-    mine = {n: f for n, f in floors.items()
-            if {**FLOORS, **BF16_FLOORS}.get(n, (0, 0, None))[2] == step}
+    mine = {n: f for n, f in floors.items() if FLOOR_STEP.get(n) == step}
     if not mine:
         return
     r["floor_ratio_to_peer"] = {n: f["wall_ms"] / peer["wall_ms"] for n, f in mine.items()}
