@@ -166,7 +166,8 @@ def test_input_sets_are_random_and_shaped_like_the_layout():
 
 @pytest.mark.parametrize("kernel, with_wa, without_wa", [
     ("copy", 12, 8), ("foreach_copy", 12, 8), ("triad", 16, 12),
-    ("axpy_inplace", 12, 12), ("scale_inplace", 8, 8), ("fill", 8, 4)])
+    ("axpy_inplace", 12, 12), ("scale_inplace", 8, 8), ("fill", 8, 4),
+    ("addcmul_inplace", 16, 16), ("sum", 4, 4)])
 def test_roof_kernels_count_write_allocate_only_for_stores_to_unread_lines(kernel, with_wa,
                                                                            without_wa):
     assert common.roof_bytes_per_element(kernel, True) == with_wa
@@ -218,6 +219,9 @@ def test_roof_kernels_do_what_their_names_say():
     assert torch.allclose(a, b0 * (1 + 1e-6))
     fns["fill"]()
     assert bool((a == 0.5).all())
+    fns["addcmul_inplace"]()
+    assert torch.allclose(a, 0.5 + 1e-6 * b0 * c0, rtol=1e-7, atol=0) and not bool((a == 0.5).all())
+    assert torch.allclose(fns["sum"](), b0.sum())
     assert torch.equal(b, b0) and torch.equal(c, c0)   # only a is written
 
 
@@ -324,6 +328,18 @@ def kernel_run(tmp_path_factory):
                                  "--rotate-mb", "2", "--roof-mb", "1", "--threads", "1",
                                  "--out-dir", str(out), "--name", "run", "--quiet"])
     return result, out
+
+
+def test_the_roof_reaches_the_largest_layout_timed(tmp_path):
+    """A roof measured on tensors smaller than the kernels it bounds pays more of a call's
+    fixed cost per byte: --roof-mb below the largest layout is raised to it."""
+    result = bench_kernels.main(["--quick", "--sizes", "15", "--layouts", "single",
+                                 "--budget", "0.002", "--max-reps", "2", "--device", "cpu",
+                                 "--backends", "cpu", "--rotate-mb", "1", "--roof-mb", "0.01",
+                                 "--threads", "1", "--out-dir", str(tmp_path), "--name", "run",
+                                 "--quiet"])
+    roof = result["devices"]["cpu"]["roof"]
+    assert max(k["numel"] for k in roof["records"]) == 2 ** 15
 
 
 def test_kernel_run_has_a_record_for_every_backend_op_dtype_and_layout(kernel_run):
