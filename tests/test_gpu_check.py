@@ -200,6 +200,10 @@ def test_a_staged_dry_run_prints_its_steps(tmp_path):
     for f in gpu_check.GPU_TEST_FILES:
         assert f in out.stdout
     assert "EMCL_TEST_DEADLINE=" in out.stdout and " -n " in out.stdout
+    # `make gpu-validate-a` builds (or reuses the build) with --only: the same compiler
+    out = _run("--only", "deps,build", "--dry-run", "--out", str(tmp_path), unset=("CC", "CXX"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "CC=/usr/bin/gcc" in out.stdout or not os.path.exists("/usr/bin/gcc")
     out = _run("--stage", "2", "--dry-run", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "-k past_2_31" in out.stdout and "--ignore=tests/test_cuda_backend.py" in out.stdout

@@ -701,14 +701,18 @@ class GpuCheck:
         return None
 
     def stage_build(self, st: StageResult) -> None:
-        if self.args.stage:
+        # a staged or partial run (--stage, --only: `make gpu-validate-a` after gpu-check-12)
+        # reuses a fresh build of the machine it runs on and builds with the system compiler;
+        # a full run builds from scratch
+        staged = bool(self.args.stage or self.args.only)
+        if staged:
             lib = self._built_and_fresh()
             if lib:
                 st.status = "passed"
                 st.detail = f"already built ({os.path.relpath(lib, ROOT)} is newer than csrc/)"
                 return
         env = self._build_env()
-        if self.args.stage and os.path.exists("/usr/bin/gcc") and os.path.exists("/usr/bin/g++") \
+        if staged and os.path.exists("/usr/bin/gcc") and os.path.exists("/usr/bin/g++") \
                 and all(os.environ.get(k, "/opt/gcc").startswith("/opt/gcc") for k in ("CC", "CXX")):
             # one build, not two: the default compiler of the GPU image (/opt/gcc, a wrapper,
             # set in CC and CXX there) can build a library whose C++ exceptions crash the process
