@@ -511,8 +511,8 @@ def time_group(contenders: list, device: torch.device, settings: Settings, log) 
 
 def gpu_activities(c: Contender, device: torch.device, steps: int) -> dict:
     """Per step of ``c`` under ``torch.profiler``: GPU activities (kernels, memcpy, memset;
-    user annotations left out), their summed durations (the device time), and the extension's
-    own launch counter where it has one."""
+    user annotations left out), their summed durations (the device time), where every memcpy
+    was issued from, and the extension's own launch counter where it has one."""
     from torch.profiler import ProfilerActivity, profile
 
     counter = None
@@ -525,7 +525,7 @@ def gpu_activities(c: Contender, device: torch.device, steps: int) -> dict:
         counter = None
     torch.cuda.synchronize(device)
     before = counter() if counter else None
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         for _ in range(steps):
             c.fn()
         torch.cuda.synchronize(device)
@@ -556,7 +556,33 @@ def summarize_gpu_events(events, steps: int) -> dict:
         device_us += evt.time_range.elapsed_us()
     return {"device_ms": device_us / 1e3 / steps,
             "gpu_activities_per_step": sum(kinds.values()) / steps,
-            **{f"gpu_{k}s_per_step": v / steps for k, v in kinds.items()}}
+            **{f"gpu_{k}s_per_step": v / steps for k, v in kinds.items()},
+            "gpu_memcpy_sources": {k: v / steps for k, v in memcpy_sources(events).items()}}
+
+
+def memcpy_sources(events) -> dict:
+    """Where the profiled memcpys came from: "op @ frame" -> count, the op being the CPU event
+    that launched the copy and the frame the innermost Python frame of this project (the
+    package or the benchmarks) on its stack or its parents' (``with_stack`` profiles; else the
+    op alone). A step that should be one launch and shows a copy is host work to find."""
+    from torch.autograd import DeviceType
+
+    found: dict = {}
+    for evt in events:
+        if evt.device_type != DeviceType.CPU:
+            continue
+        copies = sum(1 for k in getattr(evt, "kernels", ()) or ()
+                     if k.name.lower().startswith("memcpy"))
+        if not copies:
+            continue
+        where, node = "", evt
+        while node is not None and not where:
+            where = next((f for f in getattr(node, "stack", ()) or ()
+                          if "emcl_kernels" in f or "benchmarks" in f), "")
+            node = getattr(node, "cpu_parent", None)
+        key = f"{evt.name} @ {where}" if where else evt.name
+        found[key] = found.get(key, 0) + copies
+    return found
 
 
 # ---------------------------------------------------------------------------------------------

@@ -654,7 +654,15 @@ def test_gpu_activities_are_counted_and_timed_per_step():
                    evt("Memcpy DtoH (Device -> Pinned)", cuda, t + 55, t + 57),
                    evt("cudaLaunchKernel", cpu, t + 5, t + 8)]
     events.append(evt("Optimizer.step#Adam.step", cuda, 300, 350))   # torch without the flag
+    parent = SimpleNamespace(name="aten::copy_", device_type=cpu, kernels=[], cpu_parent=None,
+                             stack=["torch/_tensor.py(12): to",
+                                    "emcl_kernels/backends/triton.py(304): _upload"])
+    copier = SimpleNamespace(name="cudaMemcpyAsync", device_type=cpu, cpu_parent=parent,
+                             stack=[], kernels=[SimpleNamespace(name="Memcpy HtoD (Pinned -> Device)")])
+    events += [parent, copier, copier]
     out = bench_step.summarize_gpu_events(events, steps=2)
+    assert out["gpu_memcpy_sources"] == {
+        "cudaMemcpyAsync @ emcl_kernels/backends/triton.py(304): _upload": 1.0}
     assert out["gpu_activities_per_step"] == 3
     assert out["gpu_kernels_per_step"] == out["gpu_memsets_per_step"] == 1
     assert out["gpu_memcpys_per_step"] == 1
