@@ -287,17 +287,38 @@ class DeviceRun:
 
 
 PROBE_BYTES = 12  # θ₀ += 1e-6·h: read θ₀ and h, write θ₀ (fp32, in place)
+#: The step's own streams on CPU (the extension's ``stream_probe_``, no math): kind and bytes
+#: per element by the parameters' dtype: reads θ, g, θ₀, h, writes θ, θ₀, h, as the combined
+#: step does ([note: stream probes] in csrc/emcl_cpu_kernels.h).
+STEP_STREAMS = {torch.float32: (5, 28), torch.bfloat16: (6, 22)}
 
 
-def time_probe(sets: list, rotation: "Rotation", device: torch.device, calls: int) -> list:
-    """Seconds of ``calls`` in-place streaming passes over the anchors and importances of the
-    rotated input sets (``torch._foreach_add_(θ₀, h, alpha=1e-6)``, 12 B per element), in the
-    same rotation as the kernels: the memory's speed on the kernels' own tensors, at the
-    kernels' own time. The anchors move by 1e-6·h per pass."""
-    fns = [lambda s=s: torch._foreach_add_(s.anchors, s.importances, alpha=1e-6) for s in sets]
-    secs = common.time_calls([fns[i] for i in rotation.upcoming(calls)], device)
-    rotation.advance(len(secs))
-    return secs
+def probe_calls(sets: list, device: torch.device, dtype: torch.dtype, n_tensors: int) -> dict:
+    """The probes of one layout, name -> (one callable per rotated set, bytes per element):
+    ``foreach_add`` (``torch._foreach_add_(θ₀, h, alpha=1e-6)``, 12 B, every device) and, on a
+    CPU whose extension has the probes and for a single tensor, ``step_streams`` (the combined
+    step's seven streams without its math). The anchors (and the step streams' θ and h) move by
+    1e-6 of a read stream per pass."""
+    out = {"foreach_add": ([lambda s=s: torch._foreach_add_(s.anchors, s.importances, alpha=1e-6)
+                            for s in sets], PROBE_BYTES)}
+    kind_bytes = STEP_STREAMS.get(dtype)
+    if kind_bytes and n_tensors == 1 and common.stream_probes_available(device):
+        kind, nbytes = kind_bytes
+        probe = torch.ops.emcl.stream_probe_
+        out["step_streams"] = ([lambda s=s: probe(s.params[0], s.grads[0], s.anchors[0],
+                                                  s.importances[0], kind) for s in sets], nbytes)
+    return out
+
+
+def time_probes(probes: dict, rotation: "Rotation", device: torch.device, calls: int,
+                into: dict) -> None:
+    """``calls`` passes of every probe in ``probes`` (:func:`probe_calls`) in the rotation of
+    the kernels, their seconds appended to ``into[name]``: timed between the kernels' own
+    measurements, the memory's speed on the kernels' tensors at the kernels' time."""
+    for name, (fns, _) in probes.items():
+        secs = common.time_calls([fns[i] for i in rotation.upcoming(calls)], device)
+        rotation.advance(len(secs))
+        into.setdefault(name, []).extend(secs)
 
 
 def roof_with_probes(roof: dict, probes: list) -> dict:
@@ -309,7 +330,8 @@ def roof_with_probes(roof: dict, probes: list) -> dict:
     best = max(probes, key=lambda p: p["gbps_best"], default=None)
     if best is not None and best["gbps_best"] > roof["roof_gbps"]:
         out.update(roof_gbps=best["gbps_best"], roof_kernel="probe", roof_numel=best["numel"],
-                   roof_source=f"probe on {best['layout']} {best['numel']} {best['dtype']}")
+                   roof_source=f"probe {best.get('kernel', 'foreach_add')} on {best['layout']} "
+                               f"{best['numel']} {best['dtype']}")
     return out
 
 
@@ -378,9 +400,12 @@ def run_device(device: torch.device, args, settings: Settings, log) -> DeviceRun
                               for _ in range(n_sets - 1)]
             rotation = Rotation(n_sets)
             # probes only where the rotation reached its size (the smallest layouts are capped
-            # at max_sets sets, and a probe there could run from cache)
-            probe = [] if n_sets >= settings.max_sets else \
-                time_probe(sets, rotation, device, max(3, settings.min_reps))
+            # at max_sets sets, and a probe there could run from cache); timed before the
+            # kernels and after each kernel's measurement
+            probes = {} if n_sets >= settings.max_sets else \
+                probe_calls(sets, device, dtype, layout.n_tensors)
+            probe_secs: dict = {}
+            time_probes(probes, rotation, device, max(3, settings.min_reps), probe_secs)
             for op in args.ops:
                 hyper = common.hyperparameters(op, args.lr_mode)
                 bpe = common.bytes_per_element(op, dtype, args.lr_mode)
@@ -431,14 +456,14 @@ def run_device(device: torch.device, args, settings: Settings, log) -> DeviceRun
                     run.records.append(rec)
                     log(f"   {layout.name:>16} {layout.numel:>10} {dname} {op:<15} {backend:<9} "
                         f"{stats.median_ms:10.4f} ms {rec['gbps']:8.2f} GB/s  ({stats.repeats} reps)")
-            if probe:
-                probe += time_probe(sets, rotation, device, max(3, settings.min_reps))
-                st = common.Stats.of(probe)
+                    time_probes(probes, rotation, device, 2, probe_secs)
+            for name, (_, nbytes) in probes.items():
+                st = common.Stats.of(probe_secs[name])
                 run.probes.append({
-                    "layout": layout.name, "numel": layout.numel, "dtype": dname,
-                    "bytes_per_element": PROBE_BYTES, "seconds": probe,
-                    "gbps": common.gbps(PROBE_BYTES * layout.numel, st.median_ms / 1e3),
-                    "gbps_best": common.gbps(PROBE_BYTES * layout.numel, st.min_ms / 1e3)})
+                    "kernel": name, "layout": layout.name, "numel": layout.numel, "dtype": dname,
+                    "bytes_per_element": nbytes, "seconds": probe_secs[name],
+                    "gbps": common.gbps(nbytes * layout.numel, st.median_ms / 1e3),
+                    "gbps_best": common.gbps(nbytes * layout.numel, st.min_ms / 1e3)})
             finite = all(bool(torch.isfinite(t.float()).all()) for s in sets for t in s.state())
             for rec in run.records:
                 if rec["layout"] == layout.name and rec["numel"] == layout.numel \

@@ -340,6 +340,15 @@ def test_the_roof_reaches_the_largest_layout_timed(tmp_path):
                                  "--quiet"])
     roof = result["devices"]["cpu"]["roof"]
     assert max(k["numel"] for k in roof["records"]) == 2 ** 15
+    # the probes on the kernels' own tensors ran before the kernels and after each of them
+    probes = {(p["kernel"], p["dtype"]): p for p in roof["probes"]}
+    kernels = {"foreach_add"} | ({"step_streams"} if common.stream_probes_available("cpu") else set())
+    assert set(probes) == {(k, d) for k in kernels for d in ("fp32", "bf16")}
+    for (kernel, dtype), p in probes.items():
+        timed = [r for r in result["records"] if r["dtype"] == dtype]
+        assert len(p["seconds"]) >= 3 + 2 * len(timed)
+        step_bytes = {"fp32": 28, "bf16": 22}[dtype]      # θ, g in the dtype; θ₀, h fp32
+        assert p["bytes_per_element"] == (12 if kernel == "foreach_add" else step_bytes)
 
 
 def test_kernel_run_has_a_record_for_every_backend_op_dtype_and_layout(kernel_run):
