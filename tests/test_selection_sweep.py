@@ -411,3 +411,87 @@ def test_ray_executor_gives_the_local_executors_runs_and_numbers(tmp_path, ray_c
     capsys.readouterr()
     assert selection.main(["--out", viaray, "--executor", "ray", "--ray-address", ray_cluster.address] + args) == 0
     assert "run(s) to do" not in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- interrupted
+def _workers(pid: int) -> list:
+    """The pool workers (spawned processes) among ``pid``'s children."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as fh:
+            for child in fh.read().split():
+                with open(f"/proc/{child}/cmdline", "rb") as cmd:
+                    if b"spawn_main" in cmd.read():
+                        out.append(int(child))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the process tree from /proc")
+def test_a_stage_stopped_by_sigterm_keeps_its_runs_times_itself_and_ends_its_workers(tmp_path):
+    """`timeout` around a sweep sends SIGTERM: the command ends at once with 130, the runs written
+    stay, the stage's timing line says it was interrupted and after how many runs, the pool's
+    workers do not outlive it, and the same command runs only the rest."""
+    import signal
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "python")]))
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "emcl_continual.selection", "--out", str(out), "--jobs", "2",
+           "--methods", "sgd", "emcl", "--until", "validate-a"] + TINY
+    proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    runs = out / "validation.jsonl"
+    deadline = time.time() + 240
+    while not (runs.exists() and runs.read_text().count("\n") >= 1):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.2)
+    workers = _workers(proc.pid)
+    assert workers
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted: SIGTERM after" in err and "the same command runs the other" in err
+    kept = selection.load_runs(str(runs))
+    timing = selection.load_runs(str(out / selection.TIMINGS_FILE))
+    assert len(timing) == 1 and timing[0]["interrupted"] == "SIGTERM"
+    n = timing[0]["runs"]              # sgd's and emcl's grids and Algorithm 1's cells, 2 seeds
+    assert n == 24 and timing[0]["done"] == len(kept) < n
+    deadline = time.time() + 20
+    while any(map(_alive, workers)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(map(_alive, workers))
+    # a diff against a cut-off stage compares the runs, not the times
+    d = sweep_diff.diff(str(out), str(out))
+    assert d["time_ratio_a_over_b"] is None and d["timing_a"]["interrupted"] == ["SIGTERM"]
+    assert "interrupted by SIGTERM after" in sweep_diff.markdown(d)
+    # resumed: only the runs not kept run, and the stage is then complete
+    done = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{n - len(kept)} run(s) to do" in done.stdout
+    assert len(selection.load_runs(str(runs))) == n
+
+
+def test_a_cancelled_local_executor_ends_the_runs_in_flight():
+    """close(cancel=True), as on an error or an interrupt, terminates the workers still running
+    a run rather than leaving them to finish it unseen (or outlive the command)."""
+    executor = sweep.LocalExecutor(jobs=2)
+    executor.start()
+    busy = [executor._pool.submit(time.sleep, 120) for _ in range(2)]
+    deadline = time.time() + 60
+    while not all(f.running() for f in busy):
+        assert time.time() < deadline
+        time.sleep(0.1)
+    workers = list(executor._pool._processes.values())
+    t0 = time.time()
+    executor.close(cancel=True)
+    assert time.time() - t0 < 30 and not any(p.is_alive() for p in workers)

@@ -334,9 +334,14 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None
     ``local``, ``jobs`` at a time, or ``ray``), each on the device its method's ``devices`` word
     gives (default cpu), appending each record to ``path`` as it finishes (flushed and synced).
     A failed run is logged and appended to ``failed.jsonl`` beside ``path``; the others go on,
-    then :class:`RunsFailed` is raised. Returns every record of ``path``."""
+    then :class:`RunsFailed` is raised. SIGINT or SIGTERM (a ``timeout`` around the command) stops
+    the runs in flight, still writes the stage's timing line (``interrupted``, ``done``) and raises
+    :class:`~emcl_continual.errors.CommandInterrupted`; the records written are kept and the same
+    command runs the rest. Returns every record of ``path``."""
     from . import sweep
+    from .errors import CommandInterrupted, Interrupted
     from .provenance import code_version, command_line
+    from .rundir import deferred_interrupts, interrupts
 
     done = {r["key"] for r in load_runs(path)}
     devices = devices or {}
@@ -377,13 +382,16 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None
         + (f"; {on_gpu} on a GPU" if on_gpu else "") + ")")
 
     def append(file, rec):
-        with open(file, "a") as fh:
+        with deferred_interrupts(), open(file, "a") as fh:     # a line is written whole
             fh.write(json.dumps(rec) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
 
+    kept = []
+
     def write(rec):
         append(path, rec)
+        kept.append(rec["key"])
         log(f"  {time.strftime('%H:%M:%S')} {rec['method']:7s} seed {rec['seed']:3d} {json.dumps(rec['overrides'], sort_keys=True)[:90]}: "
             f"ACC {rec['acc']:.2f} (train {rec['train_time_s']:.0f}s, wall {rec['wall_time_s']:.0f}s, {rec['device']})")
 
@@ -396,17 +404,27 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None
 
     gpus, slots = runner.gpu_count(), runner.slots
     started, load_before, t0 = _utc_now(), _load_average(), time.perf_counter()
-    failures = sweep.execute(tasks, runner, code_tree=code_version().get("code_tree"), on_record=write,
-                             on_failure=failed, log=log)
+    stopped = None
+    try:
+        with interrupts():
+            failures = sweep.execute(tasks, runner, code_tree=code_version().get("code_tree"),
+                                     on_record=write, on_failure=failed, log=log)
+    except Interrupted as exc:       # the executor has stopped its runs (sweep.execute)
+        stopped, failures = exc.name, []
     wall = time.perf_counter() - t0
     append(os.path.join(os.path.dirname(os.path.abspath(path)), TIMINGS_FILE), {
         "file": os.path.basename(path), "split": split, "rows": sorted({t["row"] for t in tasks}),
-        "runs": len(tasks), "failed": len(failures), "on_gpu": on_gpu, "wall_s": round(wall, 3),
+        "runs": len(tasks), "done": len(kept), "failed": len(failures), "interrupted": stopped,
+        "on_gpu": on_gpu, "wall_s": round(wall, 3),
         "started_utc": started, "finished_utc": _utc_now(), "executor": executor, "slots": slots,
         "threads": threads, "devices": dict(devices), "gpus": gpus,
         "load_average_before": load_before, "load_average_after": _load_average(),
         "host": _host(), "commit": code_version().get("commit"), "code_tree": code_version().get("code_tree"),
         "command": command})
+    if stopped:
+        raise CommandInterrupted(
+            f"{stopped} after {wall:.0f} s: {len(kept)} of {len(tasks)} run(s) done and kept in {path} "
+            f"(timed in {TIMINGS_FILE}); the same command runs the other {len(tasks) - len(kept)}")
     log(f"{len(tasks) - len(failures)} of {len(tasks)} run(s) done in {wall:.0f} s "
         f"({slots} at a time; {TIMINGS_FILE})")
     if failures:
@@ -533,8 +551,13 @@ def main(argv: list | None = None) -> int:
         p.error(f"--gpu-memory-mib must be positive, got {args.gpu_memory_mib:g}")
     if args.download or args.download_mirror is not None:
         _download(p, args)
+    from .errors import CommandInterrupted
+
     try:
         return _main(args)
+    except CommandInterrupted as exc:
+        print(f"interrupted: {exc}", file=sys.stderr, flush=True)
+        return 130
     except RunsFailed as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1

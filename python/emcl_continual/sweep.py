@@ -328,9 +328,18 @@ class LocalExecutor:
         self.placer.release(device)
 
     def close(self, cancel: bool = False) -> None:
+        """Wait for the pool's runs, or with ``cancel`` (an error, an interrupt) drop the
+        queued ones and end the running ones: their processes are terminated, not left to
+        finish (or to outlive the command) unseen."""
         if self._pool is not None:
             if isinstance(self._pool, cf.ProcessPoolExecutor):
+                workers = list((getattr(self._pool, "_processes", None) or {}).values()) if cancel else []
                 self._pool.shutdown(wait=not cancel, cancel_futures=cancel)
+                for proc in workers:
+                    if proc.is_alive():
+                        proc.terminate()
+                for proc in workers:
+                    proc.join(timeout=10)
             self._pool = None
 
 

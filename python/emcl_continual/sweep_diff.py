@@ -54,7 +54,9 @@ def _timing(folder: str) -> dict | None:
             "failed": sum(t["failed"] for t in lines), "commands": len(lines),
             "slots": sorted({t["slots"] for t in lines}), "devices": lines[-1].get("devices"),
             "host": lines[-1].get("host"), "commit": lines[-1].get("commit"),
-            "source": sorted({t.get("source", "selection") for t in lines})}
+            "source": sorted({t.get("source", "selection") for t in lines}),
+            "done": sum(t.get("done", t["runs"] - t["failed"]) for t in lines),
+            "interrupted": sorted({t["interrupted"] for t in lines if t.get("interrupted")})}
 
 
 def _selection(stream: str, runs: dict) -> dict:
@@ -103,7 +105,9 @@ def diff(a: str, b: str) -> dict:
             "selection": {g: {"a": sel_a.get(g), "b": sel_b.get(g), "same": sel_a.get(g) == sel_b.get(g)}
                           for g in sorted(set(sel_a) | set(sel_b))},
             "timing_a": ta, "timing_b": tb,
-            "time_ratio_a_over_b": (ta["wall_s"] / tb["wall_s"]) if ta and tb and tb["wall_s"] else None}
+            # a stage cut short has no time to compare
+            "time_ratio_a_over_b": (ta["wall_s"] / tb["wall_s"])
+            if ta and tb and tb["wall_s"] and not ta["interrupted"] and not tb["interrupted"] else None}
 
 
 def _where(t: dict | None) -> str:
@@ -111,7 +115,9 @@ def _where(t: dict | None) -> str:
         return "not timed (no timings.jsonl)"
     host = t.get("host") or {}
     gpus = ", ".join(host.get("gpus") or []) or "no GPU"
-    return (f"{t['wall_s']:.0f} s for {t['runs']} runs ({t['failed']} failed) on {host.get('cpu') or '?'} "
+    cut = (f" (interrupted by {'/'.join(t['interrupted'])} after {t['done']} of them: no time ratio)"
+           if t.get("interrupted") else "")
+    return (f"{t['wall_s']:.0f} s for {t['runs']} runs{cut} ({t['failed']} failed) on {host.get('cpu') or '?'} "
             f"x{host.get('logical_cpus') or '?'}, {gpus}; {'/'.join(map(str, t['slots']))} at a time; "
             f"devices {json.dumps(t.get('devices') or {})}; commit {(t.get('commit') or '?')[:7]}")
 
