@@ -24,7 +24,8 @@
 #                   Permuted MNIST validation stage with --device auto --jobs $(GPU_JOBS), then
 #                   emcl_continual.sweep_diff against the 2-core CPU's run in
 #                   results/scale/permuted-mnist/cpu-jobs2 (OUT/cpu-vs-gpu.md: same selection?
-#                   the time ratio)
+#                   the time ratio). VALIDATE_S=280 stops the stage after 280 s (SIGTERM: the
+#                   runs done are kept, timed as interrupted) and still writes the comparison
 #   make gpu-check  every full stage without a time budget (30+ minutes): build against that
 #                   torch, every test, memcheck, the benchmarks, the main job on GPU and CPU;
 #                   results in benchmarks/results/ (tools/gpu_check.py --help).
@@ -109,12 +110,14 @@ gpu-check-12:
 
 gpu-validate-a:
 	$(PYTHON) tools/gpu_check.py --only deps,build --out $(OUT)/build $(GPU_CHECK_ARGS)
-	PYTHONPATH=$(CURDIR):$(CURDIR)/python:$(CURDIR)/build/gpu-check/site $(PYTHON) -m emcl_continual.selection \
+	rc=0; PYTHONPATH=$(CURDIR):$(CURDIR)/python:$(CURDIR)/build/gpu-check/site \
+	  $(if $(VALIDATE_S),timeout --signal=TERM $(VALIDATE_S)) $(PYTHON) -m emcl_continual.selection \
 	  --stream permuted-mnist --until validate-a --device auto --jobs $(GPU_JOBS) --threads 1 \
-	  --allow-dirty --out $(OUT)/gpu-validate-a
+	  --allow-dirty --out $(OUT)/gpu-validate-a || rc=$$?; \
 	PYTHONPATH=$(CURDIR):$(CURDIR)/python $(PYTHON) -m emcl_continual.sweep_diff \
 	  results/scale/permuted-mnist/cpu-jobs2 $(OUT)/gpu-validate-a --label-a "2-core CPU, --jobs 2" \
-	  --label-b "GPU machine, --device auto --jobs $(GPU_JOBS)" --out $(OUT)/cpu-vs-gpu
+	  --label-b "GPU machine, --device auto --jobs $(GPU_JOBS)" --out $(OUT)/cpu-vs-gpu || rc=1; \
+	exit $$rc
 
 clean:
 	rm -rf $(VENV) build *.egg-info emcl_kernels/*.so runs
