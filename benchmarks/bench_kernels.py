@@ -297,8 +297,8 @@ def probe_calls(sets: list, device: torch.device, dtype: torch.dtype, n_tensors:
     """The probes of one layout, name -> (one callable per rotated set, bytes per element):
     ``foreach_add`` (``torch._foreach_add_(θ₀, h, alpha=1e-6)``, 12 B, every device) and, on a
     CPU whose extension has the probes and for a single tensor, ``step_streams`` (the combined
-    step's seven streams without its math). The anchors (and the step streams' θ and h) move by
-    1e-6 of a read stream per pass."""
+    step's seven streams without its math). Per pass ``foreach_add`` moves θ₀ by 1e-6·h and
+    ``step_streams`` moves θ and θ₀ by 1e-6·g (h is written back unchanged)."""
     out = {"foreach_add": ([lambda s=s: torch._foreach_add_(s.anchors, s.importances, alpha=1e-6)
                             for s in sets], PROBE_BYTES)}
     kind_bytes = STEP_STREAMS.get(dtype)

@@ -42,6 +42,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -606,6 +607,10 @@ def record_of(c: Contender, group: dict, device: torch.device, dtype: torch.dtyp
         "wall_ms_q75": wall.q75_ms, "samples": wall.repeats, "rounds": c.blocks,
         "steps_per_block": c.block,
         "host_ms": host.median_ms, "host_ms_q25": host.q25_ms, "host_ms_q75": host.q75_ms,
+        # on a GPU wall is a block's mean and host a call's median: a wall above the host time
+        # of a step that keeps the GPU idle is the host calls' tail, which these show
+        "host_ms_mean": 1e3 * statistics.fmean(c.host),
+        "host_ms_p99": 1e3 * sorted(c.host)[min(len(c.host) - 1, int(0.99 * len(c.host)))],
         "wall_timer": "perf_counter per step" if device.type == "cpu"
         else "perf_counter per block of steps between two cuda synchronizations",
         "gbps": common.gbps(rec["bytes_per_element"] * group["numel"], wall.median_ms / 1e3),

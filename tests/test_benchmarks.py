@@ -776,6 +776,7 @@ def test_step_records_are_consistent(step_run):
         assert r["finite"] is True
         assert r["wall_ms_min"] <= r["wall_ms_q25"] <= r["wall_ms"] <= r["wall_ms_q75"]
         assert r["host_ms"] == r["wall_ms"]          # on CPU the whole step is host work
+        assert r["host_ms_p99"] >= r["host_ms"] and r["host_ms_mean"] >= r["wall_ms_min"]  # tail
         assert r["rounds"] == 2 and r["samples"] == 2 * r["steps_per_block"]
         assert r["steps_taken"] >= 1 + r["samples"]     # warm-up, timed
         assert r["device_ms"] is None and r["gpu_activities_per_step"] is None
