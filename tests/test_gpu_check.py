@@ -118,6 +118,12 @@ def test_kernel_headline_takes_the_largest_single_tensor(tmp_path):
     assert len(h["largest_single"]) == 1
     assert h["largest_single"][0]["numel"] == 2**28 and h["largest_single"][0]["ratio_to_copy"] == 0.93
     assert h["many_tensors"][0]["speedup_vs_reference"] == 40.0
+    assert h["bugs"] == []
+    data = json.loads((tmp_path / "kernels_x_cuda.json").read_text())
+    bug = "BUG: 12 record(s) above the roof (worst: triton inner_step fp32 single 67108864, ...)"
+    data["devices"]["cuda"]["notes"] = ["the machine is busy", bug]
+    (tmp_path / "kernels_y_cuda.json").write_text(json.dumps(data))
+    assert gpu_check.kernel_headline(str(tmp_path / "kernels_y_cuda.json"))["bugs"] == [bug]
 
 
 def test_main_job_result_from_results_json_and_from_output(tmp_path):

@@ -224,14 +224,17 @@ def pytest_counts_from_text(text: str) -> Dict:
 def kernel_headline(path: str) -> Dict:
     """Copy bandwidth and headline ratios of a ``bench_kernels.py`` JSON file: per device and
     backend, the largest single tensor's GB/s and ratio to copy (fp32 and bf16, each step),
-    and the speed-up over ``reference`` on the many-tensor layout."""
+    the speed-up over ``reference`` on the many-tensor layout, and the run's BUG notes (a
+    record above its roof: a number to explain, never a result)."""
     with open(path) as fh:
         data = json.load(fh)
     out = {"file": os.path.relpath(path, ROOT), "copy_gbps": {}, "largest_single": [],
-           "many_tensors": []}
+           "many_tensors": [], "bugs": []}
     for device, info in (data.get("devices") or {}).items():
         if isinstance(info, dict) and "copy_gbps" in info:
             out["copy_gbps"][device] = info["copy_gbps"]
+        if isinstance(info, dict):      # the run's own verdicts: a record above its roof
+            out["bugs"] += [n for n in info.get("notes") or [] if str(n).startswith("BUG")]
     records = data.get("records") or []
     biggest: Dict = {}
     for r in records:
@@ -921,7 +924,10 @@ class GpuCheck:
                 key = {"bench_kernels": "kernels", "bench_step": "step",
                        "check_finite": "check_finite", "bench_training": "training"}[st.name]
                 reader = kernel_headline if key == "kernels" else generic_headline
-                self.summary_extra["benchmarks"][key] = reader(jsons[-1])
+                headline = self.summary_extra["benchmarks"][key] = reader(jsons[-1])
+                if headline.get("bugs"):
+                    st.status = "failed"
+                    st.detail += "; " + "; ".join(headline["bugs"])
             except (OSError, ValueError, KeyError) as exc:
                 st.detail += f"; could not read {os.path.basename(jsons[-1])}: {exc}"
 
