@@ -186,6 +186,31 @@ def test_every_test_file_runs_in_one_of_the_two_stages():
     assert len(set(gpu_check.GPU_TEST_FILES)) == len(gpu_check.GPU_TEST_FILES)
 
 
+def test_stage_1_runs_every_gpu_only_test():
+    """Every test outside GPU_TEST_FILES that skips without a GPU is in GPU_TESTS_ELSEWHERE (and
+    each one listed exists), so stage 1 runs it even when stage 2 runs out of time."""
+    import re
+
+    marked = set()
+    skip = re.compile(r"^@(needs_cuda|pytest\.mark\.skipif\(not (torch\.cuda\.is_available\(\)|CUDA|ON_GPU)\b)")
+    for name in sorted(os.listdir(os.path.join(ROOT, "tests"))):
+        path = f"tests/{name}"
+        if not (name.startswith("test_") and name.endswith(".py")) or path in gpu_check.GPU_TEST_FILES:
+            continue
+        lines = open(os.path.join(ROOT, path)).read().splitlines()
+        for i, line in enumerate(lines):
+            if skip.match(line):
+                j = i
+                while not lines[j].startswith("def "):
+                    j += 1
+                marked.add(f"{path}::{lines[j][4:].split('(')[0]}")
+    listed = set(gpu_check.GPU_TESTS_ELSEWHERE)
+    assert marked <= listed, sorted(marked - listed)
+    for node in listed:
+        path, test = node.split("::")
+        assert f"def {test}(" in open(os.path.join(ROOT, path)).read(), node
+
+
 @pytest.mark.parametrize("stage, budget", ((1, 360), (2, 300)))
 def test_a_stage_fits_its_budget_and_each_step_gets_what_is_left(stage, budget):
     """[note: two stages]: the default budget of each stage; a stage's time limit is at most

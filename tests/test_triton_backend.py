@@ -74,9 +74,9 @@ class _Launches:
         counters = {TB._STEP.name: self.update, TB._CHECK.name: self.check}
         launch = TB._Launcher.__call__
 
-        def counted(launcher, grid, *args):
+        def counted(launcher, grid, *args, **kwargs):
             counters[launcher.name].grids.append((grid,))
-            return launch(launcher, grid, *args)
+            return launch(launcher, grid, *args, **kwargs)
 
         monkeypatch.setattr(TB._Launcher, "__call__", counted)
 

@@ -124,6 +124,16 @@ GPU_TEST_FILES = ("tests/test_cuda_backend.py", "tests/test_triton_backend.py",
                   "tests/test_capturable.py", "tests/test_graphed.py", "tests/test_amp.py",
                   "tests/test_compile.py", "tests/test_checkpoint.py", "tests/test_misuse.py",
                   "tests/test_distributed.py")
+#: The GPU-only tests of the other files: stage 1 runs them too, since a 270 s stage 2 seldom
+#: reaches the rest of the suite (tests/test_gpu_check.py checks that none is missing).
+GPU_TESTS_ELSEWHERE = (
+    "tests/test_selection_sweep.py::test_auto_on_a_gpu_puts_captured_emcl_there_and_the_baselines_on_the_cpu",
+    "tests/test_selection_sweep.py::test_placer_reads_the_real_gpu_memory",
+    "tests/test_selection_sweep.py::test_emcl_built_on_a_gpu_captures_exactly_where_auto_says_it_pays",
+    "tests/test_benchmarks.py::test_step_benchmark_on_the_gpu",
+    "tests/test_benchmarks.py::test_training_benchmark_times_emcl_per_backend",
+    "tests/test_bench_training.py::test_auto_times_the_gpu_only_where_there_is_one",
+)
 #: The tests that need most of the GPU's memory: run alone, in stage 2.
 BIG_TESTS = "past_2_31"
 #: The memcheck subset: no CUDA graph capture (it needs torch's caching allocator, which the
@@ -779,8 +789,8 @@ class GpuCheck:
         self._pytest(st, "tests", ["tests"])
 
     def stage_gpu_tests(self, st: StageResult) -> None:
-        self._pytest(st, "gpu_tests", [*GPU_TEST_FILES, "-k", f"not {BIG_TESTS}",
-                                       *self._xdist()])
+        self._pytest(st, "gpu_tests", [*GPU_TEST_FILES, *GPU_TESTS_ELSEWHERE,
+                                       "-k", f"not {BIG_TESTS}", *self._xdist()])
 
     def stage_rest_tests(self, st: StageResult) -> None:
         ignore = [f"--ignore={f}" for f in GPU_TEST_FILES]
