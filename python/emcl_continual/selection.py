@@ -397,8 +397,11 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None
 
     failed_path = os.path.join(os.path.dirname(os.path.abspath(path)), FAILED_FILE)
 
+    lost = []
+
     def failed(task, reason, detail):
         append(failed_path, sweep.failure_record(task, reason, detail))
+        lost.append(task["key"])
         log(f"  {time.strftime('%H:%M:%S')} FAILED {task['method']} seed {task['seed']} "
             f"{json.dumps(task['overrides'], sort_keys=True)[:90]}: {reason}")
 
@@ -407,14 +410,14 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None
     stopped = None
     try:
         with interrupts():
-            failures = sweep.execute(tasks, runner, code_tree=code_version().get("code_tree"),
-                                     on_record=write, on_failure=failed, log=log)
+            sweep.execute(tasks, runner, code_tree=code_version().get("code_tree"),
+                          on_record=write, on_failure=failed, log=log)
     except Interrupted as exc:       # the executor has stopped its runs (sweep.execute)
-        stopped, failures = exc.name, []
+        stopped = exc.name
     wall = time.perf_counter() - t0
     append(os.path.join(os.path.dirname(os.path.abspath(path)), TIMINGS_FILE), {
         "file": os.path.basename(path), "split": split, "rows": sorted({t["row"] for t in tasks}),
-        "runs": len(tasks), "done": len(kept), "failed": len(failures), "interrupted": stopped,
+        "runs": len(tasks), "done": len(kept), "failed": len(lost), "interrupted": stopped,
         "on_gpu": on_gpu, "wall_s": round(wall, 3),
         "started_utc": started, "finished_utc": _utc_now(), "executor": executor, "slots": slots,
         "threads": threads, "devices": dict(devices), "gpus": gpus,
@@ -425,10 +428,10 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None
         raise CommandInterrupted(
             f"{stopped} after {wall:.0f} s: {len(kept)} of {len(tasks)} run(s) done and kept in {path} "
             f"(timed in {TIMINGS_FILE}); the same command runs the other {len(tasks) - len(kept)}")
-    log(f"{len(tasks) - len(failures)} of {len(tasks)} run(s) done in {wall:.0f} s "
+    log(f"{len(kept)} of {len(tasks)} run(s) done in {wall:.0f} s "
         f"({slots} at a time; {TIMINGS_FILE})")
-    if failures:
-        raise RunsFailed(f"{len(failures)} of {len(tasks)} run(s) failed (each in {failed_path}); the "
+    if lost:
+        raise RunsFailed(f"{len(lost)} of {len(tasks)} run(s) failed (each in {failed_path}); the "
                          f"others are in {path}. The same command runs the failed ones again")
     return load_runs(path)
 
