@@ -229,17 +229,17 @@ class _CountBackward(torch.autograd.Function):
 class CostCounter:
     """Counts, while attached to a learner, what its training costs in machine-independent units.
 
-    * **forward passes**: samples through the model's forward (a forward hook on the model;
-      a batch of 20 is 20; a forward under ``torch.func.vmap`` counts every sample of every
-      vmapped batch), and forward calls;
+    * **forward passes**: samples through the model's forward (a forward hook on the model,
+      and a wrapper of its ``forward_with`` where it has one; a batch of 20 is 20; a forward
+      under ``torch.func.vmap`` counts every sample of every vmapped batch), and forward calls;
     * **backward passes**: samples whose gradient flows back through a model forward (an
       identity :class:`torch.autograd.Function` on the model's output counts the rows of the
       gradient reaching it, whether from ``backward()``, ``torch.autograd.grad`` or
       ``torch.func.grad``), and backward calls;
     * **weight updates**: how many times the weights the model computes with change between two
-      uses: before each forward the tensors the forward will read (``functional_call``'s fast
-      weights included) are compared, by storage and version counter, with the previous
-      forward's, and a call of the optimizer's ``step`` / ``inner_step`` / ``meta_step`` marks
+      uses: before each forward the tensors the forward will read (``functional_call``'s and
+      ``forward_with``'s fast weights included) are compared, by storage and version counter,
+      with the previous forward's, and a call of the optimizer's ``step`` / ``inner_step`` / ``meta_step`` marks
       a change whose writes the version counters may not see (native kernels); forwards inside
       a ``torch.func`` transform (GEM's vmapped memory gradients, on wrapped copies of the
       current weights) are not compared. An update not
@@ -285,12 +285,12 @@ class CostCounter:
     def _samples(self, t: torch.Tensor) -> int:
         return _unwrap(t).numel() // self._sample_numel
 
-    def _pre_forward(self, module, args):
+    def _pre_forward(self, module, args, weights=None):
         from torch._C import _functorch as ft
         if ft.maybe_current_level() is not None:
             return  # inside a torch.func transform (GEM's vmapped memory gradients): the weights it
                     # reads are wrapped copies of the current ones, not an update
-        self._check_update(self._weights_now())
+        self._check_update(self._weights_now() if weights is None else tuple(weights))
 
     def _post_forward(self, module, args, output):
         self.forward_calls += 1
@@ -327,6 +327,8 @@ class CostCounter:
         stepper = getattr(learner, "_stepper", None)
         if stepper is not None:
             self._wrap(stepper, "sgd_step", self._stepper_call(stepper.sgd_step))
+        if callable(getattr(model, "forward_with", None)):
+            self._wrap(model, "forward_with", self._forward_with_call(model.forward_with))
         return self
 
     def _wrap(self, obj, name: str, fn) -> None:
@@ -345,6 +347,14 @@ class CostCounter:
                 self._in_optimizer -= 1
             self._pending = True
             return out
+        return call
+
+    def _forward_with_call(self, fn):
+        """The model's ``forward_with(weights, x, task)`` (La-MAML's fast weights on the MLP),
+        counted as its ``forward`` is, with ``weights`` as the tensors the forward reads."""
+        def call(weights, x, task=0):
+            self._pre_forward(self._model, (x,), weights)
+            return self._post_forward(self._model, (x,), fn(weights, x, task))
         return call
 
     def _stepper_call(self, fn):

@@ -291,6 +291,65 @@ def test_lamaml_second_order_differs_from_first_order():
     assert not torch.allclose(outs[0], outs[1])
 
 
+def _package_mlp(multi_head: bool):
+    """The package's MNIST model (models.MLP) at the tiny stream's sizes; multi-head: one head
+    of 2 classes per task over 6 classes."""
+    from emcl_continual.models import MLP
+    from emcl_continual.streams import StreamInfo
+
+    heads = [(2 * k, 2 * k + 2) for k in range(N_TASKS)] if multi_head else [(0, N_CLASSES)] * N_TASKS
+    info = StreamInfo("tiny", N_TASKS, (D_IN,), 2 * N_TASKS if multi_head else N_CLASSES, heads, multi_head)
+    torch.manual_seed(0)
+    return MLP(info, hidden=32), info
+
+
+@pytest.mark.parametrize("multi_head", [False, True])
+def test_mlp_forward_with_is_functional_call_bit_for_bit(multi_head):
+    """La-MAML's fast forward: the same logits and the same gradients (first and second
+    order) as torch.func.functional_call with the same weights, bit for bit."""
+    from torch.func import functional_call
+
+    model, _ = _package_mlp(multi_head)
+    g = torch.Generator().manual_seed(1)
+    weights = [torch.randn(p.shape, generator=g).mul_(0.3).requires_grad_(True) for p in model.parameters()]
+    x = torch.randn(7, D_IN, generator=g)
+    task = torch.tensor([0, 1, 2, 0, 1, 2, 2]) if multi_head else 0
+    names = [n for n, _ in model.named_parameters()]
+    ref = functional_call(model, dict(zip(names, weights)), (x, task))
+    out = model.forward_with(weights, x, task)
+    assert torch.equal(out, ref)
+    y = torch.randint(0, 2, (7,), generator=g)
+    for create_graph in (False, True):
+        ga = torch.autograd.grad(torch.nn.functional.cross_entropy(ref, y), weights, retain_graph=True,
+                                 create_graph=create_graph)
+        gb = torch.autograd.grad(torch.nn.functional.cross_entropy(out, y), weights, retain_graph=True,
+                                 create_graph=create_graph)
+        assert all(torch.equal(a, b) for a, b in zip(ga, gb))
+    with pytest.raises(ValueError, match="5 weights for an MLP with 6"):
+        model.forward_with(weights[:5], x, task)
+
+
+@pytest.mark.parametrize("second_order", [False, True])
+def test_lamaml_on_the_mlp_trains_the_same_through_forward_with(second_order):
+    """La-MAML takes the MLP's forward_with; its run is the functional_call run, bit for bit."""
+    torch.set_num_threads(1)
+    (train, _), (train2, _), _ = tiny_tasks()
+    finals = []
+    for fast in (True, False):
+        model, info = _package_mlp(False)
+        method = get_method("lamaml")(model, info, small_config("lamaml", second_order=second_order),
+                                      torch.device("cpu"))
+        assert method.forward_with is True
+        method.forward_with = fast
+        train_task(method, train[0][:60], train[1][:60], task=0)
+        train_task(method, train2[0][:60], train2[1][:60], task=1)
+        finals.append([p.detach().clone() for p in model.parameters()] + method.learning_rates())
+    assert all(torch.equal(a, b) for a, b in zip(*finals))
+    model, info = _package_mlp(False)
+    model.net[0].weight.requires_grad_(False)        # a frozen parameter: functional_call serves
+    assert get_method("lamaml")(model, info, small_config("lamaml"), torch.device("cpu")).forward_with is False
+
+
 def test_mer_fast_path_matches_autograd():
     """The hand-written ReLU-MLP per-sample step gives the same trajectory as the autograd path."""
     torch.set_num_threads(1)

@@ -72,9 +72,28 @@ class MLP(TaskMasked):
             n_in *= int(d)
         self.net = nn.Sequential(nn.Linear(n_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
                                  nn.Linear(hidden, info.n_classes))
+        self._n_weights = 2 * sum(isinstance(m, nn.Linear) for m in self.net)   # weight, bias
 
     def forward(self, x: torch.Tensor, task=0) -> torch.Tensor:
         return self.mask_logits(self.net(x.reshape(x.shape[0], -1)), task)
+
+    def forward_with(self, weights, x: torch.Tensor, task=0) -> torch.Tensor:
+        """:meth:`forward` with ``weights`` (a weight and a bias per layer, in
+        ``parameters()`` order) in place of the parameters: the same ops on the same inputs, so
+        the same logits and gradients, bit for bit, as ``torch.func.functional_call`` with
+        those weights, without its swap of every parameter in and out of the module (which
+        costs more than the MLP's arithmetic on one sample)."""
+        if len(weights) != self._n_weights:
+            raise ValueError(f"forward_with: {len(weights)} weights for an MLP with {self._n_weights}")
+        h = x.reshape(x.shape[0], -1)
+        i = 0
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                h = F.linear(h, weights[i], weights[i + 1])
+                i += 2
+            else:           # nn.ReLU, the only other layer of the net
+                h = F.relu(h)
+        return self.mask_logits(h, task)
 
 
 class BasicBlock(nn.Module):
