@@ -481,6 +481,21 @@ def test_a_stage_stopped_by_sigterm_keeps_its_runs_times_itself_and_ends_its_wor
     assert len(selection.load_runs(str(runs))) == n
 
 
+def test_a_run_process_keeps_to_its_threads():
+    """--threads sizes every thread pool of a run's process: torch's, and the BLAS and OpenMP
+    pools NumPy and SciPy start with one thread per core (GEM's QP), so that --jobs runs at a
+    time use --jobs x --threads cores."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    executor = sweep.LocalExecutor(jobs=2, threads=1)
+    executor.start()
+    try:
+        pools = executor._pool.submit(threadpoolctl.threadpool_info).result(timeout=120)
+    finally:
+        executor.close()
+    assert {p["user_api"] for p in pools} >= {"blas", "openmp"}, pools
+    assert {p["num_threads"] for p in pools} == {1}, pools
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the process table from /proc")
 def test_a_cancelled_local_executor_ends_the_runs_in_flight():
     """close(cancel=True), as on an error or an interrupt, terminates the workers still running

@@ -506,7 +506,9 @@ def main(argv: list | None = None) -> int:
     p.add_argument("--jobs", type=int, default=None,
                    help="runs at a time (local executor: training processes, default 1; ray: runs in flight, "
                         "default the cluster's CPUs over --threads)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per run (a Ray task's num_cpus)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="threads per run: torch's, and the BLAS and OpenMP pools of NumPy and SciPy (a Ray "
+                        "task's num_cpus)")
     p.add_argument("--device", nargs="+", default=["cpu"], metavar="[METHOD=]DEVICE",
                    help="where runs train: cpu (default), cuda, cuda:N or auto, for every method or per method "
                         "(e.g. 'cpu emcl=cuda'); auto takes a GPU only for runs measured faster there (EMCL with "

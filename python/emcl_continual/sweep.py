@@ -213,9 +213,17 @@ def wait_for_memory(device: str, need: int, timeout_s: float, poll_s: float = 2.
 
 # --------------------------------------------------------------------------- one run
 def _init_worker(threads: int) -> None:
+    """A run's process uses ``threads`` threads: torch's, and the BLAS and OpenMP pools of
+    NumPy and SciPy (GEM's QP), which otherwise start one thread per core of the machine, so
+    that ``--jobs`` runs at a time use ``--jobs`` x ``--threads`` cores and no more."""
     import torch
 
     torch.set_num_threads(threads)
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - a requirement (requirements.txt)
+        return
+    threadpool_limits(limits=threads)
 
 
 def run_task(task: dict) -> dict:
