@@ -215,6 +215,7 @@ class EMCL(Method):
         self.meta_replay = bool(cfg.get("meta_replay", True))
         self.shuffle_inner = bool(cfg.get("shuffle_inner", False))
         self.glances = int(cfg.get("glances", 1))
+        self._weights = list(model.parameters())   # what _zero_grads clears
         self.modulation = bool(cfg.get("inner_lr_modulation", False))
         mod_max = cfg.get("modulation_lr_max")
         self.modulation_lr_max = float(self.hyper["meta_lr"] if mod_max is None else mod_max)
@@ -289,6 +290,12 @@ class EMCL(Method):
             out["meta_damped_share"] = float((h / (h + eps) < 0.99).double().mean())
         return out
 
+    def _zero_grads(self) -> None:
+        """``model.zero_grad(set_to_none=True)`` over the parameters listed once: the module walk
+        of ``zero_grad`` after every one-sample inner step cost ~10 % of an eager MNIST run."""
+        for p in self._weights:
+            p.grad = None
+
     def _loss(self, x: torch.Tensor, y: torch.Tensor, t) -> torch.Tensor:
         return F.cross_entropy(self.model(x, t), y)
 
@@ -339,14 +346,14 @@ class EMCL(Method):
         if self.shuffle_inner:
             order = torch.randperm(xi.shape[0], generator=self.generator).to(xi.device)
             xi, yi, ti = xi[order], yi[order], ti[order]
-        self.model.zero_grad(set_to_none=True)
+        self._zero_grads()
         for k in range(xi.shape[0]):
             self._loss(xi[k:k + 1], yi[k:k + 1], ti[k:k + 1]).backward()
             if self.modulation:
                 self._modulated_inner_step()
             else:
                 opt.inner_step()
-            self.model.zero_grad(set_to_none=True)
+            self._zero_grads()
 
         # meta step on the batch (and the replayed samples)
         if xr is not None and self.meta_replay:
@@ -356,6 +363,6 @@ class EMCL(Method):
         loss = self._loss(xm, ym, tm)
         loss.backward()
         opt.meta_step()
-        self.model.zero_grad(set_to_none=True)
+        self._zero_grads()
         self._normalize_pull()
         return float(loss.detach())
