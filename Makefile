@@ -23,7 +23,7 @@
 #   make gpu-validate-a OUT=dir  on the GPU machine (after gpu-check, or building here): the
 #                   Permuted MNIST validation stage with --device auto --jobs $(GPU_JOBS), then
 #                   emcl_continual.sweep_diff against the 2-core CPU's run in
-#                   results/scale/permuted-mnist/cpu-jobs2 (OUT/cpu-vs-gpu.md: same selection?
+#                   results/scale/permuted-mnist/cpu-jobs2-283f11b (OUT/cpu-vs-gpu.md: same selection?
 #                   the time ratio). VALIDATE_S=280 stops the stage after 280 s (SIGTERM: the
 #                   runs done are kept, timed as interrupted) and still writes the comparison
 #   make gpu-check  every full stage without a time budget (30+ minutes): build against that
@@ -115,7 +115,7 @@ gpu-validate-a:
 	  --stream permuted-mnist --until validate-a --device auto --jobs $(GPU_JOBS) --threads 1 \
 	  --allow-dirty --out $(OUT)/gpu-validate-a || rc=$$?; \
 	PYTHONPATH=$(CURDIR):$(CURDIR)/python $(PYTHON) -m emcl_continual.sweep_diff \
-	  results/scale/permuted-mnist/cpu-jobs2 $(OUT)/gpu-validate-a --label-a "2-core CPU, --jobs 2" \
+	  results/scale/permuted-mnist/cpu-jobs2-283f11b $(OUT)/gpu-validate-a --label-a "2-core CPU, --jobs 2" \
 	  --label-b "GPU machine, --device auto --jobs $(GPU_JOBS)" --out $(OUT)/cpu-vs-gpu || rc=1; \
 	exit $$rc
 
