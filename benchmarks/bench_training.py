@@ -239,8 +239,9 @@ class CostCounter:
     * **weight updates**: how many times the weights the model computes with change between two
       uses: before each forward the tensors the forward will read (``functional_call``'s and
       ``forward_with``'s fast weights included) are compared, by storage and version counter,
-      with the previous forward's, and a call of the optimizer's ``step`` / ``inner_step`` / ``meta_step`` marks
-      a change whose writes the version counters may not see (native kernels); forwards inside
+      with the previous forward's, and a call of the optimizer's ``step`` / ``inner_step`` /
+      ``meta_step`` marks a change whose writes the version counters may not see (native
+      kernels); forwards inside
       a ``torch.func`` transform (GEM's vmapped memory gradients, on wrapped copies of the
       current weights) are not compared. An update not
       followed by a forward within a call is counted when the call returns (:meth:`flush`).

@@ -339,15 +339,15 @@ def test_lamaml_on_the_mlp_trains_the_same_through_forward_with(second_order):
         model, info = _package_mlp(False)
         method = get_method("lamaml")(model, info, small_config("lamaml", second_order=second_order),
                                       torch.device("cpu"))
-        assert method.forward_with is True
-        method.forward_with = fast
+        assert method.uses_forward_with is True
+        method.uses_forward_with = fast
         train_task(method, train[0][:60], train[1][:60], task=0)
         train_task(method, train2[0][:60], train2[1][:60], task=1)
         finals.append([p.detach().clone() for p in model.parameters()] + method.learning_rates())
     assert all(torch.equal(a, b) for a, b in zip(*finals))
     model, info = _package_mlp(False)
     model.net[0].weight.requires_grad_(False)        # a frozen parameter: functional_call serves
-    assert get_method("lamaml")(model, info, small_config("lamaml"), torch.device("cpu")).forward_with is False
+    assert get_method("lamaml")(model, info, small_config("lamaml"), torch.device("cpu")).uses_forward_with is False
 
 
 def test_mer_fast_path_matches_autograd():
