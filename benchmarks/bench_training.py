@@ -243,8 +243,9 @@ class CostCounter:
       ``meta_step`` marks a change whose writes the version counters may not see (native
       kernels); forwards inside a ``torch.func`` transform (GEM's vmapped memory gradients, on
       wrapped copies of the current weights) are not compared. An update not followed by a
-      forward within a call is counted when the call returns (:meth:`flush`). Consecutive writes with no forward between them are one update (MER's Reptile
-      interpolation after its last SGD step, La-MAML's learning-rate step with its weight step);
+      forward within a call is counted when the call returns (:meth:`flush`). Consecutive
+      writes with no forward between them are one update (MER's Reptile interpolation after its
+      last SGD step, La-MAML's learning-rate step with its weight step);
     * MER's hand-written per-sample step (``_ReluMLPStepper.sgd_step``, NumPy on the weights'
       memory, no torch forward) counts one forward, one backward and one update per call;
     * optimizer calls by name (``step``, ``inner_step``, ``meta_step``) as the method makes
