@@ -481,6 +481,35 @@ def test_a_stage_stopped_by_sigterm_keeps_its_runs_times_itself_and_ends_its_wor
     assert len(selection.load_runs(str(runs))) == n
 
 
+def test_a_signal_while_a_record_is_written_still_counts_that_record(tmp_path, one_seed, monkeypatch):
+    """SIGTERM arriving while a finished run's line is being written: the line is written whole
+    and counted in the stage's timing line ("done" = the lines in the file), never one without
+    the other."""
+    import signal
+
+    path = tmp_path / "validation.jsonl"
+    real_fsync = os.fsync
+    sent = []
+
+    def fsync_then_signal(fd):
+        real_fsync(fd)
+        if not sent and os.path.exists(path) and os.path.getsize(path) > 0:
+            sent.append(True)
+            signal.raise_signal(signal.SIGTERM)   # after the write, before its count
+
+    monkeypatch.setattr(os, "fsync", fsync_then_signal)
+    rows = selection.validation_rows_a("permuted-mnist", ("sgd",))
+    from emcl_continual.errors import CommandInterrupted
+
+    with pytest.raises(CommandInterrupted, match="SIGTERM"):
+        selection.run_rows(rows, str(path), "permuted-mnist", "validation", jobs=1, n_tasks=2,
+                           samples_per_task=20)
+    assert sent
+    timing = selection.load_runs(str(tmp_path / selection.TIMINGS_FILE))
+    assert timing[0]["interrupted"] == "SIGTERM"
+    assert timing[0]["done"] == len(selection.load_runs(str(path))) == 1
+
+
 def test_a_run_process_keeps_to_its_threads():
     """--threads sizes every thread pool of a run's process: torch's, and the BLAS and OpenMP
     pools NumPy and SciPy start with one thread per core (GEM's QP), so that --jobs runs at a

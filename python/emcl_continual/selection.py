@@ -390,20 +390,23 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None
     kept = []
 
     def write(rec):
-        append(path, rec)
-        kept.append(rec["key"])
-        log(f"  {time.strftime('%H:%M:%S')} {rec['method']:7s} seed {rec['seed']:3d} {json.dumps(rec['overrides'], sort_keys=True)[:90]}: "
-            f"ACC {rec['acc']:.2f} (train {rec['train_time_s']:.0f}s, wall {rec['wall_time_s']:.0f}s, {rec['device']})")
+        with deferred_interrupts():        # the line and its count together, or neither
+            append(path, rec)
+            kept.append(rec["key"])
+            log(f"  {time.strftime('%H:%M:%S')} {rec['method']:7s} seed {rec['seed']:3d} "
+                f"{json.dumps(rec['overrides'], sort_keys=True)[:90]}: ACC {rec['acc']:.2f} "
+                f"(train {rec['train_time_s']:.0f}s, wall {rec['wall_time_s']:.0f}s, {rec['device']})")
 
     failed_path = os.path.join(os.path.dirname(os.path.abspath(path)), FAILED_FILE)
 
     lost = []
 
     def failed(task, reason, detail):
-        append(failed_path, sweep.failure_record(task, reason, detail))
-        lost.append(task["key"])
-        log(f"  {time.strftime('%H:%M:%S')} FAILED {task['method']} seed {task['seed']} "
-            f"{json.dumps(task['overrides'], sort_keys=True)[:90]}: {reason}")
+        with deferred_interrupts():
+            append(failed_path, sweep.failure_record(task, reason, detail))
+            lost.append(task["key"])
+            log(f"  {time.strftime('%H:%M:%S')} FAILED {task['method']} seed {task['seed']} "
+                f"{json.dumps(task['overrides'], sort_keys=True)[:90]}: {reason}")
 
     gpus, slots = runner.gpu_count(), runner.slots
     started, load_before, t0 = _utc_now(), _load_average(), time.perf_counter()
