@@ -202,6 +202,7 @@ class EMCL(Method):
 
     def __init__(self, model: nn.Module, info: StreamInfo, config: dict, device: torch.device):
         super().__init__(model, info, config, device)
+        self._weights = list(model.parameters())   # what _zero_grads clears
         cfg = self.config
         use_routine, capture, why_not = self.graph_choice
         self.fixed_importance = cfg.get("fixed_importance")
@@ -215,7 +216,6 @@ class EMCL(Method):
         self.meta_replay = bool(cfg.get("meta_replay", True))
         self.shuffle_inner = bool(cfg.get("shuffle_inner", False))
         self.glances = int(cfg.get("glances", 1))
-        self._weights = list(model.parameters())   # what _zero_grads clears
         self.modulation = bool(cfg.get("inner_lr_modulation", False))
         mod_max = cfg.get("modulation_lr_max")
         self.modulation_lr_max = float(self.hyper["meta_lr"] if mod_max is None else mod_max)
@@ -236,7 +236,7 @@ class EMCL(Method):
         for p in params:
             p.grad = torch.zeros_like(p)
         self.opt.inner_step()
-        self.model.zero_grad(set_to_none=True)
+        self._zero_grads()
         for p in params:
             self.opt.state[p]["importance"].fill_(value)
 
