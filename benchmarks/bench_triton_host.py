@@ -33,7 +33,12 @@ Timed, per layout (the paper's MLP 784-100-100-10: 6 tensors; 1,000 x 4,096 fp32
   costs, whatever the backend); of it, ``optimizer_step_unwrapped``: the optimizer's ``_step``
   (the step without torch's ``Optimizer.step`` wrapper: profiler record, hooks, no-grad), and
   ``runtime_gather``: ``Runtime.gather`` alone (the plan key and the gradients' lists);
-  ``plan_layer_new_grads``: the plan layer with gradients that change every step.
+  ``plan_layer_new_grads``: the plan layer with gradients that change every step;
+- ``optimizer_step_alternating``: two optimizers over the same parameters (``check_finite``
+  on and off), stepped in turn in blocks of ``--block`` steps, per step: what
+  ``bench_step.py`` does with its contenders, and what a comparison or a method that keeps an
+  optimizer per task does; ``state_tables_per_switch``: state tables the backend made each
+  time the other optimizer took over (0 when each keeps its own).
 
 Per number: the median and the fastest of ``--rounds`` rounds of ``--steps`` calls, in wall
 time (``perf_counter``) and in the process's CPU time (less inflated by other jobs on a shared
@@ -146,6 +151,12 @@ def _rounds(fn, steps, rounds, subtract=None):
             "rounds_us": [round(x, 2) for x in wall]}
 
 
+def _per(times: dict, n: int) -> dict:
+    """:func:`_rounds`' record of a call that makes ``n`` steps, per step."""
+    return {k: ([round(x / n, 2) for x in v] if isinstance(v, list) else v / n)
+            for k, v in times.items()}
+
+
 class _Layout:
     """One layout's tensors for both harnesses: parameters with three gradient sets to swap in
     (``assign``), and one group's state and arguments for a backend call on the first set."""
@@ -246,6 +257,25 @@ def measure(args) -> dict:
                     res["plan_layer_new_grads"] = _rounds(fresh, steps, args.rounds, lay.swap)
                 finally:
                     backend.step = real
+        # two optimizers over the same parameters, in turn, a block each
+        pair = [FusedEMCLOptimizer(lay.params, meta_every=1, backend="triton",
+                                   check_finite=check) for check in (True, False)]
+        lay.assign(0)
+        for opt in pair:
+            opt.step()
+        block = args.block
+
+        def alternate():
+            for opt in pair:
+                for _ in range(block):
+                    opt.step()
+
+        built = TB.build_counts["state"]
+        calls = max(1, steps // (2 * block))
+        res["optimizer_step_alternating"] = _per(_rounds(alternate, calls, args.rounds),
+                                                 2 * block)
+        res["state_tables_per_switch"] = ((TB.build_counts["state"] - built)
+                                          / (2 * calls * args.rounds))
         res["launches"] = {"jit_stand_in_calls": K.emcl_step_kernel.calls
                            + K.emcl_check_kernel.calls,
                            "fast": dict(getattr(TB, "launch_counts", {}))}
@@ -343,7 +373,8 @@ def compare(args) -> dict:
             env.pop("TRITON_INTERPRET", None)
             load.append(os.getloadavg()[0])
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--steps",
-                                   str(args.steps), "--rounds", str(args.rounds), "--json"],
+                                   str(args.steps), "--rounds", str(args.rounds), "--block",
+                                   str(args.block), "--json"],
                                   env=env, cwd=tree, capture_output=True, text=True, check=True)
             rec = json.loads(proc.stdout)
             if not rec["emcl_kernels"].startswith(tree):
@@ -355,8 +386,12 @@ def compare(args) -> dict:
     summary = {}
     for layout in LAYOUTS:
         summary[layout] = {}
-        for what in runs["after"][0]["layouts"][layout]:
+        for what, value in runs["after"][0]["layouts"][layout].items():
             if what == "launches":
+                continue
+            if not isinstance(value, dict):          # a count, not a time
+                summary[layout][what] = {label: [r["layouts"][layout][what] for r in runs[label]]
+                                         for label in ("before", "after")}
                 continue
             row = {}
             for label in ("before", "after"):
@@ -377,6 +412,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=1000, help="calls per round (MLP; /20 many)")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--block", type=int, default=10,
+                    help="steps of one optimizer before the other's (optimizer_step_alternating;"
+                         " bench_step's block on a GPU is 10-20)")
     ap.add_argument("--compare", metavar="BEFORE_TREE", default=None,
                     help="a checkout whose emcl_kernels is the 'before' (its _C built or copied)")
     ap.add_argument("--processes", type=int, default=3, help="with --compare: of each version")

@@ -392,6 +392,36 @@ def test_tables_cached_and_gradient_table_refreshed():
     assert made() == dict(state=2, grads=2, chunks=1)
 
 
+def test_two_state_sets_over_the_same_parameters_keep_their_own_tables():
+    """[note: cache keys]: two optimizers over the same parameters, each with its own state
+    (checked and unchecked, a comparison), stepped in turn: after each one's first step no
+    table is made again, and each one's tensors follow the reference as if it ran alone."""
+    TB.clear_cache()
+    mode = MODES[0]
+    hyper = step_hyper(mode)
+    first = make_case([7, 300], torch.float32, seed=21, device=DEVICE)
+    second = clone_case(first)
+    second.params, second.grads = first.params, first.grads          # the same parameters
+    second.anchors = [a + 0.1 for a in first.anchors]                # their own state
+    second.importances = [h * 2 for h in first.importances]
+    expected = [clone_case(c, torch.float64, device="cpu") for c in (first, second)]
+    counters = [new_counters(DEVICE), new_counters(DEVICE)]
+    ref_counters = [new_counters(), new_counters()]
+    built = None
+    for r in range(4):
+        if r == 1:                              # each one has made its tables in round 0
+            built = dict(TB.build_counts)
+        for i, case in enumerate((first, second)):
+            for _ in range(2):
+                expected[i].params = [p.detach().to("cpu", torch.float64) for p in case.params]
+                call_step(TB, "inner_meta", case, mode, hyper, counters[i], check=i == 0)
+                call_step(reference_backend(), "inner_meta", expected[i], mode, hyper,
+                          ref_counters[i])
+                assert_case_close(case, expected[i], torch.float32, f"round {r}, set {i}")
+    assert {k: TB.build_counts[k] - built[k] for k in ("state", "grads", "chunks")} == \
+        dict(state=0, grads=0, chunks=0)
+
+
 @pytest.mark.skipif(TB._PLAN_GRADS is None, reason="needs the compiled extension (_C)")
 def test_cached_tables_confirmed_by_the_cpp_passes():
     """Gradients that are the parameters' ``.grad``: a cached plan is confirmed by the C++
@@ -705,7 +735,8 @@ def test_fast_launch_is_on_for_compiled_kernels_here():
     assert counts["fast"]["fast"] > 100
     for layout in rec["layouts"].values():   # (new_grads rows have a time subtracted)
         assert all(v["median_us"] > 0 for k, v in layout.items()
-                   if k != "launches" and "new_grads" not in k)
+                   if isinstance(v, dict) and k != "launches" and "new_grads" not in k)
+        assert layout["state_tables_per_switch"] == 0        # [note: cache keys]
 
 
 def test_fast_launch_entry_reads_the_launcher_signature():

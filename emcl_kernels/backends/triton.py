@@ -162,8 +162,13 @@ class _Reserve:
 
 # [note: cache keys] A key of 1,000 tensors is a tuple of thousands of ints, and Python hashes
 # a tuple again at every dict operation (~0.1 us per int here): the state tables and the check
-# tables are therefore found by a short signature (device, chunk size, count, first address)
-# and then compared in full with the stored sizes and addresses (an equality test, no hash).
+# tables are therefore found by a short signature (device, chunk size, count, first address;
+# for a state table also its first anchor's address) and then compared in full with the stored
+# sizes and addresses (an equality test, no hash). The anchor is in the signature because two
+# optimizers over the same parameters (checked and unchecked, a comparison, a method that keeps
+# one per task) have state tensors of their own: with the parameters' signature alone they
+# would share one slot, and each one's step after the other's would make and upload its state
+# table again.
 # sig -> (numels, columns, plan, native key, [options, layout key] of its last checked call)
 _plans: "OrderedDict[tuple, tuple]" = OrderedDict()
 _checks: "OrderedDict[tuple, tuple]" = OrderedDict()         # sig -> (numels, grad_key, tables)
@@ -435,15 +440,17 @@ def _native_key(params) -> Optional[torch.Tensor]:
     return torch.tensor(key, dtype=torch.int64)
 
 
-def _confirmed(device, block, params, grads):
+def _confirmed(device, block, params, grads, anchors):
     """(plan, grad_key, columns, checked) when the C++ passes confirm a cached plan's
     parameters and gradients ([note: native confirmation]), else None; ``columns`` are the
     addresses its tables hold, ``checked`` its record of its last checked call, ``[options,
     layout key]`` ([note: checked plans])."""
     if type(params) is not list or type(grads) is not list or \
-            not isinstance(params[0], torch.Tensor):
-        return None
-    sig = (device, block, len(params), _data_ptr(params[0]))
+            type(anchors) not in (list, tuple) or not anchors or \
+            not isinstance(params[0], torch.Tensor) or not isinstance(anchors[0], torch.Tensor):
+        return None           # (a call the checks will refuse, or the general path's to plan)
+    sig = (device, block, len(params), _data_ptr(params[0]),
+           _data_ptr(anchors[0]))                                 # [note: cache keys]
     hit = _plans.get(sig)
     if hit is None or hit[3] is None:
         return None
@@ -477,7 +484,7 @@ def _plan(device, block, params, grads, anchors, importances, meta_lrs, capturin
     state tensors are the ones of the plan's checked call ([note: checked plans]), so at the
     plan's addresses."""
     if found is _UNASKED:
-        found = (_confirmed(device, block, params, grads)
+        found = (_confirmed(device, block, params, grads, anchors)
                  if _PLAN_GRADS is not None and not capturing else None)
     if found is not None and not known and not _state_at(found[2], anchors, importances,
                                                          meta_lrs):
@@ -516,7 +523,8 @@ def _general_plan(device, block, params, grads, anchors, importances, meta_lrs, 
     columns = (tuple(map(_data_ptr, params)), tuple(map(_data_ptr, anchors)),
                tuple(map(_data_ptr, importances)),
                tuple(map(_data_ptr, meta_lrs)) if meta_lrs else (0,) * len(numels))
-    sig = (device, block, len(numels), columns[0][0])          # [note: cache keys]
+    sig = (device, block, len(numels), columns[0][0],
+           columns[1][0] if columns[1] else 0)                          # [note: cache keys]
     hit = _plans.get(sig)
     if hit is not None and hit[0] == numels and hit[1] == columns:
         plan = hit[2]
@@ -843,7 +851,7 @@ def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, 
                          f"{len(meta_lrs)} for {len(params)} params")
     found, known = _UNASKED, False
     if _LAYOUTS_ARE is not None and params and not capturing:       # [note: checked plans]
-        found = _confirmed(device, block, params, grads)
+        found = _confirmed(device, block, params, grads, anchors)
         if found is not None:
             call = (op, bool(prox), importance, lr_mode, meta_every, grad_scale is not None,
                     found_inf is not None)
