@@ -38,7 +38,10 @@ Timed, per layout (the paper's MLP 784-100-100-10: 6 tensors; 1,000 x 4,096 fp32
   on and off), stepped in turn in blocks of ``--block`` steps, per step: what
   ``bench_step.py`` does with its contenders, and what a comparison or a method that keeps an
   optimizer per task does; ``state_tables_per_switch``: state tables the backend made each
-  time the other optimizer took over (0 when each keeps its own).
+  time the other optimizer took over (0 when each keeps its own);
+- ``optimizer_inner_then_meta``: EMCL's own loop on one optimizer, ``inner_step()``
+  ``INNER_PER_META`` times then ``meta_step()``, per update; ``checks_per_update``: how many of
+  those calls ran the launcher checks ([note: checked plans]: 0 once each update is recorded).
 
 Per number: the median and the fastest of ``--rounds`` rounds of ``--steps`` calls, in wall
 time (``perf_counter``) and in the process's CPU time (less inflated by other jobs on a shared
@@ -70,6 +73,7 @@ import torch
 LAYOUTS = {"mlp": [(100, 784), (100,), (100, 100), (100,), (10, 100), (10,)],
            "many": [(4096,)] * 1000}
 _MISSING = object()
+INNER_PER_META = 5        # optimizer_inner_then_meta: inner steps before each meta step
 
 
 class NoLaunchKernel:
@@ -276,6 +280,23 @@ def measure(args) -> dict:
                                                  2 * block)
         res["state_tables_per_switch"] = ((TB.build_counts["state"] - built)
                                           / (2 * calls * args.rounds))
+        # EMCL's loop: inner steps, then a meta step, on one optimizer
+        opt = FusedEMCLOptimizer(lay.params, backend="triton")
+        lay.assign(0)
+
+        def cycle():
+            for _ in range(INNER_PER_META):
+                opt.inner_step()
+            opt.meta_step()
+
+        cycle()
+        cycle()
+        skipped = TB.lookups["checked"]
+        calls = max(1, steps // (INNER_PER_META + 1))
+        res["optimizer_inner_then_meta"] = _per(_rounds(cycle, calls, args.rounds),
+                                                INNER_PER_META + 1)
+        updates = calls * args.rounds * (INNER_PER_META + 1)
+        res["checks_per_update"] = 1 - (TB.lookups["checked"] - skipped) / updates
         res["launches"] = {"jit_stand_in_calls": K.emcl_step_kernel.calls
                            + K.emcl_check_kernel.calls,
                            "fast": dict(getattr(TB, "launch_counts", {}))}

@@ -472,7 +472,8 @@ def test_a_checked_plan_skips_only_calls_the_checks_would_pass():
     """[note: checked plans]: once a confirmed plan's call passed the checks, the same call
     skips them; a call that differs in any tensor the checks look at (here: the counters, a
     state tensor's dtype, hyper's size) or in an option is checked again, and a bad one is
-    refused before anything is written, as on the first call."""
+    refused before anything is written, as on the first call. Each set of options keeps its
+    own record, so calls that alternate between two skip the checks too."""
     TB.clear_cache()
     mode = MODES[1]
     case = make_case([7, 301], torch.float32, seed=14, device=DEVICE)
@@ -511,6 +512,13 @@ def test_a_checked_plan_skips_only_calls_the_checks_would_pass():
     assert TB.lookups["checked"] == before
     call(meta_every=2)
     assert TB.lookups["checked"] == before + 1
+    before = TB.lookups["checked"]                      # each option keeps its own record:
+    for _ in range(3):                                  # calls that alternate (inner steps,
+        call()                                          # then a meta step) are skipped too
+        call(meta_every=2)
+    assert TB.lookups["checked"] == before + 6
+    with pytest.raises((TypeError, ValueError, RuntimeError)):
+        call(meta_every=2, hyper=h[:-1].clone())          # and a bad one is still refused
 
 
 def test_hyper_is_read_at_every_call():
@@ -731,12 +739,14 @@ def test_fast_launch_is_on_for_compiled_kernels_here():
     rec = json.loads(proc.stdout.strip().splitlines()[-1])
     assert rec["fast_launch"] is True
     counts = rec["layouts"]["many"]["launches"]
-    assert counts["jit_stand_in_calls"] == counts["fast"]["jit"] == 2
+    # through the JIT once per key: the check, and the update as step(), inner_step(), meta_step()
+    assert counts["jit_stand_in_calls"] == counts["fast"]["jit"] == 4
     assert counts["fast"]["fast"] > 100
     for layout in rec["layouts"].values():   # (new_grads rows have a time subtracted)
         assert all(v["median_us"] > 0 for k, v in layout.items()
                    if isinstance(v, dict) and k != "launches" and "new_grads" not in k)
         assert layout["state_tables_per_switch"] == 0        # [note: cache keys]
+        assert layout["checks_per_update"] == 0              # [note: checked plans]
 
 
 def test_fast_launch_entry_reads_the_launcher_signature():

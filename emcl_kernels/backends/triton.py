@@ -105,6 +105,7 @@ NUM_WARPS: int = 8
 _MAX_PLANS = 16           # cached state tables (one per set of tensors in use)
 _MAX_GRAD_TABLES = 16     # cached gradient tables
 _MAX_CHUNK_TABLES = 16    # cached chunk tables
+_MAX_CHECKED = 8          # option sets whose checked call a plan keeps ([note: checked plans])
 _RESERVE_MIN = 1 << 16    # int64 elements of pinned reserve for tables made under capture
 
 _CPU_HINT = ("Triton runs CPU tensors only through its interpreter: set TRITON_INTERPRET=1 in "
@@ -169,7 +170,7 @@ class _Reserve:
 # one per task) have state tensors of their own: with the parameters' signature alone they
 # would share one slot, and each one's step after the other's would make and upload its state
 # table again.
-# sig -> (numels, columns, plan, native key, [options, layout key] of its last checked call)
+# sig -> (numels, columns, plan, native key, {options: layout key of its last checked call})
 _plans: "OrderedDict[tuple, tuple]" = OrderedDict()
 _checks: "OrderedDict[tuple, tuple]" = OrderedDict()         # sig -> (numels, grad_key, tables)
 _grad_tables: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
@@ -416,13 +417,17 @@ def _empty_plan(device, capturing):
 #
 # [note: checked plans] The launcher checks ([note: launcher checks]) look only at each
 # tensor's dtype, device, sizes and strides (with its parameter's) and at the call's options.
-# A confirmed plan therefore also keeps, from its last call whose checks passed, every other
-# tensor of that call (state, steps, hyper, counters, grad_scale, found_inf) as
-# ``_C.layout_key`` records it (address, dtype, device, sizes, strides) and the options: a
-# later call that is the same in all of these (``_C.layouts_are``, one C++ pass) would pass the
-# same checks, and skips them (for 1,000 parameters ~0.3 ms of host time a step). Any
-# difference runs the checks, which raise naming the tensor, or record the call anew. Not
-# during a CUDA graph capture (the checks always run there).
+# A confirmed plan therefore also keeps, per set of options (the update, the modes, whether a
+# scale or a flag was passed), from the last call with those options whose checks passed,
+# every other tensor of that call (state, steps, hyper, counters, grad_scale, found_inf) as
+# ``_C.layout_key`` records it (address, dtype, device, sizes, strides): a later call with the
+# same options and the same in all of these (``_C.layouts_are``, one C++ pass) would pass the
+# same checks, and skips them (for 1,000 parameters ~0.3 ms of host time a step). Per set of
+# options, because EMCL's loop alternates updates on one optimizer (``inner_step()`` k times,
+# then ``meta_step()``): one record for the last call would run the checks at every switch.
+# Any difference runs the checks, which raise naming the tensor, or record the call anew. At
+# most ``_MAX_CHECKED`` option sets per plan. Not during a CUDA graph capture (the checks
+# always run there).
 _PLAN_GRADS = entry_point("plan_grads")
 _IDENTICAL = entry_point("identical")
 _LAYOUT_KEY = entry_point("layout_key")
@@ -443,8 +448,8 @@ def _native_key(params) -> Optional[torch.Tensor]:
 def _confirmed(device, block, params, grads, anchors):
     """(plan, grad_key, columns, checked) when the C++ passes confirm a cached plan's
     parameters and gradients ([note: native confirmation]), else None; ``columns`` are the
-    addresses its tables hold, ``checked`` its record of its last checked call, ``[options,
-    layout key]`` ([note: checked plans])."""
+    addresses its tables hold, ``checked`` its records of checked calls, ``{options: layout
+    key}`` ([note: checked plans])."""
     if type(params) is not list or type(grads) is not list or \
             type(anchors) not in (list, tuple) or not anchors or \
             not isinstance(params[0], torch.Tensor) or not isinstance(anchors[0], torch.Tensor):
@@ -538,7 +543,7 @@ def _general_plan(device, block, params, grads, anchors, importances, meta_lrs, 
         if not capturing:                   # made during a capture: for that graph only
             build_counts["state"] += 1
             _plans[sig] = (numels, columns, plan, _native_key(params) if live else None,
-                           [None, None])
+                           {})
             _plans.move_to_end(sig)
             while len(_plans) > _MAX_PLANS:
                 _plans.popitem(last=False)
@@ -859,8 +864,8 @@ def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, 
                       _as_list(meta_lrs) if recurrent else [],
                       [steps, hyper, counters] + [t for t in (grad_scale, found_inf)
                                                   if t is not None]]
-            record = found[3]
-            known = record[0] == call and _LAYOUTS_ARE(others, record[1])
+            layout = found[3].get(call)
+            known = layout is not None and _LAYOUTS_ARE(others, layout)
     if known:
         lookups["checked"] += 1
     elif _NATIVE_CHECK is not None:                          # [note: launcher checks]
@@ -879,7 +884,10 @@ def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, 
                      meta_lrs if recurrent else None, capturing, found, known)
         if type(found) is tuple and not known and plan is found[0]:
             # checked just now, on the confirmed plan's own tensors: kept for the next calls
-            found[3][:] = [call, _LAYOUT_KEY(others)]
+            records = found[3]
+            if len(records) >= _MAX_CHECKED and call not in records:
+                records.clear()
+            records[call] = _LAYOUT_KEY(others)
     if plan is not None:
         if cuda and not capturing:
             _ensure_reserve(device, plan.need)
