@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import warnings
 
@@ -219,6 +220,24 @@ def test_a_failed_run_is_reported_kept_pending_and_the_others_written(tmp_path, 
     assert "1 run(s) to do" in capsys.readouterr().out
     timing = selection.load_runs(str(out / selection.TIMINGS_FILE))
     assert [(t["runs"], t["failed"], t["slots"]) for t in timing] == [(3, 1, 2), (1, 1, 1)]
+
+
+def test_every_finished_run_says_how_many_are_done_and_about_how_long_the_rest_take(
+        tmp_path, one_seed, capsys):
+    """Each run's line counts the finished runs, failed ones included, out of the stage's,
+    with the time left at the pace so far; the last says no time."""
+    path = str(tmp_path / "sel" / "validation.jsonl")
+    good = selection.Row("sgd/a", "sgd", {"lr": 0.1}, "validation", "a", (100, 101))
+    bad = selection.Row("sgd/bad", "sgd", {"lr": -1.0}, "validation", "bad", (100,))
+    with pytest.raises(selection.RunsFailed):
+        selection.run_rows([good, bad], path, "permuted-mnist", "validation", jobs=1, n_tasks=1,
+                           samples_per_task=10)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  ")]
+    assert [ln.split()[1] for ln in lines] == ["[1/3,", "[2/3,", "[3/3]"]
+    assert all(re.search(r"~\d+(\.\d)? (s|min|h) left\]", ln) for ln in lines[:2])
+    assert "FAILED" in lines[2]
+    assert [selection._duration(s) for s in (45, 89.4, 720, 12600)] == ["45 s", "89 s", "12 min",
+                                                                           "3.5 h"]
 
 
 def test_the_command_says_device_errors_in_one_line(tmp_path, capsys):

@@ -326,6 +326,15 @@ class RunsFailed(Exception):
     """Runs of a stage failed (each reported and in ``failed.jsonl``); the others were kept."""
 
 
+def _duration(seconds: float) -> str:
+    """``seconds`` for a reader: ``45 s``, ``12 min``, ``3.5 h``."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None = 1, threads: int = 1,
              data_root: str | None = None, n_tasks: int | None = None, samples_per_task: int | None = None,
              devices: dict | None = None, executor: str = "local", ray_address: str | None = None,
@@ -387,25 +396,30 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None
             fh.flush()
             os.fsync(fh.fileno())
 
-    kept = []
+    kept, lost = [], []
+
+    def progress() -> str:
+        """``[k/N, ~M min left]``: the runs finished (kept or failed) of this stage's, and
+        the time left if the others take what the finished ones took on average."""
+        n = len(kept) + len(lost)
+        left = (time.perf_counter() - t0) / n * (len(tasks) - n) if n < len(tasks) else 0.0
+        return f"[{n}/{len(tasks)}" + (f", ~{_duration(left)} left]" if left else "]")
 
     def write(rec):
         with deferred_interrupts():        # the line and its count together, or neither
             append(path, rec)
             kept.append(rec["key"])
-            log(f"  {time.strftime('%H:%M:%S')} {rec['method']:7s} seed {rec['seed']:3d} "
+            log(f"  {time.strftime('%H:%M:%S')} {progress()} {rec['method']:7s} seed {rec['seed']:3d} "
                 f"{json.dumps(rec['overrides'], sort_keys=True)[:90]}: ACC {rec['acc']:.2f} "
                 f"(train {rec['train_time_s']:.0f}s, wall {rec['wall_time_s']:.0f}s, {rec['device']})")
 
     failed_path = os.path.join(os.path.dirname(os.path.abspath(path)), FAILED_FILE)
 
-    lost = []
-
     def failed(task, reason, detail):
         with deferred_interrupts():
             append(failed_path, sweep.failure_record(task, reason, detail))
             lost.append(task["key"])
-            log(f"  {time.strftime('%H:%M:%S')} FAILED {task['method']} seed {task['seed']} "
+            log(f"  {time.strftime('%H:%M:%S')} {progress()} FAILED {task['method']} seed {task['seed']} "
                 f"{json.dumps(task['overrides'], sort_keys=True)[:90]}: {reason}")
 
     gpus, slots = runner.gpu_count(), runner.slots
