@@ -5,7 +5,9 @@ work (Python, the plan's per-step key, torch's ``Optimizer.step`` wrapper), so a
 optimizer's Python shows here first. Each tree runs in fresh processes that alternate (A, B,
 A, B, ...), each process timing ``--steps`` calls of every method after a warm-up, in process
 CPU time (what other jobs on a shared machine disturb least) and wall time; torch's
-``Adam(fused=True)`` on the same tensors is timed in the same processes as the yardstick.
+``Adam(fused=True)`` on the same tensors is timed in the same processes as the yardstick. Last, ``inner_step()``
+and the fused Adam step each followed by an LR scheduler's ``step()`` (a ``LambdaLR``: the rate
+moves at every call, as in a training loop with a schedule).
 
     python benchmarks/bench_step_host.py --trees /path/to/old /path/to/new --rounds 5 \\
         --out benchmarks/results/step_host_cpu.json
@@ -41,6 +43,13 @@ for q, p in zip(adam.param_groups[0]["params"], model.parameters()):
     q.grad = p.grad.clone()
 calls = {"step": opt.step, "inner_step": opt.inner_step, "meta_step": opt.meta_step,
          "adam_fused": adam.step}
+# the same with an LR scheduler stepped after every call (lr moves at every step); last, so
+# that the calls above run at a fixed lr
+from torch.optim.lr_scheduler import LambdaLR
+schedules = {name: LambdaLR(o, lambda s: 1.0 / (1.0 + 1e-6 * s)) for name, o in
+             (("inner_step", opt), ("adam_fused", adam))}
+calls["inner_step + scheduler"] = lambda: (opt.inner_step(), schedules["inner_step"].step())
+calls["adam_fused + scheduler"] = lambda: (adam.step(), schedules["adam_fused"].step())
 out = {}
 for name, fn in calls.items():
     for _ in range(200):

@@ -30,6 +30,7 @@ from emcl_kernels.skips import SkipLog
 from emcl_kernels.validation import (GROUP_NAMES, IMPORTANCE_KINDS, INNER_KEYS, LR_MODES,
                                      META_KEYS, NUMERIC_KEYS, OPTIMIZER_WIDE, PLAIN_TENSORS,
                                      check_group_options, check_hyperparameters, check_like,
+                                     check_numbers,
                                      check_no_overlap, check_param, same_layout, state_dtype)
 from emcl_kernels.zeros import warn_zero_parameters
 
@@ -200,6 +201,9 @@ _NUMERIC_GROUP_KEYS = tuple(GROUP_NAMES.get(k, k) for k in NUMERIC_KEYS)
 # what the per-step key compares by identity: the hyper-parameters and the other keys a group
 # may hold that check_group_options rules on
 _WATCHED = GROUP_KEYS + ("weight_decay", "inner_lr") + OPTIMIZER_WIDE
+# index in _WATCHED -> group key, for the numbers ([note: a schedule's step])
+_NUMBER_AT = {i: k for i, k in enumerate(_WATCHED) if k in _NUMERIC_GROUP_KEYS}
+_PLAIN_NUMBER = (float, int)
 _MODE_KEYS = ("prox", "importance", "lr_mode")
 _MODE_INDEX = tuple(HYPER_KEYS.index(k) for k in _MODE_KEYS)
 _STATE_TENSORS = ("anchor", "importance", "meta_lr")
@@ -213,8 +217,17 @@ def check_group(group: dict, where: str = "param group") -> dict:
         raise ValueError(f"{where} lacks the hyper-parameter(s) {', '.join(missing)}; "
                          "was it made for another optimizer?")
     check_group_options(group, where)
-    hp = check_hyperparameters(**{k: group[k] for k in GROUP_KEYS})
-    return {name: hp[k] for name, k in zip(HYPER_KEYS, GROUP_KEYS)}
+    return _by_name(check_hyperparameters(**{k: group[k] for k in GROUP_KEYS}))
+
+
+def _by_name(checked: dict) -> dict:
+    """Checked hyper-parameters as a group spells them, keyed by their own names."""
+    return {name: checked[k] for name, k in zip(HYPER_KEYS, GROUP_KEYS)}
+
+
+def _by_group_key(hp: dict) -> dict:
+    """The inverse of :func:`_by_name`."""
+    return {k: hp[name] for name, k in zip(HYPER_KEYS, GROUP_KEYS)}
 
 
 def group_values(group: dict) -> dict:
@@ -234,6 +247,7 @@ def _kind(v) -> str:
 
 
 _is = operator.is_
+_is_tensor = Tensor.__instancecheck__
 _grad_of = operator.attrgetter("grad")
 _data_ptr = Tensor.data_ptr
 _nbytes = Tensor.nbytes.__get__
@@ -302,6 +316,15 @@ def native_key(plan: Plan) -> Optional[tuple]:
 # in the key: a state tensor other than the anchor replaced by hand (replace state through
 # ``load_state_dict``), and a value written into a parameter or state tensor (the step reads
 # the values anyway).
+#
+# [note: a schedule's step] An LR scheduler or a trainer moves ``lr`` (or another number) at
+# every step. A change of numbers alone, from plain numbers to plain numbers, does not rebuild
+# the plans nor check the group whole: each new number is checked against its domain and the
+# products with the others again (``validation.check_numbers``, the same rules and messages as
+# the whole check), then written into the plans' ``hyper`` (in place on the CPU). Any other
+# change (a mode, a number becoming a tensor or back, another key of the group) takes the path
+# above. On the paper's MLP with the ``cpu`` backend this made ``inner_step()`` after an ``lr``
+# change 33 -> 50 us instead of 33 -> 78 us (fused Adam with a scheduler: 66-69 us).
 
 
 class Spans:
@@ -377,6 +400,7 @@ class Runtime:
         self.plans: Optional[list] = None
         self.keys: list = []           # group_key of each group when the plans were built
         self.seen: list = []           # each group's hyper-parameter objects last found equal
+        self.checked: list = []        # each group's hyper-parameters as last checked (by name)
         self.tensor_hyper: list = []   # groups whose tensor hyper-parameters are read per step
         self.counters: dict = {}       # device -> counters (emcl_kernels.interface)
         self.calls_base = int(calls)   # step() calls before the first counters existed
@@ -428,9 +452,46 @@ class Runtime:
         if group.get("capturable"):
             self.adopt_capturable(gi)
         hp = check_group(group, f"param group {gi}")
+        self._write_hyper(gi, hp)
+
+    def _write_hyper(self, gi: int, hp: dict) -> None:
+        """Checked values ``hp`` of group ``gi`` into its plans' ``hyper``."""
+        if gi < len(self.checked):
+            self.checked[gi] = hp
+        values = None
         for plan in self.plans:
             if plan.group == gi and plan.hyper is not self.storage.get(gi):
-                plan.hyper.copy_(pack_hyper(hp, plan.device))
+                if plan.device.type == "cpu" and not any(map(_is_tensor, hp.values())):
+                    # host memory, read by the next call: written in place, no tensor made
+                    if values is None:
+                        values = hyper_values(hp)
+                    plan.hyper.numpy()[:] = values
+                else:
+                    plan.hyper.copy_(pack_hyper(hp, plan.device))
+
+    def _numbers_moved(self, gi: int, group: dict, objects: list, seen: list) -> bool:
+        """[note: a schedule's step]: only numbers of group ``gi`` changed, from plain numbers
+        to plain numbers: check just those (and the products) and write them into its plans'
+        ``hyper``. False, doing nothing, for any other change (the full check decides)."""
+        hp = self.checked[gi] if gi < len(self.checked) else None
+        if hp is None or group.get("capturable"):
+            return False
+        changed = {}
+        for i, (now, then) in enumerate(zip(objects, seen)):
+            if now is not then:
+                key = _NUMBER_AT.get(i)
+                if key is None or type(now) not in _PLAIN_NUMBER \
+                        or type(then) not in _PLAIN_NUMBER:
+                    return False
+                changed[key] = now
+        hp = _by_name(check_numbers(_by_group_key(hp), changed))
+        self._write_hyper(gi, hp)
+        key = list(self.keys[gi])
+        for k, v in changed.items():
+            key[GROUP_KEYS.index(k)] = v
+        self.keys[gi] = tuple(key)
+        self.seen[gi] = objects
+        return True
 
     # -- counters -------------------------------------------------------------------------------
     def counters_for(self, device: torch.device) -> Tensor:
@@ -555,6 +616,7 @@ class Runtime:
             self.counters_for(plan.device)
         self.plans, self.keys, self.tensor_hyper, self.mesh = plans, keys, tensor_hyper, mesh
         self.seen = [None] * len(keys)
+        self.checked = [hp for _, _, hp, _ in checked]
         groups = opt.param_groups
         self.groups = list(groups)
         self.lists = [list(group["params"]) for group in groups]
@@ -611,6 +673,8 @@ class Runtime:
             seen = self.seen[gi]
             if seen is not None and all(map(_is, objects, seen)):
                 continue  # the very objects found equal before (numbers are immutable)
+            if seen is not None and self._numbers_moved(gi, group, objects, seen):
+                continue  # a schedule moved a number: checked and written
             check_group_options(group, f"param group {gi}")
             now = group_key(group)
             if now != key:

@@ -222,6 +222,18 @@ def check_hyperparameters(**hp) -> dict:
     return out
 
 
+def check_numbers(hp: dict, changed: dict) -> dict:
+    """``hp`` (what :func:`check_hyperparameters` returned) with the numbers in ``changed``
+    (the same keys; floats or ints) replaced: each new one checked against its domain and,
+    with the others, the products ([note: domains]). Raises as :func:`check_hyperparameters`
+    does, naming the bad one; what an LR schedule's step costs to check."""
+    out = dict(hp)
+    for name, value in changed.items():
+        out[name] = _number(name, value)
+    _check_products(out)
+    return out
+
+
 def group_spelling(group: dict, where: str) -> dict:
     """A param group as the user gave it, with β under ``lr``: ``inner_lr`` (the paper's name,
     and this package's keyword before param groups spoke torch's ``lr``) is taken as ``lr``; both

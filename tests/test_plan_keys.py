@@ -356,6 +356,49 @@ def test_aliasing_made_after_the_first_step_is_refused(backend, alias):
     _refused(opt, opt.step, ValueError, "same memory|overlap")
 
 
+# a schedule: numbers of a group moved between steps, as LR schedulers and trainers do
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_numbers_moved_between_steps_are_checked_and_taken_without_a_rebuild(backend,
+                                                                             monkeypatch):
+    """[note: a schedule's step] in plan.py: plain numbers that change between steps are each
+    checked (domain and products) and written into the plans' ``hyper``; the plans are not
+    rebuilt and the group is not checked whole. The steps match the reference's, and a bad
+    number is refused, naming it, before anything is written."""
+    from emcl_kernels import plan as P
+    shapes = [(5,), (4, 3)]
+    a, oa, b, ob = _pair(shapes, backend)
+    _both(a, oa, b, ob, 0)
+    _both(a, oa, b, ob, 1)
+    plans = oa._runtime.plans
+    whole = []
+    real = P.check_group
+    monkeypatch.setattr(P, "check_group", lambda *x, **k: whole.append(1) or real(*x, **k))
+    moves = [{"lr": 0.04}, {"lr": 0.03, "meta_lr": 0.25}, {"gamma": 0.5, "decay": 0.6},
+             {"reg": 3, "meta_lr_scale": 0.4}, {"lr_max": 0.7, "eps": 1e-7, "lr": 0.02}]
+    for seed, move in enumerate(moves, start=2):
+        for opt in (oa, ob):
+            opt.param_groups[0].update(move)
+        _both(a, oa, b, ob, seed)
+        _assert_match(a, oa, b, ob)
+        assert oa._runtime.plans is plans                    # not rebuilt
+    assert whole == []                                       # nor the group checked whole
+    group = oa.param_groups[0]
+    for key, value, match in (("lr", -0.1, "lr"), ("decay", 1.5, "decay"),
+                              ("lr", float("nan"), "lr"), ("gamma", 2e38, "past the largest")):
+        good = group[key]
+        group[key] = value
+        _grads(a, 9)
+        _refused(oa, oa.step, ValueError, match)
+        group[key] = good
+    _both(a, oa, b, ob, 10)                                  # taken again once it is good
+    _assert_match(a, oa, b, ob)
+    for opt in (oa, ob):                                     # a mode with a number: rebuilt
+        opt.param_groups[0].update(lr=0.05, lr_mode="inverse")
+    _both(a, oa, b, ob, 11)
+    _assert_match(a, oa, b, ob)
+    assert oa._runtime.plans is not plans
+
+
 # 10: a shape change in the second group refuses before the first group is written
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_refusal_in_one_group_writes_no_other_group(backend):
