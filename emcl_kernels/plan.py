@@ -323,8 +323,9 @@ def native_key(plan: Plan) -> Optional[tuple]:
 # products with the others again (``validation.check_numbers``, the same rules and messages as
 # the whole check), then written into the plans' ``hyper`` (in place on the CPU). Any other
 # change (a mode, a number becoming a tensor or back, another key of the group) takes the path
-# above. On the paper's MLP with the ``cpu`` backend this made ``inner_step()`` after an ``lr``
-# change 33 -> 50 us instead of 33 -> 78 us (fused Adam with a scheduler: 66-69 us).
+# above (benchmarks/results/step_host_schedule_cpu.json: ``inner_step()`` and a LambdaLR's
+# step on the paper's MLP, ``cpu`` backend, 79 -> 51 us of host time; 30 without the
+# scheduler, fused Adam's step with one 68-70).
 
 
 class Spans:

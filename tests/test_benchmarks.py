@@ -462,6 +462,21 @@ def test_kernel_script_runs_from_the_command_line(tmp_path):
     assert (tmp_path / "cli.json").exists()
 
 
+def test_step_host_script_times_every_call_and_the_scheduled_ones(tmp_path):
+    """``bench_step_host.py`` on this tree: every call it names, in every process, with an LR
+    scheduler's step after ``inner_step()`` and after fused Adam's among them."""
+    out = tmp_path / "host.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_step_host.py"), "--trees", ROOT,
+           "--backends", "cpu", "--rounds", "1", "--steps", "5", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    times = doc["summary"][f"cpu {ROOT}"]
+    assert set(times) == {"step", "inner_step", "meta_step", "adam_fused",
+                          "inner_step + scheduler", "adam_fused + scheduler"}
+    assert all(t["cpu_us_median"] > 0 for t in times.values())
+
+
 def test_above_roof_records_are_called_a_bug():
     roof = {"records": [{"kernel": "copy", "ratio_to_roof_best": 1.0},
                         {"kernel": "emcl_cpu_inner_step", "ratio_to_roof_best": 1.2}]}
