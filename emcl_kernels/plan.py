@@ -296,7 +296,7 @@ def native_key(plan: Plan) -> Optional[tuple]:
 # - the optimizer's ``param_groups`` (the list and each group by identity), each group's
 #   ``params`` (the list's members, in order, by identity: torch's optimizers re-read the list
 #   every step) and its hyper-parameters (numbers by value, tensors by identity; a tensor's
-#   value is read at the step: [note: hyper-parameters]);
+#   value is read at the step: :func:`pack_hyper`);
 # - ``opt.state`` (the dict by identity, its size, and its keys and entries in order by
 #   identity; each planned parameter's ``anchor`` by identity: a state reset makes new state at
 #   the next step);
@@ -459,16 +459,20 @@ class Runtime:
         """Checked values ``hp`` of group ``gi`` into its plans' ``hyper``."""
         if gi < len(self.checked):
             self.checked[gi] = hp
-        values = None
+        plain = not any(map(_is_tensor, hp.values()))
         for plan in self.plans:
-            if plan.group == gi and plan.hyper is not self.storage.get(gi):
-                if plan.device.type == "cpu" and not any(map(_is_tensor, hp.values())):
-                    # host memory, read by the next call: written in place, no tensor made
-                    if values is None:
-                        values = hyper_values(hp)
-                    plan.hyper.numpy()[:] = values
-                else:
-                    plan.hyper.copy_(pack_hyper(hp, plan.device))
+            if plan.group != gi or plan.hyper is self.storage.get(gi):
+                continue
+            kind = plan.device.type
+            if plain and kind == "cpu":
+                # host memory, read by the next call: written in place, no tensor made
+                plan.hyper.numpy()[:] = hyper_values(hp)
+            elif plain and kind == "cuda" and not _capturing_on(plan.device):
+                # one copy from pinned memory, not waited for (as in pack_hyper)
+                plan.hyper.copy_(torch.tensor(hyper_values(hp), dtype=torch.float64,
+                                              pin_memory=True), non_blocking=True)
+            else:
+                plan.hyper.copy_(pack_hyper(hp, plan.device))
 
     def _numbers_moved(self, gi: int, group: dict, objects: list, seen: list) -> bool:
         """[note: a schedule's step]: only numbers of group ``gi`` changed, from plain numbers
