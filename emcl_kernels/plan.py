@@ -247,7 +247,6 @@ def _kind(v) -> str:
 
 
 _is = operator.is_
-_is_tensor = Tensor.__instancecheck__
 _grad_of = operator.attrgetter("grad")
 _data_ptr = Tensor.data_ptr
 _nbytes = Tensor.nbytes.__get__
@@ -459,7 +458,7 @@ class Runtime:
         """Checked values ``hp`` of group ``gi`` into its plans' ``hyper``."""
         if gi < len(self.checked):
             self.checked[gi] = hp
-        plain = not any(map(_is_tensor, hp.values()))
+        plain = not any(isinstance(v, Tensor) for v in hp.values())
         for plan in self.plans:
             if plan.group != gi or plan.hyper is self.storage.get(gi):
                 continue
