@@ -344,3 +344,31 @@ def test_summary_says_incomplete_and_gives_the_step_verdicts(tmp_path):
             "cells") in text and '"records"' not in text
     summary["failed"] = ["tests"]
     assert gpu_check.verdict(summary) == "FAILED: tests"
+
+
+def test_summary_shows_the_mlp_steps_host_path_and_memcpys():
+    """A GPU step file's fp32 MLP rows are summarised by what each step is made of (wall, host
+    median/mean/p99, device, memcpys and their sources); older files without the newer fields
+    give '-' for them. Read from the committed H100 file plus one record with every field."""
+    import glob
+    path = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "gpu", "*h100_stage2",
+                                         "step_*_cuda.json")))
+    if not path:
+        pytest.skip("no committed H100 step file")
+    data = json.load(open(path[-1]))
+    rows = gpu_check.step_host_rows(data)
+    triton = next(r for r in rows if r["contender"] == "emcl[triton] step()")
+    assert triton["memcpys_per_step"] == pytest.approx(1 / 3) and triton["host_ms_mean"] is None
+    assert all(r["contender"] for r in rows) and len(rows) >= 10
+    new = dict(data["records"][0], contender="emcl[triton] step() nocheck", layout="mlp-784",
+               dtype="fp32", device="cuda", error=None, wall_ms=0.15, host_ms=0.11,
+               host_ms_mean=0.12, host_ms_p99=0.2, device_ms=0.005, gpu_memcpys_per_step=0.5,
+               gpu_memcpy_sources={"aten::copy_ @ emcl_kernels/skips.py:97": 0.5})
+    row = gpu_check.step_host_rows({"records": [new]})[0]
+    assert row["memcpy_sources"] == ["aten::copy_ @ emcl_kernels/skips.py:97 (0.50/step)"]
+    summary = {"schema": gpu_check.SCHEMA, "stamp": "x", "command": "c", "ok": True,
+               "failed": [], "duration_s": 1.0, "machine": {}, "stages": [],
+               "benchmarks": {"step": {"file": "f", "goals": [], "roofs": [], "host": [row]}}}
+    text = gpu_check.render_markdown(summary)
+    assert ("| emcl[triton] step() nocheck | 0.150 | 0.110 | 0.120 | 0.200 | 0.0050 | 0.50 | "
+            "aten::copy_ @ emcl_kernels/skips.py:97 (0.50/step) |") in text

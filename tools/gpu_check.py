@@ -283,6 +283,7 @@ def generic_headline(path: str) -> Dict:
             out[key] = data[key]
     if isinstance(data, dict) and any("ratio_to_peer" in r for r in data.get("records", [])):
         out["goals"] = step_goal_lines(data)
+        out["host"] = step_host_rows(data)
         out["roofs"] = [f"{r['threads']} thread(s): {r['roof_gbps']:.0f} GB/s "
                         f"({r['roof_kernel']})" for r in data.get("roofs", [])]
     elif isinstance(data, dict):
@@ -303,6 +304,25 @@ def step_goal_lines(data: Dict) -> List[str]:
         return [f"(no verdicts: {type(exc).__name__}: {exc})"]
     finally:
         sys.path.remove(ROOT)
+
+
+def step_host_rows(data: Dict, layout: str = "mlp") -> List[Dict]:
+    """Per contender on the fp32 ``layout`` of a GPU step file, what its time per step is
+    made of: wall, the host call (median, mean, 99th percentile), the device, and the memcpys
+    per profiled step with the frames that issued them: on a model as small as the paper's MLP
+    the step is its host path, so this is where a backend's cost shows."""
+    rows = []
+    for r in data.get("records", []):
+        if not str(r.get("layout", "")).startswith(layout) or r.get("dtype") != "fp32" \
+                or r.get("device") != "cuda" or r.get("error"):
+            continue
+        sources = sorted((r.get("gpu_memcpy_sources") or {}).items(), key=lambda kv: -kv[1])
+        rows.append({"contender": r.get("contender"), "wall_ms": r.get("wall_ms"),
+                     "host_ms": r.get("host_ms"), "host_ms_mean": r.get("host_ms_mean"),
+                     "host_ms_p99": r.get("host_ms_p99"), "device_ms": r.get("device_ms"),
+                     "memcpys_per_step": r.get("gpu_memcpys_per_step"),
+                     "memcpy_sources": [f"{k} ({v:.2f}/step)" for k, v in sources[:3]]})
+    return rows
 
 
 def main_job_result(out_dir: str, log_text: str = "") -> Dict:
@@ -388,6 +408,19 @@ def render_markdown(summary: Dict) -> str:
             lines += ["", f"## {name.capitalize()} benchmark", "", f"From `{b['file']}`."]
             if "goals" in b:
                 lines += ["", f"Memory roof: {'; '.join(b['roofs']) or '-'}.", ""] + b["goals"]
+                if b.get("host"):
+                    lines += ["", "The paper's MLP in fp32, per step (ms): wall, the host call "
+                              "(median / mean / 99th percentile), the device; memcpys per "
+                              "profiled step and where they came from.", "",
+                              "| contender | wall | host | host mean | host p99 | device | "
+                              "memcpys | from |", "|---|--:|--:|--:|--:|--:|--:|---|"]
+                    for r in b["host"]:
+                        src = "; ".join(r["memcpy_sources"]).replace("|", "\\|") or "-"
+                        lines.append(
+                            f"| {r['contender']} | {_fmt(r['wall_ms'], 3)} | "
+                            f"{_fmt(r['host_ms'], 3)} | {_fmt(r['host_ms_mean'], 3)} | "
+                            f"{_fmt(r['host_ms_p99'], 3)} | {_fmt(r['device_ms'], 4)} | "
+                            f"{_fmt(r['memcpys_per_step'])} | {src} |")
                 continue
             for key in ("headline", "ratios", "summary", "roof", "roofs", "copy_gbps"):
                 if key in b:
