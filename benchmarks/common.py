@@ -245,7 +245,7 @@ ROOF_KERNELS = {
     "axpy_inplace_prefetch": (8, 4, True),    # torch.ops.emcl.stream_probe_(a, b, c, d, 1)
     "update_pattern_prefetch": (16, 12, True),  # stream_probe_(..., 2): reads a-d, writes a, c, d
     # ... and without one, as the update runs: the step's streams, the inner step's, and the
-    # inner step's reads alone
+    # inner step's reads alone (the first two on a GPU too: benchmarks/gpu_probes.py)
     "step_pattern": (16, 12, True),           # stream_probe_(..., 5): reads a-d, writes a, c, d
     "inner_pattern": (16, 4, True),           # stream_probe_(..., 3): reads a-d, writes a
     "read_pattern": (16, 0, True),            # stream_probe_(..., 4): reads a-d, writes nothing
@@ -260,6 +260,12 @@ def stream_probes_available(device: torch.device) -> bool:
         return False
     return hasattr(torch.ops.emcl, "stream_probe_")
 FOREACH_CHUNKS = 64
+
+
+def _gpu_probes():
+    """benchmarks/gpu_probes.py, imported when a GPU roof needs it (it imports Triton)."""
+    from benchmarks import gpu_probes
+    return gpu_probes
 
 
 def roof_bytes_per_element(kernel: str, write_allocate: bool) -> int:
@@ -290,6 +296,12 @@ def roof_kernels(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> dict:
         "addcmul_inplace": lambda: a.addcmul_(b, c, value=1e-6),
         "sum": lambda: b.sum(),
     }
+    if a.device.type == "cuda" and _gpu_probes().available(a.device):
+        # the steps' own stream mixes (benchmarks/gpu_probes.py): the inner step reads four
+        # streams per write, which on HBM outruns every kernel above
+        probe, d = _gpu_probes().stream_probe, torch.rand_like(a)
+        kernels["step_pattern"] = lambda: probe(a, b, c, d, 5)
+        kernels["inner_pattern"] = lambda: probe(a, b, c, d, 3)
     if stream_probes_available(a.device):
         # the update's pattern writes c too, and needs a fourth tensor: made here (the set is a
         # third larger than the rotation assumes, which only makes the sets colder)

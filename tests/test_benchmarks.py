@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -264,6 +265,46 @@ def test_prefetching_roof_kernels_do_what_their_names_say():
     fns["inner_pattern"]()
     assert not torch.equal(a, a2) and torch.equal(c, c2)
     assert torch.equal(b, b0)
+
+
+def test_gpu_stream_probes_do_what_their_names_say():
+    """benchmarks/gpu_probes.py, the GPU roof's ``inner_pattern`` and ``step_pattern``, run
+    through Triton's interpreter on CPU tensors (a child process: the interpreter is chosen at
+    import): the inner step's pattern adds 1e-6·(b + c·d) to a, the step's adds 1e-6·b to a and
+    c and writes d back; b is never written; a size that is not a multiple of the block, bad
+    tensors refused. On the CPU the roof keeps the extension's probes."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent("""
+        import torch
+        from benchmarks import gpu_probes as G
+        assert not G.available(torch.device("cpu"))
+        gen = torch.Generator().manual_seed(3)
+        a, b, c, d = (torch.randn(G.BLOCK + 77, generator=gen) for _ in range(4))
+        a0, b0, c0, d0 = (t.clone() for t in (a, b, c, d))
+        G.stream_probe(a, b, c, d, 3)
+        assert torch.allclose(a, a0 + 1e-6 * (b0 + c0 * d0), rtol=1e-7, atol=0)
+        assert not torch.equal(a, a0) and torch.equal(c, c0) and torch.equal(d, d0)
+        a1 = a.clone()
+        G.stream_probe(a, b, c, d, 5)
+        assert torch.allclose(a, a1 + 1e-6 * b0, rtol=1e-7, atol=0)
+        assert torch.allclose(c, c0 + 1e-6 * b0, rtol=1e-7, atol=0) and not torch.equal(c, c0)
+        assert torch.equal(d, d0) and torch.equal(b, b0)
+        for bad, kind in ((d.double(), 3), (d[:-1], 3), (d, 4)):
+            try:
+                G.stream_probe(a, b, c, bad, kind)
+            except ValueError:
+                pass
+            else:
+                raise AssertionError("not refused")
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    assert {"inner_pattern", "step_pattern"} <= set(common.ROOF_KERNELS)
+    assert common.counted_exactly("inner_pattern", True) and common.counted_exactly(
+        "step_pattern", True)
 
 
 def test_roof_sizes_span_the_cache_to_the_largest():
