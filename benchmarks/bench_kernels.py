@@ -515,6 +515,9 @@ def _log_roof(roof: dict, log) -> None:
     log(f"   roof ({roof['threads']} thread(s), write-allocate "
         f"{'counted' if roof['write_allocate'] else 'not counted'}): {roof['roof_gbps']:.1f} GB/s "
         f"by {roof['roof_kernel']} at {roof['roof_numel']:,} elements (fastest repeat)")
+    for c in roof.get("gpu_probe_configs") or []:
+        log(f"      GPU probe {c['kernel']} at {c['numel']:,}: BLOCK {c['block']}, "
+            f"{c['warps']} warps (the fastest of benchmarks/gpu_probes.py's CONFIGS)")
     for k in roof["records"]:
         log(f"      {k['kernel']:<28} {k['numel']:>11,} {k['bytes_per_element']:>3} B/element "
             f"median {k['gbps']:7.2f} GB/s, fastest {k['gbps_best']:7.2f} "

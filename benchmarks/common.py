@@ -427,8 +427,11 @@ def device_roof(device: torch.device, repeats: int, *, largest: Optional[int] = 
     if largest is None:
         largest = 2 ** 28 if device.type == "cuda" else max(2 ** 26, 2 * llc)
     extra = emcl_kernel_calls(device, largest, [b for b in backends if b in COMPILED_BACKENDS])
-    return measure_roof(device, roof_sizes(device, llc, largest), repeats,
-                        rotate_bytes=rotate_bytes or 4 * llc, extra=extra, extra_numel=largest)
+    res = measure_roof(device, roof_sizes(device, llc, largest), repeats,
+                       rotate_bytes=rotate_bytes or 4 * llc, extra=extra, extra_numel=largest)
+    if device.type == "cuda" and _gpu_probes().available(device):
+        res["gpu_probe_configs"] = _gpu_probes().chosen_configs()
+    return res
 
 
 def pool_roofs(runs: Sequence[dict]) -> dict:

@@ -13,9 +13,19 @@ steps' own stream mixes, done with as little arithmetic as keeps every load:
   unchanged (seven streams, 28 B per fp32 element, as fused Adam's).
 
 The values match the CPU probes', so repeats stay finite; ``b`` is never written. One Triton
-program per ``BLOCK`` elements of four equal-size contiguous fp32 tensors.
+program per ``BLOCK`` elements of four equal-size contiguous fp32 tensors. A roof kernel must
+be at least as lean as the step it bounds: where the size is a whole number of blocks (every
+roof size) the loads and stores carry no mask and their offsets are marked contiguous and
+block-aligned, so that they compile to 16-byte accesses, as the full chunks of EMCL's Triton
+kernel do ([note: vector path] in ``emcl_kernels/backends/triton_kernels.py``). And the block
+size and warps that stream fastest differ by a few per cent between GPUs (on the H200 the
+Triton step's inner pattern ran at 0.95-1.04x a copy across four of them), so on a GPU each
+probe times the :data:`CONFIGS` once per size on its first call and keeps the fastest
+(:func:`chosen_configs` says which), rather than bounding a tuned step with an untuned probe.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -25,15 +35,22 @@ try:
 except ImportError:  # no Triton: the GPU roof keeps its other kernels
     triton = None
 
-BLOCK = 4096
+BLOCK = 4096            # the interpreter's (CPU) configuration
 NUM_WARPS = 8
+CONFIGS = ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8))   # (BLOCK, warps) on a GPU
+_chosen: dict = {}      # (device, numel, kind) -> (BLOCK, warps)
 KINDS = {"inner_pattern": 3, "step_pattern": 5}
 
 if triton is not None:
     @triton.jit
-    def _stream_probe(a, b, c, d, n, KIND: tl.constexpr, BLOCK: tl.constexpr):
+    def _stream_probe(a, b, c, d, n, KIND: tl.constexpr, BLOCK: tl.constexpr,
+                      WHOLE: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
+        if WHOLE:  # n a multiple of BLOCK: every access full, aligned and unmasked
+            offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
+            mask = None
+        else:
+            mask = offs < n
         x = tl.load(a + offs, mask=mask)
         y = tl.load(b + offs, mask=mask)
         z = tl.load(c + offs, mask=mask)
@@ -64,6 +81,51 @@ def stream_probe(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Ten
                 or t.device != a.device:
             raise ValueError("the probes take four contiguous fp32 tensors of one size, "
                              "on one device")
-    grid = (triton.cdiv(n, BLOCK),)
-    kwargs = {"num_warps": NUM_WARPS} if a.device.type == "cuda" else {}
-    _stream_probe[grid](a, b, c, d, n, KIND=kind, BLOCK=BLOCK, **kwargs)
+    if a.device.type != "cuda":
+        _launch(a, b, c, d, kind, BLOCK, None)
+        return
+    key = (a.device, n, kind)
+    if key not in _chosen:
+        _chosen[key] = _fastest_config(a, b, c, d, kind)
+    _launch(a, b, c, d, kind, *_chosen[key])
+
+
+def chosen_configs() -> list:
+    """The configuration each GPU probe runs with: one dict per (device, size, kind) timed."""
+    names = {v: k for k, v in KINDS.items()}
+    return [{"device": str(dev), "numel": n, "kernel": names[kind], "block": blk, "warps": w}
+            for (dev, n, kind), (blk, w) in sorted(_chosen.items(), key=str)]
+
+
+def _launch(a, b, c, d, kind: int, block: int, warps) -> None:
+    n = a.numel()
+    kwargs = {} if warps is None else {"num_warps": warps}
+    _stream_probe[(triton.cdiv(n, block),)](a, b, c, d, n, KIND=kind, BLOCK=block,
+                                            WHOLE=n % block == 0, **kwargs)
+
+
+def _fastest_config(a, b, c, d, kind: int, calls: int = 5) -> tuple:
+    """The (BLOCK, warps) of :data:`CONFIGS` whose fastest of ``calls`` timed launches (after
+    one to compile) is the shortest, on these tensors: each config runs ``calls + 1`` times."""
+    best, best_s = None, float("inf")
+    for cfg in CONFIGS:
+        _launch(a, b, c, d, kind, *cfg)
+        secs = min(_seconds(lambda: _launch(a, b, c, d, kind, *cfg), a.device)
+                   for _ in range(calls))
+        if secs < best_s:
+            best, best_s = cfg, secs
+    return best
+
+
+def _seconds(fn, device: torch.device) -> float:
+    """One call's time: CUDA events on a GPU, the wall clock elsewhere (the interpreter)."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3

@@ -279,16 +279,27 @@ def test_gpu_stream_probes_do_what_their_names_say():
         from benchmarks import gpu_probes as G
         assert not G.available(torch.device("cpu"))
         gen = torch.Generator().manual_seed(3)
-        a, b, c, d = (torch.randn(G.BLOCK + 77, generator=gen) for _ in range(4))
-        a0, b0, c0, d0 = (t.clone() for t in (a, b, c, d))
-        G.stream_probe(a, b, c, d, 3)
-        assert torch.allclose(a, a0 + 1e-6 * (b0 + c0 * d0), rtol=1e-7, atol=0)
-        assert not torch.equal(a, a0) and torch.equal(c, c0) and torch.equal(d, d0)
-        a1 = a.clone()
-        G.stream_probe(a, b, c, d, 5)
-        assert torch.allclose(a, a1 + 1e-6 * b0, rtol=1e-7, atol=0)
-        assert torch.allclose(c, c0 + 1e-6 * b0, rtol=1e-7, atol=0) and not torch.equal(c, c0)
-        assert torch.equal(d, d0) and torch.equal(b, b0)
+        for n in (G.BLOCK + 77, 2 * G.BLOCK):   # a masked tail; whole blocks, unmasked
+            a, b, c, d = (torch.randn(n, generator=gen) for _ in range(4))
+            a0, b0, c0, d0 = (t.clone() for t in (a, b, c, d))
+            G.stream_probe(a, b, c, d, 3)
+            assert torch.allclose(a, a0 + 1e-6 * (b0 + c0 * d0), rtol=1e-7, atol=0)
+            assert not torch.equal(a[-5:], a0[-5:])
+            assert torch.equal(c, c0) and torch.equal(d, d0)
+            a1 = a.clone()
+            G.stream_probe(a, b, c, d, 5)
+            assert torch.allclose(a, a1 + 1e-6 * b0, rtol=1e-7, atol=0)
+            assert torch.allclose(c, c0 + 1e-6 * b0, rtol=1e-7, atol=0)
+            assert not torch.equal(c[-5:], c0[-5:])
+            assert torch.equal(d, d0) and torch.equal(b, b0)
+        # every configuration a GPU chooses among computes the same (each runs twice here)
+        for n in (2 * max(blk for blk, _ in G.CONFIGS), 2 * max(blk for blk, _ in G.CONFIGS) + 5):
+            a, b, c, d = (torch.randn(n, generator=gen) for _ in range(4))
+            a0 = a.clone()
+            assert G._fastest_config(a, b, c, d, 3, calls=1) in G.CONFIGS
+            runs = 2 * len(G.CONFIGS)
+            assert torch.allclose(a, a0 + runs * 1e-6 * (b + c * d), rtol=1e-6, atol=1e-9)
+        assert G.chosen_configs() == []     # the CPU path keeps its one configuration
         for bad, kind in ((d.double(), 3), (d[:-1], 3), (d, 4)):
             try:
                 G.stream_probe(a, b, c, bad, kind)
@@ -305,6 +316,58 @@ def test_gpu_stream_probes_do_what_their_names_say():
     assert {"inner_pattern", "step_pattern"} <= set(common.ROOF_KERNELS)
     assert common.counted_exactly("inner_pattern", True) and common.counted_exactly(
         "step_pattern", True)
+
+
+_PROBE_PTX = r"""
+import json, re
+import triton
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from benchmarks import gpu_probes as G
+sig = {"a": "*fp32", "b": "*fp32", "c": "*fp32", "d": "*fp32", "n": "i64",
+       "KIND": "constexpr", "BLOCK": "constexpr", "WHOLE": "constexpr"}
+out = {}
+for block, warps in G.CONFIGS:
+    for whole in (True, False):
+        for kind in (3, 5):
+            # the pointers 16-byte aligned, as Triton's launcher specializes them for torch's
+            # allocations
+            src = ASTSource(fn=G._stream_probe, signature=sig,
+                            constexprs={"KIND": kind, "BLOCK": block, "WHOLE": whole},
+                            attrs={(i,): [["tt.divisibility", 16]] for i in range(4)})
+            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                 options={"num_warps": warps}).asm["ptx"]
+            out[f"{block} {warps} {kind} {whole}"] = re.findall(
+                r"(?:@%p\d+ )?(?:ld|st)\.global[.\w]*", ptx)
+print(json.dumps(out))
+"""
+
+
+def test_gpu_probes_compile_to_16_byte_accesses_on_whole_blocks():
+    """A roof kernel must be as lean as the step it bounds: compiled for sm_90 (front end to
+    PTX, no GPU needed) in every configuration a GPU chooses among, the GPU probes on a whole
+    number of blocks (every roof size) load and
+    store only in 16-byte vectors with no predicate, one load per 4 elements of each tensor, as
+    the full chunks of EMCL's Triton kernel do; a size with a tail still compiles."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT
+    proc = subprocess.run([sys.executable, "-c", _PROBE_PTX], env=env, capture_output=True,
+                          text=True, cwd=ROOT, timeout=600)
+    if proc.returncode != 0 and "ptxas" in proc.stderr.lower() \
+            and "not found" in proc.stderr.lower():
+        pytest.skip("Triton's ptxas is missing here")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ops = json.loads(proc.stdout.strip().splitlines()[-1])
+    from benchmarks import gpu_probes
+    for block, warps in gpu_probes.CONFIGS:
+        per_thread = block // (32 * warps) // 4     # vectors of 4 floats per thread and tensor
+        for kind, stores in ((3, 1), (5, 3)):
+            whole = ops[f"{block} {warps} {kind} True"]
+            assert all(".v4." in op and not op.startswith("@") for op in whole), whole
+            assert sum(op.startswith("ld") for op in whole) == 4 * per_thread, whole
+            assert sum(op.startswith("st") for op in whole) == stores * per_thread, whole
+            assert ops[f"{block} {warps} {kind} False"], "the masked path has no access"
 
 
 def test_roof_sizes_span_the_cache_to_the_largest():
