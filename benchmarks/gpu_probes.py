@@ -25,8 +25,6 @@ probe times the :data:`CONFIGS` once per size on its first call and keeps the fa
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 try:
@@ -94,7 +92,8 @@ def chosen_configs() -> list:
     """The configuration each GPU probe runs with: one dict per (device, size, kind) timed."""
     names = {v: k for k, v in KINDS.items()}
     return [{"device": str(dev), "numel": n, "kernel": names[kind], "block": blk, "warps": w}
-            for (dev, n, kind), (blk, w) in sorted(_chosen.items(), key=str)]
+            for (dev, n, kind), (blk, w) in sorted(_chosen.items(),
+                                                    key=lambda kv: (str(kv[0][0]), *kv[0][1:]))]
 
 
 def _launch(a, b, c, d, kind: int, block: int, warps) -> None:
@@ -106,26 +105,14 @@ def _launch(a, b, c, d, kind: int, block: int, warps) -> None:
 
 def _fastest_config(a, b, c, d, kind: int, calls: int = 5) -> tuple:
     """The (BLOCK, warps) of :data:`CONFIGS` whose fastest of ``calls`` timed launches (after
-    one to compile) is the shortest, on these tensors: each config runs ``calls + 1`` times."""
+    one to compile; ``common.time_calls``: CUDA events on a GPU) is the shortest, on these
+    tensors: each config runs ``calls + 1`` times."""
+    from benchmarks import common
     best, best_s = None, float("inf")
     for cfg in CONFIGS:
         _launch(a, b, c, d, kind, *cfg)
-        secs = min(_seconds(lambda: _launch(a, b, c, d, kind, *cfg), a.device)
-                   for _ in range(calls))
+        secs = min(common.time_calls([lambda: _launch(a, b, c, d, kind, *cfg)] * calls,
+                                     a.device))
         if secs < best_s:
             best, best_s = cfg, secs
     return best
-
-
-def _seconds(fn, device: torch.device) -> float:
-    """One call's time: CUDA events on a GPU, the wall clock elsewhere (the interpreter)."""
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
