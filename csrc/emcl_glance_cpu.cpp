@@ -1,0 +1,317 @@
+// The fused glance of an MLP on the CPU (emcl_kernels/glance.py): per run, n one-sample inner
+// steps in order, each the forward pass, the cross-entropy backward and EMCL's inner update with
+// the outer-product gradient formed element by element inside the update. One work item of
+// at::parallel_for per run; a run's steps are sequential.
+//
+// The order of every sum and product is [note: glance order] in emcl_kernels/glance.py, which
+// its reference (reference_glance_) repeats with torch ops, so that the two agree bit for bit:
+// no fused multiply-add (the vector copy below is built for AVX2 without FMA, and the file
+// asks the compiler not to contract), the forward dot products in 16 partial sums.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "emcl_glance.h"
+
+namespace emcl {
+namespace glance {
+namespace {
+
+#if defined(__GNUC__) || defined(__clang__)
+#define EMCL_GLANCE_INLINE inline __attribute__((always_inline))
+#else
+#define EMCL_GLANCE_INLINE inline
+#endif
+
+// One run's tensors for one call: per layer its weight, bias and their state.
+struct RunTensors {
+  std::vector<float*> w, b;
+  std::vector<const float*> w0, b0, hw, hb;
+};
+
+struct Hyper {
+  float beta, reg, cs;  // β, λ and c_s = γ·λ, combined in fp64 and rounded once
+};
+
+// z = W a + b for one row: 16 lanes, input j to lane j % 16, the lanes summed as a tree.
+EMCL_GLANCE_INLINE float dot_row(const float* w, const float* a, int64_t n) {
+  float acc[kLanes];
+  for (int k = 0; k < kLanes; ++k) acc[k] = 0.0f;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int k = 0; k < kLanes; ++k) acc[k] = acc[k] + w[j + k] * a[j + k];
+  }
+  for (int k = 0; j + k < n; ++k) acc[k] = acc[k] + w[j + k] * a[j + k];
+  for (int s = kLanes / 2; s > 0; s /= 2) {
+    for (int k = 0; k < s; ++k) acc[k] = acc[k] + acc[k + s];
+  }
+  return acc[0];
+}
+
+// θ ← the inner update of n elements whose gradient is d·a[j] (a == nullptr: the gradient is d).
+template <bool kProx>
+EMCL_GLANCE_INLINE void update_row(float* th, const float* th0, const float* h, const float* a,
+                                   float d, int64_t n, const Hyper& hp) {
+  const float beta = hp.beta, reg = hp.reg, cs = hp.cs;
+  for (int64_t j = 0; j < n; ++j) {
+    const float g = a ? d * a[j] : d;
+    const float t = th[j];
+    if (kProx) {
+      const float that = t - beta * g;
+      float c = cs * h[j];
+      c = c > FLT_MAX ? FLT_MAX : c;
+      const float w = c / (1.0f + c);
+      th[j] = that - w * (that - th0[j]);
+    } else {
+      th[j] = t - beta * (g + (reg * h[j]) * (t - th0[j]));
+    }
+  }
+}
+
+EMCL_GLANCE_INLINE bool finite_max_abs(const float* v, int64_t n, float* out) {
+  float m = 0.0f;
+  bool ok = true;
+  for (int64_t j = 0; j < n; ++j) {
+    ok = ok && std::isfinite(v[j]);
+    const float a = std::fabs(v[j]);
+    m = a > m ? a : m;
+  }
+  *out = m;
+  return ok;
+}
+
+// One step of one run. acts[0] is the sample; acts[l] (l >= 1) and deltas[l] are scratch.
+// Returns whether the step was skipped for a non-finite gradient ([note: glance skips]).
+template <bool kProx>
+EMCL_GLANCE_INLINE bool step(const RunTensors& rt, const Shape& s, std::vector<const float*>& acts,
+                             std::vector<float*>& act_buf, std::vector<float*>& deltas,
+                             float* logits, int64_t label, const bool* mask, const Hyper& hp,
+                             bool check_finite, float* loss) {
+  const int64_t L = s.layers;
+  // forward
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t in = s.widths[l], out = s.widths[l + 1];
+    const float* a = acts[l];
+    const float* w = rt.w[l];
+    const float* b = rt.b[l];
+    float* z = (l + 1 < L) ? act_buf[l + 1] : logits;
+    for (int64_t i = 0; i < out; ++i) z[i] = dot_row(w + i * in, a, in) + b[i];
+    if (l + 1 < L) {
+      for (int64_t i = 0; i < out; ++i) z[i] = z[i] <= 0.0f ? 0.0f : z[i];  // ReLU, NaN kept
+    }
+  }
+  // softmax cross-entropy in fp64
+  const int64_t C = s.widths[L];
+  double m = -INFINITY;
+  bool any = false;
+  for (int64_t k = 0; k < C; ++k) {
+    if (mask && mask[k]) continue;
+    const double z = logits[k];
+    if (!any || z > m) m = z;
+    any = true;
+  }
+  double sum = 0.0;
+  for (int64_t k = 0; k < C; ++k) {
+    if (mask && mask[k]) continue;
+    sum += std::exp(static_cast<double>(logits[k]) - m);
+  }
+  const double lse = std::log(sum);
+  float* dL = deltas[L - 1];
+  for (int64_t k = 0; k < C; ++k) {
+    if (mask && mask[k]) {
+      dL[k] = 0.0f;
+      continue;
+    }
+    const double p = std::exp((static_cast<double>(logits[k]) - m) - lse);
+    dL[k] = static_cast<float>(p - (k == label ? 1.0 : 0.0));
+  }
+  *loss = static_cast<float>((lse + m) - static_cast<double>(logits[label]));
+  // backward signals with the weights before the update
+  for (int64_t l = L - 1; l >= 1; --l) {
+    const int64_t in = s.widths[l], out = s.widths[l + 1];
+    const float* w = rt.w[l];
+    const float* d = deltas[l];
+    float* back = deltas[l - 1];
+    for (int64_t j = 0; j < in; ++j) back[j] = 0.0f;
+    for (int64_t i = 0; i < out; ++i) {
+      const float di = d[i];
+      const float* wi = w + i * in;
+      for (int64_t j = 0; j < in; ++j) back[j] = back[j] + wi[j] * di;
+    }
+    const float* a = acts[l];
+    for (int64_t j = 0; j < in; ++j) back[j] = a[j] > 0.0f ? back[j] : 0.0f;
+  }
+  if (check_finite) {
+    for (int64_t l = 0; l < L; ++l) {
+      float md, ma;
+      const bool ok_d = finite_max_abs(deltas[l], s.widths[l + 1], &md);
+      const bool ok_a = finite_max_abs(acts[l], s.widths[l], &ma);
+      if (!ok_d || !ok_a || !std::isfinite(md * ma)) return true;
+    }
+  }
+  // the update, the gradient formed in place
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t in = s.widths[l], out = s.widths[l + 1];
+    const float* a = acts[l];
+    const float* d = deltas[l];
+    for (int64_t i = 0; i < out; ++i) {
+      update_row<kProx>(rt.w[l] + i * in, rt.w0[l] + i * in, rt.hw[l] + i * in, a, d[i], in, hp);
+    }
+    for (int64_t i = 0; i < out; ++i) {
+      update_row<kProx>(rt.b[l] + i, rt.b0[l] + i, rt.hb[l] + i, nullptr, d[i], 1, hp);
+    }
+  }
+  return false;
+}
+
+struct Call {
+  const Shape* s;
+  const std::vector<at::Tensor>* params;
+  const std::vector<at::Tensor>* anchors;
+  const std::vector<at::Tensor>* importances;
+  const float* x;
+  const int64_t* y;
+  const bool* mask;
+  const double* hyper;
+  bool prox, check_finite;
+  float* losses;
+  int64_t* skipped;
+};
+
+// The glance of run r: every step in order.
+EMCL_GLANCE_INLINE void run_glance(const Call& c, int64_t r) {
+  const Shape& s = *c.s;
+  const int64_t L = s.layers;
+  RunTensors rt;
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t wn = s.widths[l] * s.widths[l + 1], bn = s.widths[l + 1];
+    rt.w.push_back((*c.params)[2 * l].data_ptr<float>() + r * wn);
+    rt.b.push_back((*c.params)[2 * l + 1].data_ptr<float>() + r * bn);
+    rt.w0.push_back((*c.anchors)[2 * l].data_ptr<float>() + r * wn);
+    rt.b0.push_back((*c.anchors)[2 * l + 1].data_ptr<float>() + r * bn);
+    rt.hw.push_back((*c.importances)[2 * l].data_ptr<float>() + r * wn);
+    rt.hb.push_back((*c.importances)[2 * l + 1].data_ptr<float>() + r * bn);
+  }
+  int64_t scratch = s.widths[L];
+  for (int64_t l = 1; l <= L; ++l) scratch += 2 * s.widths[l];
+  std::vector<float> buf(static_cast<size_t>(scratch));
+  std::vector<float*> act_buf(L, nullptr), deltas(L, nullptr);
+  float* p = buf.data();
+  for (int64_t l = 1; l < L; ++l) {
+    act_buf[l] = p;
+    p += s.widths[l];
+  }
+  for (int64_t l = 0; l < L; ++l) {
+    deltas[l] = p;
+    p += s.widths[l + 1];
+  }
+  float* logits = p;
+  std::vector<const float*> acts(L, nullptr);
+  for (int64_t l = 1; l < L; ++l) acts[l] = act_buf[l];
+  const double* hr = c.hyper + 3 * r;
+  Hyper hp{static_cast<float>(hr[0]), static_cast<float>(hr[1]),
+           static_cast<float>(hr[2] * hr[1])};
+  const int64_t n = s.samples, C = s.widths[L], in0 = s.widths[0];
+  int64_t skips = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    acts[0] = c.x + (r * n + k) * in0;
+    const bool* mask = c.mask ? c.mask + (r * n + k) * C : nullptr;
+    float* loss = c.losses + r * n + k;
+    const bool skip = c.prox ? step<true>(rt, s, acts, act_buf, deltas, logits, c.y[r * n + k],
+                                          mask, hp, c.check_finite, loss)
+                             : step<false>(rt, s, acts, act_buf, deltas, logits,
+                                           c.y[r * n + k], mask, hp, c.check_finite, loss);
+    skips += skip ? 1 : 0;
+  }
+  c.skipped[r] = skips;
+}
+
+void run_portable(const Call& c, int64_t r) { run_glance(c, r); }
+
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#define EMCL_GLANCE_AVX2 1
+// The same code for AVX2 registers (8 floats); no FMA, so the arithmetic is the portable one's.
+__attribute__((target("avx2"))) void run_avx2(const Call& c, int64_t r) { run_glance(c, r); }
+#endif
+
+bool use_avx2() {
+#ifdef EMCL_GLANCE_AVX2
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+void mlp_glance_cpu(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& anchors,
+                    const std::vector<at::Tensor>& importances, const at::Tensor& x,
+                    const at::Tensor& y, const c10::optional<at::Tensor>& mask,
+                    const at::Tensor& hyper, bool prox, bool check_finite,
+                    const at::Tensor& losses, const at::Tensor& skipped) {
+  const Shape s = check_call(params, anchors, importances, x, y, mask, hyper, losses, skipped);
+  TORCH_CHECK(params[0].device().is_cpu(), "mlp_glance_ (CPU): the tensors are on ",
+              params[0].device());
+  const bool has_mask = mask.has_value() && mask->defined();
+  const int64_t C = s.widths.back();
+  const int64_t* yp = y.data_ptr<int64_t>();
+  const bool* mp = has_mask ? mask->data_ptr<bool>() : nullptr;
+  for (int64_t i = 0; i < s.runs * s.samples; ++i) {  // every label, before anything is written
+    TORCH_CHECK(yp[i] >= 0 && yp[i] < C, "mlp_glance_: label ", yp[i], " is outside [0, ", C,
+                ")");
+    if (mp) {
+      TORCH_CHECK(!mp[i * C + yp[i]], "mlp_glance_: a sample's label ", yp[i],
+                  " is a masked class");
+      bool live = false;
+      for (int64_t k = 0; k < C; ++k) live = live || !mp[i * C + k];
+      TORCH_CHECK(live, "mlp_glance_: a sample's mask excludes every class");
+    }
+  }
+  for (int64_t r = 0; r < s.runs; ++r) {
+    const double* hr = hyper.data_ptr<double>() + 3 * r;
+    for (int q = 0; q < 3; ++q) {
+      TORCH_CHECK(std::isfinite(hr[q]) && hr[q] >= 0.0, "mlp_glance_: hyper[", r, ", ", q,
+                  "] must be finite and >= 0, got ", hr[q]);
+    }
+  }
+  Call c{&s, &params, &anchors, &importances, x.data_ptr<float>(), yp, mp,
+         hyper.data_ptr<double>(), prox, check_finite, losses.data_ptr<float>(),
+         skipped.data_ptr<int64_t>()};
+  const bool avx2 = use_avx2();
+  at::parallel_for(0, s.runs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+#ifdef EMCL_GLANCE_AVX2
+      if (avx2) {
+        run_avx2(c, r);
+        continue;
+      }
+#endif
+      run_portable(c, r);
+    }
+  });
+  (void)avx2;
+}
+
+std::string glance_cpu_kernel() { return use_avx2() ? "avx2" : "portable"; }
+
+}  // namespace
+}  // namespace glance
+}  // namespace emcl
+
+TORCH_LIBRARY_FRAGMENT(emcl, m) {
+  m.def(emcl::glance::kSchema);
+  // Which copy of the glance's CPU kernel runs here: "avx2" or "portable".
+  m.def("glance_cpu_kernel() -> str", &emcl::glance::glance_cpu_kernel);
+}
+
+TORCH_LIBRARY_IMPL(emcl, CPU, m) { m.impl("mlp_glance_", &emcl::glance::mlp_glance_cpu); }
