@@ -5,17 +5,17 @@
 //
 // The order of every sum and product is [note: glance order] in emcl_kernels/glance.py, which
 // its reference (reference_glance_) repeats with torch ops, so that the two agree bit for bit:
-// no fused multiply-add (the vector copy below is built for AVX2 without FMA, and the file
-// asks the compiler not to contract), the forward dot products in 16 partial sums.
+// no fused multiply-add (the vector copy below is built for AVX2 without FMA; torch compiles
+// with -std=c++NN, an ISO mode, in which GCC does not contract a*b + c, and clang is told so
+// here), the forward dot products in 16 partial sums.
 #if defined(__clang__)
 #pragma clang fp contract(off)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
 #endif
 
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -38,6 +38,7 @@ namespace {
 struct RunTensors {
   std::vector<float*> w, b;
   std::vector<const float*> w0, b0, hw, hb;
+  std::vector<float*> kw, kb;  // the update's coefficients ([note: glance coefficient])
 };
 
 struct Hyper {
@@ -59,24 +60,62 @@ EMCL_GLANCE_INLINE float dot_row(const float* w, const float* a, int64_t n) {
   return acc[0];
 }
 
-// θ ← the inner update of n elements whose gradient is d·a[j] (a == nullptr: the gradient is d).
+// min(c, FLT_MAX) on the bits ([note: glance order]): as signed integers the floats from 0 up
+// to +inf (and NaN) order as their values, and an integer min vectorizes where a float compare
+// does not (GCC keeps a float select as control flow). +inf and NaN become FLT_MAX.
+EMCL_GLANCE_INLINE float clamp_max(float c) {
+  int32_t bits;
+  std::memcpy(&bits, &c, sizeof bits);
+  const int32_t top = 0x7f7fffff;  // FLT_MAX
+  bits = bits < top ? bits : top;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// [note: glance coefficient] What the update needs of h is one coefficient per element,
+// which h (changed by the meta step only) and the hyper-parameters fix for the whole glance:
+// prox, w = c/(1 + c) with c = min(c_s·h, FLT_MAX); else λ·h. It is computed once per glance
+// into a scratch buffer, so a step reads θ, θ₀ and the coefficient (the bytes of θ, θ₀, h) and
+// divides nothing; the values are those of computing it at every step.
 template <bool kProx>
-EMCL_GLANCE_INLINE void update_row(float* th, const float* th0, const float* h, const float* a,
-                                   float d, int64_t n, const Hyper& hp) {
-  const float beta = hp.beta, reg = hp.reg, cs = hp.cs;
+EMCL_GLANCE_INLINE void coefficients(float* __restrict__ k, const float* __restrict__ h,
+                                     int64_t n, const Hyper& hp) {
+  const float reg = hp.reg, cs = hp.cs;
   for (int64_t j = 0; j < n; ++j) {
-    const float g = a ? d * a[j] : d;
-    const float t = th[j];
     if (kProx) {
-      const float that = t - beta * g;
-      float c = cs * h[j];
-      c = c > FLT_MAX ? FLT_MAX : c;
-      const float w = c / (1.0f + c);
-      th[j] = that - w * (that - th0[j]);
+      const float c = clamp_max(cs * h[j]);
+      k[j] = c / (1.0f + c);
     } else {
-      th[j] = t - beta * (g + (reg * h[j]) * (t - th0[j]));
+      k[j] = reg * h[j];
     }
   }
+}
+
+// The inner update of one element with gradient g and coefficient k.
+template <bool kProx>
+EMCL_GLANCE_INLINE float updated(float t, float g, float t0, float k, float beta) {
+  if (kProx) {
+    const float that = t - beta * g;
+    return that - k * (that - t0);
+  }
+  return t - beta * (g + k * (t - t0));
+}
+
+// θ ← the inner update of one weight row, whose gradient is d·a[j].
+template <bool kProx>
+EMCL_GLANCE_INLINE void update_row(float* __restrict__ th, const float* __restrict__ th0,
+                                   const float* __restrict__ k, const float* __restrict__ a,
+                                   float d, int64_t n, float beta) {
+  for (int64_t j = 0; j < n; ++j) th[j] = updated<kProx>(th[j], d * a[j], th0[j], k[j], beta);
+}
+
+// θ ← the inner update of a bias, whose gradient is d.
+template <bool kProx>
+EMCL_GLANCE_INLINE void update_bias(float* __restrict__ th, const float* __restrict__ th0,
+                                    const float* __restrict__ k, const float* __restrict__ d,
+                                    int64_t n, float beta) {
+  for (int64_t j = 0; j < n; ++j) th[j] = updated<kProx>(th[j], d[j], th0[j], k[j], beta);
 }
 
 EMCL_GLANCE_INLINE bool finite_max_abs(const float* v, int64_t n, float* out) {
@@ -166,11 +205,10 @@ EMCL_GLANCE_INLINE bool step(const RunTensors& rt, const Shape& s, std::vector<c
     const float* a = acts[l];
     const float* d = deltas[l];
     for (int64_t i = 0; i < out; ++i) {
-      update_row<kProx>(rt.w[l] + i * in, rt.w0[l] + i * in, rt.hw[l] + i * in, a, d[i], in, hp);
+      update_row<kProx>(rt.w[l] + i * in, rt.w0[l] + i * in, rt.kw[l] + i * in, a, d[i], in,
+                        hp.beta);
     }
-    for (int64_t i = 0; i < out; ++i) {
-      update_row<kProx>(rt.b[l] + i, rt.b0[l] + i, rt.hb[l] + i, nullptr, d[i], 1, hp);
-    }
+    update_bias<kProx>(rt.b[l], rt.b0[l], rt.kb[l], d, out, hp.beta);
   }
   return false;
 }
@@ -224,6 +262,28 @@ EMCL_GLANCE_INLINE void run_glance(const Call& c, int64_t r) {
            static_cast<float>(hr[2] * hr[1])};
   const int64_t n = s.samples, C = s.widths[L], in0 = s.widths[0];
   int64_t skips = 0;
+  if (n == 0) {
+    c.skipped[r] = 0;
+    return;
+  }
+  int64_t numel = 0;
+  for (int64_t l = 0; l < L; ++l) numel += s.widths[l] * s.widths[l + 1] + s.widths[l + 1];
+  thread_local std::vector<float> coef;
+  if (static_cast<int64_t>(coef.size()) < numel) coef.resize(static_cast<size_t>(numel));
+  float* q = coef.data();
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t wn = s.widths[l] * s.widths[l + 1], bn = s.widths[l + 1];
+    rt.kw.push_back(q);
+    rt.kb.push_back(q + wn);
+    if (c.prox) {
+      coefficients<true>(q, rt.hw[l], wn, hp);
+      coefficients<true>(q + wn, rt.hb[l], bn, hp);
+    } else {
+      coefficients<false>(q, rt.hw[l], wn, hp);
+      coefficients<false>(q + wn, rt.hb[l], bn, hp);
+    }
+    q += wn + bn;
+  }
   for (int64_t k = 0; k < n; ++k) {
     acts[0] = c.x + (r * n + k) * in0;
     const bool* mask = c.mask ? c.mask + (r * n + k) * C : nullptr;

@@ -47,8 +47,7 @@ __device__ __forceinline__ float updated(float t, float g, float t0, float h, fl
                                          float reg, float cs) {
   if (kProx) {
     const float that = __fsub_rn(t, __fmul_rn(beta, g));
-    float c = __fmul_rn(cs, h);
-    c = c > FLT_MAX ? FLT_MAX : c;
+    const float c = fminf(__fmul_rn(cs, h), FLT_MAX);  // +inf and NaN: FLT_MAX, as on the CPU
     const float w = __fdiv_rn(c, __fadd_rn(1.0f, c));
     return __fsub_rn(that, __fmul_rn(w, __fsub_rn(that, t0)));
   }

@@ -40,7 +40,8 @@ operations so that the two agree bit for bit).
   weights before this step's update, then zero where ``z_{l-1} ≤ 0``;
 * update, per element, the gradient ``g = δ_l[i]·a_{l-1}[j]`` (``δ_l[i]`` for the bias) and with
   ``β``, ``λ`` and ``c_s = γ·λ`` combined in fp64 and rounded once to fp32:
-  ``prox``: ``θ̂ = θ − β·g``, ``c = min(c_s·h, FLT_MAX)``, ``w = c/(1 + c)``,
+  ``prox``: ``θ̂ = θ − β·g``, ``c = min(c_s·h, FLT_MAX)`` (taken on the bits as int32: +inf
+  and NaN give FLT_MAX), ``w = c/(1 + c)``,
   ``θ ← θ̂ − w·(θ̂ − θ₀)``; else ``θ ← θ − β·(g + (λ·h)·(θ − θ₀))`` (the expressions of
   :func:`emcl_kernels.reference.inner_update`, evaluated left to right). No fused multiply-add.
 
@@ -69,7 +70,7 @@ __all__ = ["mlp_glance_", "mlp_glance_array_", "mlp_inner_step_", "reference_gla
 #: Partial sums of the forward dot products ([note: glance order]).
 LANES = 16
 GLANCE_BACKENDS = ("auto", "reference", "cpu", "cuda", "triton")
-_FLT_MAX = torch.finfo(torch.float32).max
+_FLT_MAX_BITS = 0x7F7FFFFF  # FLT_MAX as int32 bits
 
 
 class GlanceResult(NamedTuple):
@@ -306,11 +307,17 @@ def _f32(v: float) -> Tensor:
     return torch.tensor(v, dtype=torch.float64).to(torch.float32)
 
 
+def _clamp_max(c: Tensor) -> Tensor:
+    """min(c, FLT_MAX) as the kernels take it: on the bits as int32, so +inf and NaN give
+    FLT_MAX ([note: glance order])."""
+    return torch.clamp(c.view(torch.int32), max=_FLT_MAX_BITS).view(torch.float32)
+
+
 def _update(theta: Tensor, g: Tensor, theta0: Tensor, h: Tensor, beta: Tensor, reg: Tensor,
             cs: Tensor, prox: bool) -> Tensor:
     if prox:
         that = theta - beta * g
-        c = torch.clamp(cs * h, max=_FLT_MAX)
+        c = _clamp_max(cs * h)
         w = c / (1 + c)
         return that - w * (that - theta0)
     return theta - beta * (g + (reg * h) * (theta - theta0))
