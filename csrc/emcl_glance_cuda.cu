@@ -13,8 +13,12 @@
 #include <cfloat>
 #include <cstdint>
 
-#include <ATen/cuda/CUDAContext.h>
+#include <string>
+#include <vector>
+
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include "emcl_glance.h"
@@ -232,7 +236,7 @@ void mlp_glance_cuda(const std::vector<at::Tensor>& params,
   if (s.runs == 0) return;
   const c10::cuda::CUDAGuard guard(params[0].device());
   const bool has_mask = mask.has_value() && mask->defined();
-  auto stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool* mp = has_mask ? mask->data_ptr<bool>() : nullptr;
   const dim3 grid(static_cast<unsigned int>(s.runs));
   if (prox) {
