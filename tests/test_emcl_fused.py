@@ -31,7 +31,8 @@ def test_the_fused_path_runs_by_default_on_the_cpu_mlp():
     assert _learner(stream, {"fused_glance": False}).fused is None
     for overrides, why in (({"inner_lr_modulation": True}, "inner_lr_modulation"),
                            ({"importance_norm": "tensor"}, "own gamma"),
-                           ({"cuda_graph": True}, "CUDA graphs")):
+                           ({"cuda_graph": True}, "CUDA graphs"),
+                           ({"backend": "foreach"}, "backend='foreach'")):
         learner = _learner(stream, overrides)
         assert learner.fused is None and why in learner.fused_why_not
         with pytest.raises(ValueError, match="fused_glance=True"):

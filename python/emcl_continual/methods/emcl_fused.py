@@ -18,7 +18,9 @@ autograd, and :func:`fused_plan` says why:
   per-element meta learning rates, not EMCL's proximal step;
 * ``importance_norm="tensor"``: one γ per tensor (the glance takes one γ per run);
 * the ResNet streams: the glance is an MLP kernel;
-* the CUDA-graph routine (a GPU's default): it captures the autograd inner loop.
+* the CUDA-graph routine (a GPU's default): it captures the autograd inner loop;
+* an optimizer ``backend`` other than ``auto`` or the device's compiled one (``foreach``,
+  ``reference``, ``triton``): the run asked for that backend's inner steps.
 
 ``fused_glance=True`` asks for it and refuses a configuration it does not cover; ``False``
 keeps autograd. A step whose gradient is not finite is skipped as the optimizer's
@@ -56,6 +58,9 @@ def fused_plan(config: dict, model, device, *, eager: bool) -> tuple[bool, Optio
         why = "the inner_lr_modulation ablation's inner step is not EMCL's"
     elif config.get("importance_norm") == "tensor":
         why = "importance_norm='tensor' gives every tensor its own gamma"
+    elif config.get("backend", "auto") not in ("auto", "cpu", "cuda"):
+        why = (f"backend={config.get('backend')!r} asks for that optimizer backend's inner "
+               "steps")
     elif not isinstance(model, MLP):
         why = f"the model is a {type(model).__name__}, not the MLP"
     elif any(p.dtype != torch.float32 for p in model.parameters()):
