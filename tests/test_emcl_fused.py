@@ -46,7 +46,9 @@ def test_the_fused_path_runs_by_default_on_the_cpu_mlp():
 
 @pytest.mark.parametrize("multi", [False, True])
 @pytest.mark.parametrize("overrides", [{}, {"prox": False}, {"glances": 2, "shuffle_inner": True},
-                                       {"importance_norm": "global", "gamma": 1e-3}])
+                                       {"importance_norm": "global", "gamma": 1e-3},
+                                       {"importance": "si", "memory": 0, "replay": 0},
+                                       {"fixed_importance": 1e-2, "decay": 1.0}])
 def test_fused_learner_follows_the_autograd_learner(multi, overrides):
     stream = _flat_stream(multi=multi, per_task=40)
     fused = _learner(stream, overrides)
@@ -61,10 +63,11 @@ def test_fused_learner_follows_the_autograd_learner(multi, overrides):
     eps = torch.finfo(torch.float32).eps
     for p, q in zip(fused.model.parameters(), auto.model.parameters()):
         scale = float(q.detach().abs().max())
-        # after 8 glances of 20 one-sample steps and 8 meta steps: within a few hundred fp32
-        # eps of the largest weight (each step's last-bit differences, carried along)
-        assert float((p - q).abs().max()) <= 512 * eps * scale
+        # after 8 batches (8-16 glances of 10-20 one-sample steps and a meta step each): within
+        # 16 fp32 eps of the largest weight (each step's last-bit differences, carried along;
+        # measured at most 2.5 eps over these cases)
+        assert float((p.detach() - q.detach()).abs().max()) <= 16 * eps * scale
         for key in ("anchor", "importance"):
             a, b = fused.opt.state[p][key], auto.opt.state[q][key]
-            assert float((a - b).abs().max()) <= 512 * eps * max(float(b.abs().max()), 1e-30)
+            assert float((a - b).abs().max()) <= 16 * eps * max(float(b.abs().max()), 1e-30)
     assert fused.fused.skipped == 0

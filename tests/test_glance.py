@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Optional
 
 import pytest
 import torch
@@ -102,7 +103,8 @@ def test_array_form_is_each_run_alone(prox):
 
 
 def _autograd_glance(widths, params, anchors, imps, x, y, mask, prox, backend, dtype):
-    """The method's path: F.cross_entropy(...).backward(); opt.inner_step() per sample."""
+    """The method's path: F.cross_entropy(...).backward(); opt.inner_step() per sample.
+    Returns the parameters after every step and the losses."""
     layers = [torch.nn.Parameter(p.clone().to(dtype)) for p in params]
     opt = FusedEMCLOptimizer(layers, lr=HYPER["inner_lr"], reg=HYPER["reg"],
                              gamma=HYPER["gamma"], meta_lr=0.1, prox=prox, backend=backend)
@@ -112,7 +114,7 @@ def _autograd_glance(widths, params, anchors, imps, x, y, mask, prox, backend, d
     for p, a, h in zip(layers, anchors, imps):
         opt.state[p]["anchor"].copy_(a.to(dtype))
         opt.state[p]["importance"].copy_(h.to(dtype))
-    losses = []
+    losses, after = [], []
     for k in range(x.shape[0]):
         hcur = x[k:k + 1].to(dtype)
         for l in range(len(layers) // 2):
@@ -127,7 +129,8 @@ def _autograd_glance(widths, params, anchors, imps, x, y, mask, prox, backend, d
         loss.backward()
         opt.inner_step()
         losses.append(float(loss.detach()))
-    return [p.detach() for p in layers], losses
+        after.append([p.detach().clone() for p in layers])
+    return after, losses
 
 
 # The tolerance against autograd and the fp64 oracle, in fp32 eps times the tensor's largest
@@ -141,22 +144,29 @@ AUTOGRAD_ULPS = 4
 @needs_cpu
 @pytest.mark.parametrize("widths,n", SIZES)
 @pytest.mark.parametrize("prox", [True, False])
-def test_against_autograd_and_fp64(widths, n, prox):
+def test_against_autograd_and_fp64_step_by_step(widths, n, prox):
     params, anchors, imps = _net(widths)
     x, y, mask = _samples(widths, n, masked=True)
-    fused = _clone(params)
-    res = mlp_glance_(fused, anchors, imps, x, y, mask=mask, prox=prox, backend="cpu", **HYPER)
-    auto, auto_losses = _autograd_glance(widths, params, anchors, imps, x, y, mask, prox,
-                                         "reference", torch.float32)
+    auto, _ = _autograd_glance(widths, params, anchors, imps, x, y, mask, prox, "reference",
+                               torch.float32)
     oracle, oracle_losses = _autograd_glance(widths, params, anchors, imps, x, y, mask, prox,
                                              "reference", torch.float64)
+    fused = _clone(params)
     eps = torch.finfo(torch.float32).eps
-    for f, a, o in zip(fused, auto, oracle):
-        scale = float(o.abs().max()) + 1e-30
-        assert float((f - a).abs().max()) <= AUTOGRAD_ULPS * eps * scale
-        assert float((f.double() - o).abs().max()) <= AUTOGRAD_ULPS * eps * scale
-    torch.testing.assert_close(res.losses.double(), torch.tensor(oracle_losses, dtype=torch.float64),
-                               rtol=1e-5, atol=1e-6)
+    for k in range(n):                # one step per call, compared after every step
+        res = mlp_glance_(fused, anchors, imps, x[k:k + 1], y[k:k + 1],
+                          mask=None if mask is None else mask[k:k + 1],
+                          prox=prox, backend="cpu", **HYPER)
+        for f, a, o in zip(fused, auto[k], oracle[k]):
+            scale = float(o.abs().max()) + 1e-30
+            assert float((f - a).abs().max()) <= AUTOGRAD_ULPS * eps * scale, k
+            assert float((f.double() - o).abs().max()) <= AUTOGRAD_ULPS * eps * scale, k
+        assert abs(float(res.losses[0]) - oracle_losses[k]) <= 1e-5 * max(1.0, oracle_losses[k])
+    # the whole glance in one call is the same as its steps one by one
+    whole = _clone(params)
+    mlp_glance_(whole, anchors, imps, x, y, mask=mask, prox=prox, backend="cpu", **HYPER)
+    for a, b in zip(whole, fused):
+        assert torch.equal(a, b)
 
 
 @needs_cpu
@@ -278,3 +288,42 @@ def test_triton_kernel_through_the_interpreter():
     proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT.format(path=path)], env=env,
                           cwd=root, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and "TRITON GLANCE OK" in proc.stdout, proc.stderr[-4000:]
+
+
+def _gpu_reason(backend: str) -> Optional[str]:
+    if not torch.cuda.is_available():
+        return "no GPU"
+    return glance_unavailable_reason(backend, "cuda")
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("prox", [True, False])
+def test_gpu_kernels_against_the_reference(backend, prox):
+    """On a GPU (skipped without one): the CUDA and the compiled Triton glance, R runs with
+    per-run β and γ, masks, odd widths, against the CPU reference within fp32 tolerance; a
+    non-finite sample skips its step."""
+    why = _gpu_reason(backend)
+    if why is not None:
+        pytest.skip(why)
+    for widths, runs, n in (((784, 100, 100, 10), 3, 20), ((13, 7, 5), 2, 6),
+                            ((5, 17, 9, 3, 4), 4, 5), ((33, 1), 1, 3)):
+        params, anchors, imps = _net(widths, runs=runs)
+        x, y, mask = _samples(widths, n, runs=runs, masked=True)
+        x[0, n // 2, 0] = float("inf")
+        lr = torch.linspace(0.01, 0.05, runs)
+        ref = _clone(params)
+        b = mlp_glance_array_(ref, anchors, imps, x, y, mask=mask, inner_lr=lr, reg=10.0,
+                              gamma=0.3, prox=prox, backend="reference")
+        cuda = lambda ts: [t.cuda() for t in ts]  # noqa: E731
+        dev = cuda(params)
+        a = mlp_glance_array_(dev, cuda(anchors), cuda(imps), x.cuda(), y.cuda(),
+                              mask=None if mask is None else mask.cuda(), inner_lr=lr.cuda(),
+                              reg=10.0, gamma=0.3, prox=prox, backend=backend)
+        torch.cuda.synchronize()
+        for p, q in zip(dev, ref):
+            torch.testing.assert_close(p.cpu(), q, rtol=1e-5, atol=1e-6)
+        finite = torch.isfinite(b.losses)
+        torch.testing.assert_close(a.losses.cpu()[finite], b.losses[finite], rtol=1e-5,
+                                   atol=1e-6)
+        assert a.skipped.cpu().tolist() == b.skipped.tolist()
+        assert b.skipped.tolist()[0] == 1
