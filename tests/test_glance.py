@@ -291,11 +291,10 @@ def test_triton_kernel_through_the_interpreter():
 
 
 def _gpu_reason(backend: str) -> Optional[str]:
-    if not torch.cuda.is_available():
-        return "no GPU"
     return glance_unavailable_reason(backend, "cuda")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 @pytest.mark.parametrize("prox", [True, False])
 def test_gpu_kernels_against_the_reference(backend, prox):
@@ -327,3 +326,15 @@ def test_gpu_kernels_against_the_reference(backend, prox):
                                    atol=1e-6)
         assert a.skipped.cpu().tolist() == b.skipped.tolist()
         assert b.skipped.tolist()[0] == 1
+
+
+@needs_cpu
+def test_benchmark_runs_quick(tmp_path):
+    """benchmarks/bench_glance.py --quick writes its results file with the three paths, the
+    floor and the main job."""
+    from benchmarks import bench_glance
+    res = bench_glance.main(["--quick", "--out-dir", str(tmp_path), "--name", "g"])
+    assert (tmp_path / "g.json").exists()
+    assert set(res["inner_step"]) == {"autograd", "fused_glance", "fused_one_step"}
+    assert res["floor"]["us_per_step"] > 0 and res["main_job"]["speedup"] > 0
+    assert "| fused glance" in bench_glance.table(res)
