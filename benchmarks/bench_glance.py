@@ -13,9 +13,11 @@ Permuted MNIST: β = 0.03, λ = 10, γ = 0.3, prox), per one-sample step:
   (``FusedEMCLOptimizer``, backend ``auto``);
 * ``fused_glance``: ``torch.ops.emcl.mlp_glance_`` on the 20 samples, one call per glance;
 * ``fused_one_step``: the same op called once per sample (its per-call cost included);
-* ``floor``: the bytes of a step at the machine's measured rate for them. A step reads θ for the
-  forward pass, and θ, θ₀ and the update's coefficient and writes θ for the update: 20 B per
-  parameter, 89,610 parameters (1.79 MB, cache-resident). The rate is the best of
+* ``floor``: the bytes every one-sample step must move, at the machine's measured rate for
+  them: the update reads θ, θ₀ and h and writes θ, 16 B per parameter, 89,610 parameters
+  (1.43 MB, cache-resident); the forward pass's read of θ and the backward signals' read of the
+  hidden layers' weights come on top unless the kernel takes them from L1 (the CPU kernel does
+  for the first layer's forward pass, [note: next forward]). The rate is the best of
   ``stream_probe_`` kind 1 (a ← a + 1e-6·b, 12 B per element, the CPU kernels' own streaming
   probe) on two arrays of the MLP's size, the working set the step has.
 
@@ -51,7 +53,7 @@ import torch.nn.functional as F  # noqa: E402
 WIDTHS = (784, 100, 100, 10)
 HYPER = dict(lr=0.03, reg=10.0, gamma=0.3, meta_lr=0.3, prox=True)
 STEPS = 20                # one-sample steps per glance: 10 incoming + 10 replayed samples
-FLOOR_BYTES_PER_PARAM = 20
+FLOOR_BYTES_PER_PARAM = 16  # θ read and written, θ₀ and h read
 
 
 def _mlp(seed: int = 0):
