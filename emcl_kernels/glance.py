@@ -143,8 +143,6 @@ def _check_layers(params, anchors, importances, runs: Optional[int]):
                                  f"{tuple(p.shape)}")
             if not t.is_contiguous():
                 raise ValueError(f"{name}[{i}] must be contiguous")
-            if t.requires_grad and torch.is_grad_enabled() and name != "params":
-                raise ValueError(f"{name}[{i}] requires grad")
     spans = []
     for name, lst in (("params", params), ("anchors", anchors), ("importances", importances)):
         for i, t in enumerate(lst):
@@ -410,6 +408,7 @@ def _run(backend: str, params, anchors, importances, x, y, mask, hyper, prox, ch
     return GlanceResult(losses, skipped)
 
 
+@torch.no_grad()
 def mlp_glance_array_(params: Sequence[Tensor], anchors: Sequence[Tensor],
                       importances: Sequence[Tensor], x: Tensor, y: Tensor, *,
                       mask: Optional[Tensor] = None, inner_lr, reg, gamma, prox: bool = True,
@@ -437,6 +436,7 @@ def mlp_glance_array_(params: Sequence[Tensor], anchors: Sequence[Tensor],
     return _run(backend, params, anchors, importances, x, y, mask, hyper, prox, check_finite)
 
 
+@torch.no_grad()
 def mlp_glance_(params: Sequence[Tensor], anchors: Sequence[Tensor],
                 importances: Sequence[Tensor], x: Tensor, y: Tensor, *,
                 mask: Optional[Tensor] = None, inner_lr: float, reg: float, gamma: float,

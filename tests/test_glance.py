@@ -338,3 +338,18 @@ def test_benchmark_runs_quick(tmp_path):
     assert set(res["inner_step"]) == {"autograd", "fused_glance", "fused_one_step"}
     assert res["floor"]["us_per_step"] > 0 and res["main_job"]["speedup"] > 0
     assert "| fused glance" in bench_glance.table(res)
+
+
+@pytest.mark.parametrize("backend", ["reference"] + (["cpu"] if HAS_CPU else []))
+def test_module_parameters_are_updated_in_place(backend):
+    """An nn.Module's parameters (leaves that require grad) are written in place, with grad
+    mode on, as the optimizer's step writes them."""
+    widths = (7, 6, 3)
+    params, anchors, imps = _net(widths)
+    expect = _clone(params)
+    mlp_glance_(expect, anchors, imps, *_samples(widths, 2)[:2], backend=backend, **HYPER)
+    leaves = [torch.nn.Parameter(p.clone()) for p in params]
+    x, y, _ = _samples(widths, 2)
+    mlp_glance_(leaves, anchors, imps, x, y, backend=backend, **HYPER)
+    for p, e in zip(leaves, expect):
+        assert p.requires_grad and p.grad_fn is None and torch.equal(p.detach(), e)
