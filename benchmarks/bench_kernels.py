@@ -653,7 +653,7 @@ def plot(result: dict, device: str, path: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python benchmarks/bench_kernels.py",
+        prog="python -m benchmarks kernels",
         description="Time every available EMCL backend on the same inputs (SPEC section 5).")
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (< 1 min on 2 cores)")
     p.add_argument("--device", nargs="+", default=["auto"], choices=["auto", "cpu", "cuda"],
@@ -754,7 +754,7 @@ def _main(args, argv, settings: Settings) -> dict:
     result = {
         "schema": "emcl-kernels/bench_kernels/1",
         "created_utc": common.utc_now(),
-        "command": "python benchmarks/bench_kernels.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": common.machine_info(),
         "note": args.note,
         "settings": {"mode": settings.mode, "lr_mode": args.lr_mode,
@@ -793,7 +793,3 @@ def _main(args, argv, settings: Settings) -> dict:
     print(format_table(result))
     print(f"\nwall time {result['wall_time_s']:.1f} s; wrote " + ", ".join(result["paths"].values()))
     return result
-
-
-if __name__ == "__main__":
-    main()

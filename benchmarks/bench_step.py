@@ -792,7 +792,7 @@ def _devices(name: str) -> torch.device:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python benchmarks/bench_step.py",
+        prog="python -m benchmarks step",
         description="FusedEMCLOptimizer.step() against torch's Adam (fused, foreach) and SGD "
                     "(foreach, momentum) on the same tensors, interleaved.")
     p.add_argument("--quick", action="store_true", help="fewer rounds and warm-up steps")
@@ -873,7 +873,7 @@ def _main(args, argv, settings: Settings, device: torch.device) -> dict:
                          "; ".join(f"{k}: {v}" for k, v in skipped.items()))
     result = {
         "schema": SCHEMA, "created_utc": common.utc_now(),
-        "command": "python benchmarks/bench_step.py " +
+        "command": "python -m benchmarks step " +
                    " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": common.machine_info(), "note": args.note,
         "device": device.type, "device_name": common.device_name(device),
@@ -1066,7 +1066,3 @@ def plot(result: dict, path: str) -> None:
     fig.tight_layout(rect=(0, legend_in / height, 1, 1 - 0.4 / height))
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-if __name__ == "__main__":
-    main()

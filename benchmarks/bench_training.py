@@ -804,7 +804,7 @@ def run_heldout(args, argv, train, get_method, make_stream) -> dict:
     result = {
         "schema": "emcl-kernels/bench_training/heldout/1",
         "created_utc": common.utc_now(),
-        "command": "python benchmarks/bench_training.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks training " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": dict(machine, load_average_before=load_before, load_average_after=_load()),
         "settings": {"heldout": args.heldout, "streams": list(args.streams), "rounds": args.rounds,
                      "incoming_samples": args.heldout_samples, "batch_size": args.batch_size,
@@ -828,7 +828,7 @@ def run_heldout(args, argv, train, get_method, make_stream) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python benchmarks/bench_training.py",
+    p = argparse.ArgumentParser(prog="python -m benchmarks training",
                                 description="Training time of EMCL per backend and of the baselines, "
                                             "on the CPU and the GPU.")
     p.add_argument("--quick", action="store_true", help="2 tasks x 50 samples; 3 image batches")
@@ -1017,7 +1017,7 @@ def _main(args, argv, train, METHODS, get_method, make_stream, devices, device_n
     result = {
         "schema": "emcl-kernels/bench_training/2",
         "created_utc": common.utc_now(),
-        "command": "python benchmarks/bench_training.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks training " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": dict(machine, load_average_at_end=[round(x, 2) for x in os.getloadavg()]
                         if hasattr(os, "getloadavg") else None),
         "device_name": device_names[devices[0].type],
@@ -1080,7 +1080,3 @@ def _one_run(train, get_method, method, backend, graph, stream, warm, seed, devi
                    acc=r["acc"], bwt=r["bwt"])
     rec["wall_time_s"] = time.perf_counter() - t0
     return rec
-
-
-if __name__ == "__main__":
-    main()

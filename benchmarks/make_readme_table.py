@@ -338,7 +338,7 @@ def _floor_cell(here: list) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python benchmarks/make_readme_table.py",
+    p = argparse.ArgumentParser(prog="python -m benchmarks tables",
                                 description="Markdown table from a bench_kernels.py or "
                                             "bench_step.py results file.")
     p.add_argument("results", nargs="?", default=None,
@@ -383,7 +383,3 @@ def main(argv: Optional[list] = None) -> str:
     else:
         sys.stdout.write(text + "\n")
     return text
-
-
-if __name__ == "__main__":
-    main()
