@@ -125,7 +125,7 @@ def main(argv=None) -> dict:
             print(f"skipping {b}: {exc}")
     load_before = common.load_average()
     rows = run(device, backends, args.repeats, args.numel)
-    result = dict(created_utc=common.utc_now(), command=" ".join(sys.argv),
+    result = dict(created_utc=common.utc_now(), command=common.command_line(sys.argv),
                   machine=common.machine_info(), device=str(device),
                   device_name=common.device_name(device), threads=args.threads,
                   load_average_before=load_before, load_average_after=common.load_average(),

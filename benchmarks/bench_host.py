@@ -214,7 +214,7 @@ def main(argv=None) -> dict:
                "backend": args.backend, "device": args.device, "threads": 1,
                "load_before": common.load_average(), "layouts": measure(args),
                "load_after": common.load_average()}
-    res.update(machine=common.machine_info(), command=" ".join(sys.argv), note=args.note)
+    res.update(machine=common.machine_info(), command=common.command_line(sys.argv), note=args.note)
     if args.out:
         folder, name = os.path.split(os.path.abspath(args.out))
         common.write_result(res, folder, os.path.splitext(name)[0])

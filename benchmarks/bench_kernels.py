@@ -754,7 +754,7 @@ def _main(args, argv, settings: Settings) -> dict:
     result = {
         "schema": "emcl-kernels/bench_kernels/1",
         "created_utc": common.utc_now(),
-        "command": "python -m benchmarks kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": common.command_line(["python -m benchmarks kernels", *(argv if argv is not None else sys.argv[1:])]),
         "machine": common.machine_info(),
         "note": args.note,
         "settings": {"mode": settings.mode, "lr_mode": args.lr_mode,

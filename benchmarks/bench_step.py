@@ -873,8 +873,8 @@ def _main(args, argv, settings: Settings, device: torch.device) -> dict:
                          "; ".join(f"{k}: {v}" for k, v in skipped.items()))
     result = {
         "schema": SCHEMA, "created_utc": common.utc_now(),
-        "command": "python -m benchmarks step " +
-                   " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": common.command_line(["python -m benchmarks step",
+                                         *(argv if argv is not None else sys.argv[1:])]),
         "machine": common.machine_info(), "note": args.note,
         "device": device.type, "device_name": common.device_name(device),
         "settings": {**settings.__dict__, "param_scale": PARAM_SCALE, "grad_scale": GRAD_SCALE,

@@ -804,7 +804,7 @@ def run_heldout(args, argv, train, get_method, make_stream) -> dict:
     result = {
         "schema": "emcl-kernels/bench_training/heldout/1",
         "created_utc": common.utc_now(),
-        "command": "python -m benchmarks training " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": common.command_line(["python -m benchmarks training", *(argv if argv is not None else sys.argv[1:])]),
         "machine": dict(machine, load_average_before=load_before, load_average_after=_load()),
         "settings": {"heldout": args.heldout, "streams": list(args.streams), "rounds": args.rounds,
                      "incoming_samples": args.heldout_samples, "batch_size": args.batch_size,
@@ -1017,7 +1017,7 @@ def _main(args, argv, train, METHODS, get_method, make_stream, devices, device_n
     result = {
         "schema": "emcl-kernels/bench_training/2",
         "created_utc": common.utc_now(),
-        "command": "python -m benchmarks training " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": common.command_line(["python -m benchmarks training", *(argv if argv is not None else sys.argv[1:])]),
         "machine": dict(machine, load_average_at_end=[round(x, 2) for x in os.getloadavg()]
                         if hasattr(os, "getloadavg") else None),
         "device_name": device_names[devices[0].type],

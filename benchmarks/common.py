@@ -591,6 +591,12 @@ def write_result(result: dict, out_dir: str, stem: str) -> str:
     return path
 
 
+def command_line(argv: Sequence[str]) -> str:
+    """The command that ran, for a results file: ``argv`` (``sys.argv`` as the suite sets it:
+    ``python -m benchmarks NAME`` first) with paths inside the repository made relative to it."""
+    return " ".join(relative(a) if os.path.isabs(a) else a for a in argv)
+
+
 def relative(path: str) -> str:
     """``path`` relative to the repository when it lies inside it (results files name no
     machine's folders), else as given."""

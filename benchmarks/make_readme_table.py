@@ -33,7 +33,7 @@ def newest_results(directory: str = DEFAULT_DIR, kind: str = "kernels") -> str:
     """The most recent ``<kind>_*.json`` in ``directory`` (by the UTC stamp in its name)."""
     files = glob.glob(os.path.join(directory, f"{kind}_*.json"))
     if not files:
-        raise SystemExit(f"no {kind}_*.json in {directory}; run benchmarks/bench_{kind}.py first")
+        raise SystemExit(f"no {kind}_*.json in {directory}; run python -m benchmarks {kind} first")
     stamp = re.compile(r"(\d{8}T\d{6}Z)")
     return max(files, key=lambda f: (stamp.search(f).group(1) if stamp.search(f) else "", f))
 
@@ -132,8 +132,6 @@ def make_table(result: dict, *, device: Optional[str] = None, layouts=None, ops=
     if loads:
         caption += (f" 1-minute load average during the run: {min(l[0] for l in loads):.1f} to "
                     f"{max(l[0] for l in loads):.1f} on {machine.get('cpu_count', '?')} cores.")
-    if result.get("note"):
-        caption += f" Note: {result['note']}."
     header = ["layout", "elements (tensors)", "dtype", "step"] + backends + ["fastest"]
     lines = [caption, "", "| " + " | ".join(header) + " |",
              "|" + "|".join(["---"] * 4 + ["--:"] * len(backends) + ["---"]) + "|"]
@@ -252,8 +250,6 @@ def make_step_table(result: dict, *, backends=None, layouts=None, dtypes=None,
                   f"{max(l[0] for l in loads):.1f} on {machine.get('cpu_count', '?')} cores."
                   if loads else "")
                + (f" Memory roof: {roofs}." if roofs else ""))
-    if result.get("note"):
-        caption += f" Note: {result['note']}."
     lines = [caption]
     emcl_backends = list(dict.fromkeys(r["backend"] for r in recs if r["family"] == "emcl"))
     floors = any(r["family"] == "floor" for r in recs)
