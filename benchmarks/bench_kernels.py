@@ -1,7 +1,7 @@
 """Kernel benchmark: every available backend on the same inputs, in one run.
 
-    python benchmarks/bench_kernels.py            # full run (~10 min on a 2-core CPU)
-    python benchmarks/bench_kernels.py --quick    # under a minute on a 2-core CPU
+    python -m benchmarks kernels            # full run (~10 min on a 2-core CPU)
+    python -m benchmarks kernels --quick    # under a minute on a 2-core CPU
 
 For each device (the GPU when there is one, else the CPU; ``--device cpu cuda`` for both),
 each layout (one tensor of 2**10 .. 2**26 elements, 2**28 on a GPU; the parameters of the

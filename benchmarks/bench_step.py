@@ -1,9 +1,9 @@
 """Optimizer-step benchmark: ``FusedEMCLOptimizer.step()`` against torch's own optimizers.
 
-    python benchmarks/bench_step.py             # the GPU if there is one, else the CPU (1, 2 threads)
-    python benchmarks/bench_step.py --quick              # fewer rounds (a few minutes on 2 cores)
-    python benchmarks/bench_step.py --device cuda --out benchmarks/results
-    python benchmarks/bench_step.py --layouts mlp resnet18 --dtypes fp32 --threads 1
+    python -m benchmarks step             # the GPU if there is one, else the CPU (1, 2 threads)
+    python -m benchmarks step --quick              # fewer rounds (a few minutes on 2 cores)
+    python -m benchmarks step --device cuda --out benchmarks/results
+    python -m benchmarks step --layouts mlp resnet18 --dtypes fp32 --threads 1
 
 For every layout (the MLP 784-100-100-10, torchvision's ResNet-18, 1,000 x 4,096, GPT-2-124M's
 parameter shapes), dtype (fp32, bf16) and, on CPU, thread count, it builds one set of

@@ -1,13 +1,13 @@
 """End-to-end benchmark: wall time of continual-learning training per method, backend and device,
 the shape of the paper's training-time figure (Figure 2), on the CPU and on a GPU.
 
-    python benchmarks/bench_training.py                      # permuted MNIST, 5 tasks x 200, CPU
-    python benchmarks/bench_training.py --quick              # 2 tasks x 50 samples
-    python benchmarks/bench_training.py --device auto        # CPU, and the GPU when there is one
-    python benchmarks/bench_training.py --device auto --streams permuted-mnist split-cifar100 split-miniimagenet
-    python benchmarks/bench_training.py --device auto --methods emcl --backends auto --n-tasks 20 --samples-per-task 1000
-    python benchmarks/bench_training.py --table benchmarks/results/training_*.json   # README tables
-    python benchmarks/bench_training.py --heldout results/heldout --streams permuted-mnist rotated-mnist \
+    python -m benchmarks training                      # permuted MNIST, 5 tasks x 200, CPU
+    python -m benchmarks training --quick              # 2 tasks x 50 samples
+    python -m benchmarks training --device auto        # CPU, and the GPU when there is one
+    python -m benchmarks training --device auto --streams permuted-mnist split-cifar100 split-miniimagenet
+    python -m benchmarks training --device auto --methods emcl --backends auto --n-tasks 20 --samples-per-task 1000
+    python -m benchmarks training --table benchmarks/results/training_*.json   # README tables
+    python -m benchmarks training --heldout results/heldout --streams permuted-mnist rotated-mnist \
         many-permutations --out-dir results/efficiency --name controlled_cpu   # the results tables' times
 
 **Devices.** ``--device cpu`` (default), ``cuda`` (a one-line error without a GPU) or ``auto``
@@ -88,7 +88,7 @@ def _import_continual():
         raise SystemExit(
             "bench_training.py needs the emcl_continual package (python/emcl_continual in this "
             f"repository), which could not be imported: {exc}. Run it from a full checkout "
-            "(python benchmarks/bench_training.py) or install the repository with "
+            "(python -m benchmarks training) or install the repository with "
             "`pip install --no-build-isolation -e .`.") from exc
     return train, METHODS, get_method, STREAMS, make_stream
 

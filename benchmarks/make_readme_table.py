@@ -1,11 +1,11 @@
 """Turn a benchmark results file into the README's markdown table, so the numbers in the
 README come from a committed file and nowhere else.
 
-    python benchmarks/make_readme_table.py                          # newest kernels_*.json
-    python benchmarks/make_readme_table.py benchmarks/results/kernels_<stamp>_cpu.json \\
+    python -m benchmarks tables                          # newest kernels_*.json
+    python -m benchmarks tables benchmarks/results/kernels_<stamp>_cpu.json \\
         --ops inner_meta_step --dtypes fp32 bf16
-    python benchmarks/make_readme_table.py --step                   # newest step_*.json
-    python benchmarks/make_readme_table.py benchmarks/results/step_<stamp>_cpu.json --backends cpu
+    python -m benchmarks tables --step                   # newest step_*.json
+    python -m benchmarks tables benchmarks/results/step_<stamp>_cpu.json --backends cpu
 
 Kernel results (``bench_kernels.py``):
 By default the table covers the model layouts (MLP, reduced ResNet-18), the 1,000 x 4K
