@@ -32,6 +32,7 @@ class Benchmark:
     question: str
     smoke: Tuple[str, ...]
     smoke_env: Tuple[Tuple[str, str], ...] = ()    # environment of the smoke run
+    requires: Tuple[str, ...] = ()                  # modules without which it cannot run
 
 
 REGISTRY = {b.name: b for b in (
@@ -55,7 +56,7 @@ REGISTRY = {b.name: b for b in (
     Benchmark("triton", "bench_triton",
               "Which block size and warp count should the Triton step use on this GPU, and "
               "how near a copy does it run?",
-              ("--smoke",), smoke_env=(("TRITON_INTERPRET", "1"),)),
+              ("--smoke",), smoke_env=(("TRITON_INTERPRET", "1"),), requires=("triton",)),
     Benchmark("training", "bench_training",
               "How long does continual training take per method, backend and device?",
               ("--device", "cpu", "--methods", "emcl", "--backends", "foreach",

@@ -62,6 +62,8 @@ def test_every_benchmark_runs_its_smoke_arguments(name, tmp_path):
     from benchmarks import suite
     from emcl_testing import child_env
     bench = suite.REGISTRY[name]
+    for module in bench.requires:
+        pytest.importorskip(module, reason=f"benchmark {name} needs {module}")
     args = [a.replace("{out}", str(tmp_path)) for a in bench.smoke]
     proc = subprocess.run([sys.executable, "-m", "benchmarks", name, *args], cwd=ROOT,
                           env=child_env(**dict(bench.smoke_env)), capture_output=True,
