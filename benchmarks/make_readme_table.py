@@ -170,15 +170,6 @@ STEP_PAIRS = ((("step()", False, False), "`step()`, check off / Adam fused"),
 VERDICT_MARK = {"met": "", "tie": " (tie)", "missed": " **(missed)**", None: ""}
 
 
-def _step_rank(name: str) -> tuple:
-    """The baselines first, then EMCL per backend: step() before inner_step(), the defaults
-    before check_finite=False."""
-    if name in STEP_BASELINES:
-        return (0, STEP_BASELINES.index(name))
-    backend = name.split("]")[0]
-    return (1, backend, "inner_step()" in name, "nocheck" in name, "scaler" in name, name)
-
-
 def _step_title(name: str) -> str:
     if name in STEP_TITLES:
         return STEP_TITLES[name]
