@@ -1,9 +1,10 @@
 """EMCL's one-sample inner step on the MLP: autograd, the fused glance, and what the bytes allow;
 and the main job's training time and results with each inner loop.
 
-    python benchmarks/bench_glance.py                       # CPU, one thread, everything
-    python benchmarks/bench_glance.py --quick               # a smoke run (seconds)
-    python benchmarks/bench_glance.py --paired-seeds        # no paired full runs
+    python -m benchmarks glance                              # CPU, one thread, everything
+    python -m benchmarks glance --quick                      # a smoke run (seconds)
+    python -m benchmarks glance --paired-seeds               # no paired full runs
+    python -m benchmarks glance --name glance_xeon-2core     # the current file of a machine
 
 **The inner step** (the paper's MLP 784-100-100-10, 20 samples per glance, EMCL's defaults on
 Permuted MNIST: β = 0.03, λ = 10, γ = 0.3, prox), per one-sample step:
@@ -32,8 +33,10 @@ default 0 1 2): whole 20-task runs of both paths per seed; ACC and BWT of each a
 differences, to set against the reproducibility floor of docs/results.md ("What reproduces
 where": EMCL's per-seed ACC moves by ~0.4, up to 1.14, with the arithmetic path).
 
-Writes ``benchmarks/results/<name>.json`` (``--name``, default ``glance_cpu``) with the machine
-(:func:`benchmarks.common.machine_info`, load averages before and after) and prints a table.
+Writes ``benchmarks/results/<name>.json`` (``--name``, default ``glance_cpu``; the current file
+of a machine is ``glance_<machine>``, benchmarks/results/README.md) with the command, the
+machine (:func:`benchmarks.common.machine_info`, load averages before and after) and prints a
+table.
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ import time
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import common  # noqa: E402
+from benchmarks import common, timing  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -128,7 +131,7 @@ def _floor(device: torch.device, repeats: int) -> dict:
         start = time.perf_counter()
         for _ in range(50):
             probe(a, b, c, d, 1)
-        common.synchronize(device)
+        timing.synchronize(device)
         best = min(best, (time.perf_counter() - start) / 50)
     rate = 12 * numel / best
     step_bytes = FLOOR_BYTES_PER_PARAM * numel
@@ -153,7 +156,7 @@ def time_inner_step(device: torch.device, rounds: int, block_s: float) -> dict:
                 calls += 1
                 if time.perf_counter() - w0 > block_s:
                     break
-            common.synchronize(device)
+            timing.synchronize(device)
             steps = calls * STEPS
             per[name]["wall_us"].append((time.perf_counter() - w0) / steps * 1e6)
             per[name]["cpu_us"].append((time.process_time() - c0) / steps * 1e6)
@@ -232,7 +235,8 @@ def main(argv: Optional[list] = None) -> dict:
         if args.quick:
             args.rounds, args.block_s, args.main_job_rounds = 2, 0.05, 1
             args.main_job_tasks, samples, args.paired_seeds = 1, 100, []
-        result = {"benchmark": "glance", "started": common.utc_now(),
+        result = {"benchmark": "glance", "command": common.command_line(sys.argv),
+                  "started": common.utc_now(),
                   "machine": common.machine_info(), "threads": args.threads,
                   "busy_warning": common.busy_warning(device),
                   "mlp": list(WIDTHS), "steps_per_glance": STEPS, "hyper": HYPER,

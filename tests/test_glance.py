@@ -328,18 +328,6 @@ def test_gpu_kernels_against_the_reference(backend, prox):
         assert b.skipped.tolist()[0] == 1
 
 
-@needs_cpu
-def test_benchmark_runs_quick(tmp_path):
-    """benchmarks/bench_glance.py --quick writes its results file with the three paths, the
-    floor and the main job."""
-    from benchmarks import bench_glance
-    res = bench_glance.main(["--quick", "--out-dir", str(tmp_path), "--name", "g"])
-    assert (tmp_path / "g.json").exists()
-    assert set(res["inner_step"]) == {"autograd", "fused_glance", "fused_one_step"}
-    assert res["floor"]["us_per_step"] > 0 and res["main_job"]["speedup"] > 0
-    assert "| fused glance" in bench_glance.table(res)
-
-
 @pytest.mark.parametrize("backend", ["reference"] + (["cpu"] if HAS_CPU else []))
 def test_module_parameters_are_updated_in_place(backend):
     """An nn.Module's parameters (leaves that require grad) are written in place, with grad
