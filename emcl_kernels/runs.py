@@ -26,7 +26,12 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["PerRun", "group_runs", "per_run_values", "run_value", "is_per_run"]
+__all__ = ["PerRun", "group_runs", "per_run_values", "run_value", "is_per_run",
+           "normalize_runs", "NUMERIC_GROUP_KEYS"]
+
+#: The numeric hyper-parameters of a param group, as the group spells them: each may be per run.
+NUMERIC_GROUP_KEYS = ("lr", "meta_lr", "reg", "gamma", "decay", "meta_lr_scale", "lr_min",
+                      "lr_max", "eps")
 
 
 class PerRun(tuple):
@@ -143,7 +148,7 @@ def per_run_values(name: str, value, runs: int, where: str):
         if value.dim() == 0:
             return value
         if value.dim() != 1 or value.numel() != runs or runs == 1:
-            raise ValueError(_length_error(name, tuple(value.shape), runs, where))
+            raise _length_error(name, tuple(value.shape), runs, where)
         if not value.is_floating_point():
             raise TypeError(f"{where}: {name} given per run must be a floating-point tensor, "
                             f"got {value.dtype}")
@@ -152,17 +157,30 @@ def per_run_values(name: str, value, runs: int, where: str):
         return value
     if hasattr(value, "__len__") and hasattr(value, "__iter__"):
         if runs == 1 or len(value) != runs:
-            raise ValueError(_length_error(name, (len(value),), runs, where))
+            raise _length_error(name, (len(value),), runs, where)
         return value if isinstance(value, PerRun) else PerRun(list(value))
     return value
 
 
-def _length_error(name: str, shape: tuple, runs: int, where: str) -> str:
-    if runs == 1:
-        return (f"{where} gives {name} per run (shape {shape}) but declares no runs: set "
-                f"runs=N in the group, with every parameter stacked as [N, ...]")
-    return (f"{where} has runs={runs} but {name} has shape {shape}: give one value per run "
-            f"({runs}) or a scalar for every run")
+def _length_error(name: str, shape: tuple, runs: int, where: str) -> Exception:
+    if runs == 1:  # not a number where a number belongs
+        return TypeError(f"{where}: {name} must be a number or a 0-d floating-point tensor (a "
+                         f"scalar), got shape {shape}; several values need runs=N in the group "
+                         "(every parameter stacked as [N, ...]) and N values")
+    return ValueError(f"{where} has runs={runs} but {name} has shape {shape}: give one value "
+                      f"per run ({runs}) or a scalar for every run")
+
+
+def normalize_runs(group: dict, where: str, runs=None) -> dict:
+    """A copy of a param group with its per-run values as the group keeps them
+    (:func:`per_run_values`: sequences become :class:`PerRun`); ``runs``: the group's number of
+    runs when the group itself may not say it (the optimizer's default)."""
+    runs = group_runs(group, where) if runs is None else runs
+    out = dict(group)
+    for k in NUMERIC_GROUP_KEYS:
+        if k in out:
+            out[k] = per_run_values(k, out[k], runs, where)
+    return out
 
 
 def run_value(value, r: int):
