@@ -1,0 +1,354 @@
+"""Arrays of runs (SPEC section 3): a param group with ``runs=N`` steps N runs at once, and run
+``i`` of the array is, bit for bit, the optimizer over run ``i``'s slices alone with its scalar
+hyper-parameters: every backend and dtype, every mode and step kind, chained steps, checkpoints
+and a resume on another backend. A run with a non-finite gradient skips alone; bad input is
+refused, naming the run, before anything is written."""
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+
+from emcl_kernels import FusedEMCLOptimizer, functional
+from emcl_kernels.runs import PerRun
+from emcl_kernels.skips import NonFiniteGradientWarning
+
+from emcl_testing import MODES
+from reliability_support import BACKEND_DEVICES, BACKEND_IDS
+
+RUNS = 3
+# per run: an odd matrix, a bias, one element, and nothing at all
+SHAPES = ((7, 5), (7,), (1,), (0,))
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def per_run_hyper(mode) -> dict:
+    """Hyper-parameters that differ from run to run (the group's keys), in well-conditioned
+    ranges for chained steps (alpha * reg * h well below 1)."""
+    h = dict(lr=[0.05, 0.03, 0.07], meta_lr=[0.2, 0.1, 0.15], reg=[1.5, 1.0, 2.0],
+             gamma=[0.3, 0.5, 0.2], decay=[0.8, 0.9, 0.7], eps=[1e-8, 1e-6, 1e-7],
+             lr_mode=mode.lr_mode, importance=mode.importance, prox=mode.prox)
+    if mode.lr_mode == "recurrent":
+        h.update(meta_lr_scale=[0.9, 0.8, 0.95], lr_min=[0.01, 0.02, 0.0],
+                 lr_max=[0.3, 0.25, 0.4])
+    elif mode.lr_mode == "inverse":
+        h.update(meta_lr_scale=[0.6, 0.5, 0.7], lr_max=[50.0, 40.0, 60.0])
+    else:
+        h.update(meta_lr_scale=1.0)
+    return h
+
+
+def run_values(hyper: dict, r: int) -> dict:
+    return {k: (v[r] if isinstance(v, (list, PerRun)) else v) for k, v in hyper.items()}
+
+
+def stacked(device, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn((RUNS, *s), generator=gen, dtype=torch.float64).to(device, dtype)
+            .requires_grad_() for s in SHAPES]
+
+
+def array_and_alone(backend, device, dtype, mode, *, meta_every=3, seed=0):
+    """An optimizer over an array of RUNS runs, and one optimizer per run over its slices."""
+    hyper = per_run_hyper(mode)
+    params = stacked(device, dtype, seed)
+    opt = FusedEMCLOptimizer([{"params": params, "runs": RUNS, **hyper}], backend=backend,
+                             meta_every=meta_every)
+    alone = []
+    for r in range(RUNS):
+        ps = [p.detach()[r].clone().requires_grad_() for p in params]
+        alone.append((ps, FusedEMCLOptimizer([{"params": ps, **run_values(hyper, r)}],
+                                             backend=backend, meta_every=meta_every)))
+    return params, opt, alone
+
+
+def give_grads(params, alone, gen, *, bad_run=None):
+    for i, p in enumerate(params):
+        g = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.device, p.dtype)
+        if bad_run is not None and i == 0:
+            g[bad_run].view(-1)[0] = float("nan")
+        p.grad = g
+        for r, (ps, _) in enumerate(alone):
+            ps[i].grad = g[r].clone()
+
+
+def assert_runs_equal(params, opt, alone, what, *, skip_runs=()):
+    for r, (ps, single) in enumerate(alone):
+        if r in skip_runs:
+            continue
+        for i, (p, q) in enumerate(zip(params, ps)):
+            assert torch.equal(p.detach()[r], q.detach()), f"{what}: run {r}, parameter {i}"
+            st, sq = opt.state[p], single.state[q]
+            for key in ("anchor", "importance", "meta_lr"):
+                if key in sq:
+                    assert torch.equal(st[key][r], sq[key]), f"{what}: run {r} {key} of {i}"
+            assert float(st["step"][r]) == float(sq["step"]), f"{what}: run {r} step of {i}"
+
+
+STEP_KINDS = ("step", "inner_step", "meta_step", "inner_meta_step")
+
+
+def do_step(opt, kind):
+    getattr(opt, kind)()
+
+
+@pytest.mark.parametrize("backend, device", BACKEND_DEVICES, ids=BACKEND_IDS)
+@pytest.mark.parametrize("mode", MODES, ids=[m.id for m in MODES])
+def test_each_run_is_the_run_alone_in_every_mode(backend, device, mode):
+    params, opt, alone = array_and_alone(backend, device, torch.float32, mode)
+    gen = torch.Generator().manual_seed(1)
+    kinds = ["step"] * 4 + ["inner_step", "meta_step", "inner_meta_step", "step", "step"]
+    for n, kind in enumerate(kinds):
+        give_grads(params, alone, gen)
+        do_step(opt, kind)
+        for _, single in alone:
+            do_step(single, kind)
+        assert_runs_equal(params, opt, alone, f"{kind} {n}")
+
+
+@pytest.mark.parametrize("backend, device", BACKEND_DEVICES, ids=BACKEND_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_each_run_is_the_run_alone_in_every_dtype(backend, device, dtype):
+    mode = MODES[0]
+    params, opt, alone = array_and_alone(backend, device, dtype, mode, meta_every=2)
+    gen = torch.Generator().manual_seed(2)
+    for n in range(7):
+        give_grads(params, alone, gen)
+        opt.step()
+        for _, single in alone:
+            single.step()
+        assert_runs_equal(params, opt, alone, f"step {n}")
+
+
+@pytest.mark.parametrize("backend, device", BACKEND_DEVICES, ids=BACKEND_IDS)
+def test_a_run_with_a_non_finite_gradient_skips_alone(backend, device):
+    params, opt, alone = array_and_alone(backend, device, torch.float32, MODES[0])
+    gen = torch.Generator().manual_seed(3)
+    give_grads(params, alone, gen)
+    opt.step()
+    for _, single in alone:
+        single.step()
+    before = [p.detach().clone() for p in params]
+    give_grads(params, alone, gen, bad_run=1)
+    with pytest.warns(NonFiniteGradientWarning, match="run"):
+        opt.step()
+    for r, (_, single) in enumerate(alone):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NonFiniteGradientWarning)
+            single.step()          # run 1's single optimizer skips its step too
+    for p, b in zip(params, before):
+        assert torch.equal(p.detach()[1], b[1])
+    assert_runs_equal(params, opt, alone, "the step with run 1's NaN")
+    assert opt.skipped_runs == [0, 1, 0]
+    assert opt.skipped_steps == 0
+    give_grads(params, alone, gen)
+    opt.step()
+    for _, single in alone:
+        single.step()
+    assert_runs_equal(params, opt, alone, "the step after")
+    assert opt.state_dict()["emcl"]["skipped_runs"] == [0, 1, 0]
+
+
+@pytest.mark.parametrize("backend, device", BACKEND_DEVICES, ids=BACKEND_IDS)
+def test_a_grad_scaler_found_inf_skips_every_run(backend, device):
+    params, opt, alone = array_and_alone(backend, device, torch.float32, MODES[1])
+    gen = torch.Generator().manual_seed(4)
+    give_grads(params, alone, gen)
+    before = [p.detach().clone() for p in params]
+    opt.step(found_inf=torch.ones((), device=device))
+    for p, b in zip(params, before):
+        assert torch.equal(p.detach(), b)
+    assert [float(s) for s in opt.state[params[0]]["step"]] == [0.0] * RUNS
+
+
+PAIRS = list(itertools.product(BACKEND_DEVICES, repeat=2))
+
+
+@pytest.mark.parametrize("first, second", PAIRS,
+                         ids=[f"{a[0]}-{a[1]}-to-{b[0]}-{b[1]}" for a, b in PAIRS])
+def test_a_checkpoint_resumes_every_run_on_any_backend(first, second):
+    (b1, d1), (b2, d2) = first, second
+    mode = MODES[2]
+    params, opt, alone = array_and_alone(b1, d1, torch.float32, mode)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(4):
+        give_grads(params, alone, gen)
+        opt.step()
+        for _, single in alone:
+            single.step()
+    saved = opt.state_dict()
+    saved_alone = [single.state_dict() for _, single in alone]
+    # resume: new optimizers on the second backend and device over copies of the weights
+    params2 = [p.detach().to(d2).clone().requires_grad_() for p in params]
+    opt2 = FusedEMCLOptimizer([{"params": params2, "runs": RUNS, **per_run_hyper(mode)}],
+                              backend=b2, meta_every=3)
+    opt2.load_state_dict(saved)
+    alone2 = []
+    for r, ((ps, _), sd) in enumerate(zip(alone, saved_alone)):
+        ps2 = [q.detach().to(d2).clone().requires_grad_() for q in ps]
+        single = FusedEMCLOptimizer([{"params": ps2, **run_values(per_run_hyper(mode), r)}],
+                                    backend=b2, meta_every=3)
+        single.load_state_dict(sd)
+        alone2.append((ps2, single))
+    assert isinstance(opt2.param_groups[0]["lr"], PerRun)
+    for _ in range(4):
+        give_grads(params2, alone2, gen)
+        opt2.step()
+        for _, single in alone2:
+            single.step()
+    assert_runs_equal(params2, opt2, alone2, f"resumed on {b2}")
+
+
+def test_a_checkpoint_loads_with_weights_only(tmp_path):
+    params, opt, alone = array_and_alone("reference", "cpu", torch.float32, MODES[0])
+    give_grads(params, alone, torch.Generator().manual_seed(6))
+    opt.step()
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    sd = torch.load(tmp_path / "opt.pt", weights_only=True)
+    assert sd["param_groups"][0]["lr"] == [0.05, 0.03, 0.07]
+    assert sd["state"][0]["step"].shape == (RUNS,)
+
+
+@pytest.mark.parametrize("backend, device", BACKEND_DEVICES, ids=BACKEND_IDS)
+def test_changing_one_runs_value_takes_effect_at_the_next_step(backend, device):
+    params, opt, alone = array_and_alone(backend, device, torch.float32, MODES[3])
+    gen = torch.Generator().manual_seed(7)
+    give_grads(params, alone, gen)
+    opt.step()
+    for _, single in alone:
+        single.step()
+    plans = opt._runtime.plans
+    group = opt.param_groups[0]
+    group["lr"] = group["lr"].replace(2, 0.011)
+    group["reg"] = group["reg"].replace(0, 0.5)
+    alone[2][1].param_groups[0]["lr"] = 0.011
+    alone[0][1].param_groups[0]["reg"] = 0.5
+    for _ in range(3):
+        give_grads(params, alone, gen)
+        opt.step()
+        for _, single in alone:
+            single.step()
+    assert opt._runtime.plans is plans, "a change of numbers must not rebuild the plans"
+    assert_runs_equal(params, opt, alone, "after the change")
+
+
+@pytest.mark.parametrize("backend, device", BACKEND_DEVICES, ids=BACKEND_IDS)
+def test_per_run_values_as_a_tensor_are_read_at_every_step(backend, device):
+    mode = MODES[0]
+    hyper = per_run_hyper(mode)
+    lr = torch.tensor(hyper["lr"], dtype=torch.float64, device=device)
+    params = stacked(device, torch.float32, 8)
+    opt = FusedEMCLOptimizer([{"params": params, "runs": RUNS, **{**hyper, "lr": lr}}],
+                             backend=backend)
+    alone = [([p.detach()[r].clone().requires_grad_() for p in params], None)
+             for r in range(RUNS)]
+    alone = [(ps, FusedEMCLOptimizer([{"params": ps, **run_values(hyper, r)}], backend=backend))
+             for r, (ps, _) in enumerate(alone)]
+    gen = torch.Generator().manual_seed(9)
+    for n in range(3):
+        if n == 2:
+            lr[1] = 0.002                      # in place: read at the next step
+            alone[1][1].param_groups[0]["lr"] = 0.002
+        give_grads(params, alone, gen)
+        opt.step()
+        for _, single in alone:
+            single.step()
+        assert_runs_equal(params, opt, alone, f"step {n}")
+
+
+@pytest.mark.parametrize("backend, device", BACKEND_DEVICES, ids=BACKEND_IDS)
+def test_the_functional_api_takes_per_run_values(backend, device):
+    mode = MODES[0]
+    h = mode.hyper("inner_meta_step")
+    per_run = {"inner_lr": [0.05, 0.02, 0.04], "reg": [1.5, 1.0, 0.5], "meta_lr": [0.2, 0.1, 0.3]}
+    gen = torch.Generator().manual_seed(10)
+    ps = [torch.randn((RUNS, *s), generator=gen).to(device) for s in SHAPES]
+    gs = [torch.randn_like(p) for p in ps]
+    anchors = [p + 0.01 * torch.randn_like(p) for p in ps]
+    imps = [torch.rand_like(p) for p in ps]
+    alphas = [torch.full_like(p, 0.2) for p in ps]
+    alone = [[[t[r].clone() for t in lst] for lst in (ps, gs, anchors, imps, alphas)]
+             for r in range(RUNS)]
+    gs[0][2].view(-1)[0] = float("inf")        # run 2 writes nothing
+    flags = functional.inner_meta_step_(ps, gs, anchors, imps, alphas, backend=backend,
+                                        runs=RUNS, **{**h, **per_run})
+    assert flags.tolist() == [0.0, 0.0, 1.0]
+    for r in range(RUNS):
+        a_ps, a_gs, a_anchors, a_imps, a_alphas = alone[r]
+        if r == 2:
+            assert all(torch.equal(p[r], q) for p, q in zip(ps, a_ps))
+            continue
+        functional.inner_meta_step_(a_ps, a_gs, a_anchors, a_imps, a_alphas, backend=backend,
+                                    **{**h, **{k: v[r] for k, v in per_run.items()}})
+        for lst, a_lst in ((ps, a_ps), (anchors, a_anchors), (imps, a_imps), (alphas, a_alphas)):
+            assert all(torch.equal(t[r], q) for t, q in zip(lst, a_lst))
+
+
+# -- what is refused, before anything is written -------------------------------------------
+
+def _refused(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make()
+
+
+def test_a_vector_of_the_wrong_length_is_refused():
+    p = torch.randn(RUNS, 4, requires_grad=True)
+    _refused(lambda: FusedEMCLOptimizer([{"params": [p], "runs": RUNS, "lr": [0.1, 0.2]}]),
+             ValueError, r"runs=3 but lr has shape \(2,\)")
+
+
+def test_per_run_values_without_runs_are_refused():
+    p = torch.randn(RUNS, 4, requires_grad=True)
+    _refused(lambda: FusedEMCLOptimizer([p], lr=[0.1, 0.2, 0.3]), TypeError, "runs=N")
+
+
+def test_a_parameter_without_the_leading_runs_is_refused():
+    p = torch.randn(4, RUNS, requires_grad=True)
+    _refused(lambda: FusedEMCLOptimizer([{"params": [p], "runs": RUNS}]), ValueError,
+             r"stacks its runs along its first dimension \(\[3, \.\.\.\]\)")
+
+
+def test_runs_that_are_not_outermost_in_memory_are_refused():
+    p = torch.randn(4, RUNS).t().requires_grad_()
+    _refused(lambda: FusedEMCLOptimizer([{"params": [p], "runs": RUNS}]), ValueError,
+             "outermost dimension in memory")
+
+
+def test_two_numbers_of_runs_in_one_optimizer_are_refused():
+    a = torch.randn(RUNS, 4, requires_grad=True)
+    b = torch.randn(2, 4, requires_grad=True)
+    _refused(lambda: FusedEMCLOptimizer([{"params": [a], "runs": RUNS},
+                                         {"params": [b], "runs": 2}]),
+             ValueError, "hold the same runs")
+
+
+def test_a_value_out_of_its_domain_names_the_run():
+    p = torch.randn(RUNS, 4, requires_grad=True)
+    _refused(lambda: FusedEMCLOptimizer([{"params": [p], "runs": RUNS, "decay": [0.9, 1.5, 0.9]}]),
+             ValueError, r"param group 0, run 1: decay must be in \[0, 1\]")
+
+
+def test_a_bad_change_of_one_run_is_refused_before_anything_is_written():
+    p = torch.randn(RUNS, 4, requires_grad=True)
+    opt = FusedEMCLOptimizer([{"params": [p], "runs": RUNS, "lr": [0.1, 0.2, 0.3]}])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    before = p.detach().clone()
+    opt.param_groups[0]["lr"] = opt.param_groups[0]["lr"].replace(2, -1.0)
+    _refused(opt.step, ValueError, "run 2: lr")
+    assert torch.equal(p.detach(), before)
+
+
+def test_a_scalar_still_means_every_run():
+    p = torch.randn(RUNS, 4, requires_grad=True)
+    q = p.detach().clone().requires_grad_()
+    a = FusedEMCLOptimizer([{"params": [p], "runs": RUNS}], lr=0.07, backend="reference")
+    b = FusedEMCLOptimizer([{"params": [q], "runs": RUNS, "lr": [0.07] * RUNS}],
+                           backend="reference")
+    g = torch.randn_like(p)
+    p.grad, q.grad = g.clone(), g.clone()
+    a.step()
+    b.step()
+    assert torch.equal(p, q)
