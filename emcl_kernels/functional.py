@@ -147,13 +147,15 @@ def _hyper(runs, **values) -> tuple:
     """The checked hyper-parameters of a call and its number of runs: scalars, or in an array
     of runs (``runs=N``) a scalar or N values (a sequence or a 1-d tensor) each."""
     if runs is None:
-        return check_hyperparameters(**values), 1
+        return check_hyperparameters(**values), None
     runs = group_runs({"runs": runs}, "the call")
     return check_runs(values, runs, "the call"), runs
 
 
+
 def _call(op: int, hp: dict, backend, params, grads, anchors, importances, meta_lrs,
-          grad_scale, found_inf, check_finite, runs: int = 1) -> Optional[Tensor]:
+          grad_scale, found_inf, check_finite, declared: Optional[int] = None,
+          ) -> Optional[Tensor]:
     if not isinstance(check_finite, bool):
         raise TypeError(f"check_finite must be a bool, got {type(check_finite).__name__}")
     check_flag("grad_scale", grad_scale)
@@ -163,8 +165,10 @@ def _call(op: int, hp: dict, backend, params, grads, anchors, importances, meta_
         params, grads, anchors, importances, meta_lrs, need_meta_lrs=need)
     if not params:
         return None
-    for i, p in enumerate(params):
-        check_run_layout(f"params[{i}]", local(p), runs)
+    runs = declared or 1
+    if declared is not None:
+        for i, p in enumerate(params):
+            check_run_layout(f"params[{i}]", local(p), declared)
     plain = all(type(p) in PLAIN_TENSORS for p in params)
     plans, plan_grads = _plans(backend, hp, params, grads, anchors, importances,
                                meta_lrs if need else None, plain, runs)

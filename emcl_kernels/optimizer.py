@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 from emcl_kernels.integration import local
 from emcl_kernels.interface import OP
 from emcl_kernels.plan import Runtime, check_group, check_run_layout, resolve_backend, run
-from emcl_kernels.runs import PerRun, group_runs, normalize_runs
+from emcl_kernels.runs import PerRun, declared_runs, group_runs, normalize_runs
 from emcl_kernels.skips import NonFiniteGradientWarning
 from emcl_kernels.validation import (GROUP_NAMES, NUMERIC_KEYS, PARAM_DTYPES, check_flag,
                                      check_no_overlap, group_spelling, state_dtype)
@@ -232,7 +232,7 @@ class FusedEMCLOptimizer(Optimizer):
                     if p.device.type != "meta":
                         named.append((where, p))
             check_no_overlap(named)
-            runs = group_runs(group, where)
+            runs = declared_runs(group, where)
             for pi, p in enumerate(group["params"]):
                 if p.device.type != "meta":  # fail now if the backend cannot run on these
                     resolve_backend(self.backend, local(p).device)

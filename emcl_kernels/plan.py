@@ -26,7 +26,7 @@ from emcl_kernels.backends.extension import entry_point
 from emcl_kernels.integration import capturing, is_dtensor, local
 from emcl_kernels.interface import (COUNTER, HYPER, HYPER_DEFAULTS, HYPER_FIELDS, IMPORTANCE,
                                     LR_MODE, OP, RUN_FOUND, counters_size)
-from emcl_kernels.runs import (PerRun, group_runs, is_per_run, per_run_values, run_value,
+from emcl_kernels.runs import (PerRun, declared_runs, group_runs, is_per_run, per_run_values, run_value,
                                values_table)
 from emcl_kernels.skips import SkipLog
 from emcl_kernels.validation import (GROUP_NAMES, IMPORTANCE_KINDS, INNER_KEYS, LR_MODES,
@@ -62,8 +62,9 @@ def hyper_values(hp: dict, runs: int = 1):
     """The numbers of ``hyper`` in :data:`~emcl_kernels.interface.HYPER_FIELDS` order from a
     dict of checked float hyper-parameters (``lr_scale=None`` is the 1/reg sentinel); for an
     array of runs, a [runs, fields] NumPy array (row ``r`` is run ``r``'s)."""
-    if runs > 1:
-        return values_table([_hyper_entry(hp, name) for name in HYPER_FIELDS], runs).numpy()
+    if runs > 1 or any(map(is_per_run, hp.values())):
+        table = values_table([_hyper_entry(hp, name) for name in HYPER_FIELDS], runs)
+        return (table if runs > 1 else table.reshape(-1)).numpy()
     return tuple(float(_hyper_entry(hp, name)) for name in HYPER_FIELDS)
 
 
@@ -83,8 +84,10 @@ def pack_hyper(hp: dict, device, runs: int = 1) -> Tensor:
     captured region) the numbers are written on the device instead, one fill each: a captured
     copy would read the pinned buffer again at every replay, after the allocator reused it."""
     device = torch.device(device)
-    if runs > 1:  # an array's table: [runs, fields] (per-run tensors read once here)
+    if runs > 1 or any(map(is_per_run, hp.values())):
+        # an array's table: [runs, fields] (per-run tensors read once here; 1-d for one run)
         table = values_table([_hyper_entry(hp, name) for name in HYPER_FIELDS], runs)
+        table = table if runs > 1 else table.reshape(-1)
         return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" \
             else table.to(device)
     if not any(isinstance(v, Tensor) for v in hp.values()) and not _capturing_on(device):
@@ -247,15 +250,15 @@ def check_group(group: dict, where: str = "param group") -> dict:
     runs = group_runs(group, where)
     if runs == 1 and not any(map(is_per_run, values.values())):
         return _by_name(check_hyperparameters(**values))
-    return _by_name(check_runs(values, runs, where))
+    return _by_name(check_runs(values, runs, where, declared_runs(group, where) is not None))
 
 
-def check_runs(values: dict, runs: int, where: str) -> dict:
+def check_runs(values: dict, runs: int, where: str, declared: bool = True) -> dict:
     """An array group's hyper-parameters ([note: domains] in validation.py, run by run): each
     run's values checked as a group of its own would be, an error naming the run. Returns the
     values with per-run ones as they are (a :class:`~emcl_kernels.runs.PerRun` or a 1-d
     tensor) and the scalars checked."""
-    values = {k: per_run_values(k, v, runs, where) for k, v in values.items()}
+    values = {k: per_run_values(k, v, runs, where, declared) for k, v in values.items()}
     per_run = [k for k, v in values.items() if is_per_run(v)]
     # a 1-d tensor is read once (one host read per value, not per run)
     read = {k: PerRun(values[k].detach().cpu().tolist()) if isinstance(values[k], Tensor)
@@ -295,6 +298,21 @@ def group_key(group: dict) -> tuple:
     identity."""
     return tuple(("tensor", id(v)) if isinstance(v, Tensor) else v
                  for v in map(group.get, GROUP_KEYS))
+
+
+def _no_silent_collapse(gi: int, group: dict, now: tuple, then: tuple) -> None:
+    """An array group's per-run value that became one number is refused: that is what the LR
+    schedulers that take their rates from their own arguments, one per group (CyclicLR,
+    OneCycleLR), do to ``lr``, driving every run at one rate."""
+    if group.get("runs") is None:
+        return
+    for k, a, b in zip(GROUP_KEYS, now, then):
+        if type(b) is PerRun and type(a) in (float, int):
+            raise ValueError(
+                f"param group {gi} had {k} per run and now has one number ({a!r}) for every "
+                "run: an LR scheduler that sets its own rate per group (CyclicLR, OneCycleLR) "
+                "would drive every run at one rate, so this is refused. To give every run the "
+                f"same value on purpose, write group[{k!r}] = [value] * runs")
 
 
 def _kind(v) -> str:
@@ -649,7 +667,8 @@ class Runtime:
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
-                check_parameter(opt.state, f"parameter {pi} of param group {gi}", p, runs)
+                check_parameter(opt.state, f"parameter {pi} of param group {gi}", p,
+                                declared_runs(group, f"param group {gi}"))
                 ready.append((pi, p))
             checked.append((gi, group, hp, ready))
         named = []
@@ -779,6 +798,7 @@ class Runtime:
             check_group_options(group, f"param group {gi}")
             now = group_key(group)
             if now != key:
+                _no_silent_collapse(gi, group, now, key)
                 if any(_kind(a) != _kind(b) for a, b in zip(now, key)) \
                         or any(now[i] != key[i] for i in _MODE_INDEX):
                     return self.build()
@@ -951,10 +971,11 @@ def _traced_hyper(values: dict, device: torch.device) -> Tensor:
     return torch.stack(parts)
 
 
-def check_run_layout(where: str, p: Tensor, runs: int) -> None:
-    """A parameter of an array group: its runs stacked along its first dimension, which is the
-    outermost in memory ([note: runs] in emcl_kernels.interface)."""
-    if runs == 1:
+def check_run_layout(where: str, p: Tensor, runs: Optional[int]) -> None:
+    """A parameter of an array group (``runs`` declared, None for a plain group): its runs
+    stacked along its first dimension, which is the outermost in memory ([note: runs] in
+    emcl_kernels.interface)."""
+    if runs is None:
         return
     if p.dim() == 0 or p.shape[0] != runs:
         raise ValueError(f"{where} has shape {tuple(p.shape)}, but its group has runs={runs}: "
@@ -967,10 +988,11 @@ def check_run_layout(where: str, p: Tensor, runs: int) -> None:
                          "first dimension); make it contiguous")
 
 
-def check_parameter(state, where: str, p: Tensor, runs: int = 1) -> None:
+def check_parameter(state, where: str, p: Tensor, runs: Optional[int] = None) -> None:
     """A parameter with a gradient, and its state if it has one, as a step needs them."""
     check_param(where, p)
     check_run_layout(where, p, runs)
+    runs = runs or 1
     check_like(f"the gradient of {where}", where, p.grad, p, p.dtype, state=False)
     st = state.get(p)
     if not st:

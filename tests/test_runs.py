@@ -352,3 +352,83 @@ def test_a_scalar_still_means_every_run():
     a.step()
     b.step()
     assert torch.equal(p, q)
+
+
+# -- LR schedulers ---------------------------------------------------------------------------
+from torch.optim import lr_scheduler as S  # noqa: E402
+
+SCALING_SCHEDULERS = {
+    "LambdaLR": lambda o: S.LambdaLR(o, lambda e: 0.9 ** e),
+    "MultiplicativeLR": lambda o: S.MultiplicativeLR(o, lambda e: 0.95),
+    "StepLR": lambda o: S.StepLR(o, 2, 0.5),
+    "MultiStepLR": lambda o: S.MultiStepLR(o, [1, 3], 0.5),
+    "ConstantLR": lambda o: S.ConstantLR(o, 0.5, 2),
+    "LinearLR": lambda o: S.LinearLR(o, 0.3, 1.0, 3),
+    "ExponentialLR": lambda o: S.ExponentialLR(o, 0.9),
+    "PolynomialLR": lambda o: S.PolynomialLR(o, 4, 2.0),
+    "CosineAnnealingLR": lambda o: S.CosineAnnealingLR(o, 4, 0.001),
+    "CosineAnnealingWarmRestarts": lambda o: S.CosineAnnealingWarmRestarts(o, 2),
+    "SequentialLR": lambda o: S.SequentialLR(o, [S.ConstantLR(o, 0.5, 2),
+                                                 S.ExponentialLR(o, 0.9)], [2]),
+    "ChainedScheduler": lambda o: S.ChainedScheduler([S.ConstantLR(o, 0.5, 2),
+                                                      S.ExponentialLR(o, 0.9)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCALING_SCHEDULERS))
+def test_a_scheduler_that_scales_lr_scales_every_runs_lr(name):
+    make = SCALING_SCHEDULERS[name]
+    mode = MODES[0]
+    params, opt, alone = array_and_alone("reference", "cpu", torch.float32, mode)
+    sched = make(opt)
+    scheds = [make(single) for _, single in alone]
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(6):
+        give_grads(params, alone, gen)
+        opt.step()
+        for _, single in alone:
+            single.step()
+        sched.step()
+        for s in scheds:
+            s.step()
+        assert list(opt.param_groups[0]["lr"]) == [s.param_groups[0]["lr"] for _, s in alone]
+    assert_runs_equal(params, opt, alone, name)
+
+
+def test_reduce_lr_on_plateau_is_refused_over_an_array():
+    params, opt, _ = array_and_alone("reference", "cpu", torch.float32, MODES[0])
+    sched = S.ReduceLROnPlateau(opt, patience=0)
+    with pytest.raises(TypeError, match="ReduceLROnPlateau"):
+        for _ in range(3):
+            sched.step(1.0)
+
+
+@pytest.mark.parametrize("make", [
+    lambda o: S.CyclicLR(o, 0.01, 0.1, cycle_momentum=False),
+    lambda o: S.OneCycleLR(o, 0.1, total_steps=10, cycle_momentum=False)],
+    ids=["CyclicLR", "OneCycleLR"])
+def test_a_scheduler_that_sets_one_rate_per_group_is_refused_over_an_array(make):
+    params, opt, alone = array_and_alone("reference", "cpu", torch.float32, MODES[0])
+    give_grads(params, alone, torch.Generator().manual_seed(12))
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    make(opt)
+    with pytest.raises(ValueError, match="one rate"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+def test_an_array_of_one_is_the_run_alone():
+    gen = torch.Generator().manual_seed(13)
+    p = torch.randn(1, 5, 3, generator=gen, requires_grad=True)
+    q = p.detach()[0].clone().requires_grad_()
+    a = FusedEMCLOptimizer([{"params": [p], "runs": 1, "lr": [0.05], "reg": [2.0]}],
+                           meta_every=2)
+    b = FusedEMCLOptimizer([q], lr=0.05, reg=2.0, meta_every=2)
+    for _ in range(5):
+        g = torch.randn(p.shape, generator=gen)
+        p.grad, q.grad = g.clone(), g[0].clone()
+        a.step()
+        b.step()
+    assert torch.equal(p[0], q)
+    assert torch.equal(a.state[p]["anchor"][0], b.state[q]["anchor"])
