@@ -432,3 +432,28 @@ def test_an_array_of_one_is_the_run_alone():
         b.step()
     assert torch.equal(p[0], q)
     assert torch.equal(a.state[p]["anchor"][0], b.state[q]["anchor"])
+
+
+@pytest.mark.parametrize("backend, device", BACKEND_DEVICES, ids=BACKEND_IDS)
+def test_a_capturable_array_reads_its_values_from_one_device_table(backend, device):
+    mode = MODES[0]
+    hyper = per_run_hyper(mode)
+    params = stacked(device, torch.float32, 14)
+    opt = FusedEMCLOptimizer([{"params": params, "runs": RUNS, **hyper}], backend=backend,
+                             capturable=True)
+    lr = opt.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and lr.shape == (RUNS,) and lr.device.type == device
+    alone = [([p.detach()[r].clone().requires_grad_() for p in params], r) for r in range(RUNS)]
+    alone = [(ps, FusedEMCLOptimizer([{"params": ps, **run_values(hyper, r)}], backend=backend))
+             for ps, r in alone]
+    gen = torch.Generator().manual_seed(15)
+    for n in range(3):
+        if n == 1:
+            opt.param_groups[0]["lr"][2] = 0.004       # in place, in the device table
+            alone[2][1].param_groups[0]["lr"] = 0.004
+        give_grads(params, alone, gen)
+        opt.step()
+        for _, single in alone:
+            single.step()
+        assert_runs_equal(params, opt, alone, f"step {n}")
+    assert opt.state_dict()["param_groups"][0]["lr"] == [0.05, 0.03, 0.004]
