@@ -90,6 +90,14 @@ def assert_runs_equal(params, opt, alone, what, *, skip_runs=()):
 STEP_KINDS = ("step", "inner_step", "meta_step", "inner_meta_step")
 
 
+def step_both(params, opt, alone, gen, kind: str = "step"):
+    """Fresh gradients, then the same step of the array and of every run alone."""
+    give_grads(params, alone, gen)
+    do_step(opt, kind)
+    for _, single in alone:
+        do_step(single, kind)
+
+
 def do_step(opt, kind):
     getattr(opt, kind)()
 
@@ -115,10 +123,7 @@ def test_each_run_is_the_run_alone_in_every_dtype(backend, device, dtype):
     params, opt, alone = array_and_alone(backend, device, dtype, mode, meta_every=2)
     gen = torch.Generator().manual_seed(2)
     for n in range(7):
-        give_grads(params, alone, gen)
-        opt.step()
-        for _, single in alone:
-            single.step()
+        step_both(params, opt, alone, gen)
         assert_runs_equal(params, opt, alone, f"step {n}")
 
 
@@ -126,10 +131,7 @@ def test_each_run_is_the_run_alone_in_every_dtype(backend, device, dtype):
 def test_a_run_with_a_non_finite_gradient_skips_alone(backend, device):
     params, opt, alone = array_and_alone(backend, device, torch.float32, MODES[0])
     gen = torch.Generator().manual_seed(3)
-    give_grads(params, alone, gen)
-    opt.step()
-    for _, single in alone:
-        single.step()
+    step_both(params, opt, alone, gen)
     before = [p.detach().clone() for p in params]
     give_grads(params, alone, gen, bad_run=1)
     with pytest.warns(NonFiniteGradientWarning, match="run"):
@@ -143,10 +145,7 @@ def test_a_run_with_a_non_finite_gradient_skips_alone(backend, device):
     assert_runs_equal(params, opt, alone, "the step with run 1's NaN")
     assert opt.skipped_runs == [0, 1, 0]
     assert opt.skipped_steps == 0
-    give_grads(params, alone, gen)
-    opt.step()
-    for _, single in alone:
-        single.step()
+    step_both(params, opt, alone, gen)
     assert_runs_equal(params, opt, alone, "the step after")
     assert opt.state_dict()["emcl"]["skipped_runs"] == [0, 1, 0]
 
@@ -174,10 +173,7 @@ def test_a_checkpoint_resumes_every_run_on_any_backend(first, second):
     params, opt, alone = array_and_alone(b1, d1, torch.float32, mode)
     gen = torch.Generator().manual_seed(5)
     for _ in range(4):
-        give_grads(params, alone, gen)
-        opt.step()
-        for _, single in alone:
-            single.step()
+        step_both(params, opt, alone, gen)
     saved = opt.state_dict()
     saved_alone = [single.state_dict() for _, single in alone]
     # resume: new optimizers on the second backend and device over copies of the weights
@@ -194,10 +190,7 @@ def test_a_checkpoint_resumes_every_run_on_any_backend(first, second):
         alone2.append((ps2, single))
     assert isinstance(opt2.param_groups[0]["lr"], PerRun)
     for _ in range(4):
-        give_grads(params2, alone2, gen)
-        opt2.step()
-        for _, single in alone2:
-            single.step()
+        step_both(params2, opt2, alone2, gen)
     assert_runs_equal(params2, opt2, alone2, f"resumed on {b2}")
 
 
@@ -215,10 +208,7 @@ def test_a_checkpoint_loads_with_weights_only(tmp_path):
 def test_changing_one_runs_value_takes_effect_at_the_next_step(backend, device):
     params, opt, alone = array_and_alone(backend, device, torch.float32, MODES[3])
     gen = torch.Generator().manual_seed(7)
-    give_grads(params, alone, gen)
-    opt.step()
-    for _, single in alone:
-        single.step()
+    step_both(params, opt, alone, gen)
     plans = opt._runtime.plans
     group = opt.param_groups[0]
     group["lr"] = group["lr"].replace(2, 0.011)
@@ -226,10 +216,7 @@ def test_changing_one_runs_value_takes_effect_at_the_next_step(backend, device):
     alone[2][1].param_groups[0]["lr"] = 0.011
     alone[0][1].param_groups[0]["reg"] = 0.5
     for _ in range(3):
-        give_grads(params, alone, gen)
-        opt.step()
-        for _, single in alone:
-            single.step()
+        step_both(params, opt, alone, gen)
     assert opt._runtime.plans is plans, "a change of numbers must not rebuild the plans"
     assert_runs_equal(params, opt, alone, "after the change")
 
@@ -251,10 +238,7 @@ def test_per_run_values_as_a_tensor_are_read_at_every_step(backend, device):
         if n == 2:
             lr[1] = 0.002                      # in place: read at the next step
             alone[1][1].param_groups[0]["lr"] = 0.002
-        give_grads(params, alone, gen)
-        opt.step()
-        for _, single in alone:
-            single.step()
+        step_both(params, opt, alone, gen)
         assert_runs_equal(params, opt, alone, f"step {n}")
 
 
@@ -384,10 +368,7 @@ def test_a_scheduler_that_scales_lr_scales_every_runs_lr(name):
     scheds = [make(single) for _, single in alone]
     gen = torch.Generator().manual_seed(11)
     for _ in range(6):
-        give_grads(params, alone, gen)
-        opt.step()
-        for _, single in alone:
-            single.step()
+        step_both(params, opt, alone, gen)
         sched.step()
         for s in scheds:
             s.step()
@@ -451,9 +432,6 @@ def test_a_capturable_array_reads_its_values_from_one_device_table(backend, devi
         if n == 1:
             opt.param_groups[0]["lr"][2] = 0.004       # in place, in the device table
             alone[2][1].param_groups[0]["lr"] = 0.004
-        give_grads(params, alone, gen)
-        opt.step()
-        for _, single in alone:
-            single.step()
+        step_both(params, opt, alone, gen)
         assert_runs_equal(params, opt, alone, f"step {n}")
     assert opt.state_dict()["param_groups"][0]["lr"] == [0.05, 0.03, 0.004]
