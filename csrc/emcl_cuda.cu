@@ -159,10 +159,12 @@ void step_cuda(at::TensorList params, at::TensorList grads, at::TensorList ancho
                at::TensorList importances, at::TensorList meta_lrs, const at::Tensor& steps,
                const at::Tensor& hyper, const at::Tensor& counters, int64_t op, bool prox,
                int64_t importance, int64_t lr_mode, int64_t meta_every, bool check,
-               bool finalize, const OptTensor& grad_scale, const OptTensor& found_inf) {
+               bool finalize, const OptTensor& grad_scale, const OptTensor& found_inf,
+               int64_t runs) {
   const Lists lists{params, grads, anchors, importances, meta_lrs};
   const StepCall call = check_step_call(lists, steps, hyper, counters, op, prox, importance,
-                                        lr_mode, meta_every, grad_scale, found_inf);
+                                        lr_mode, meta_every, grad_scale, found_inf, runs);
+  TORCH_CHECK(call.runs == 1, "the cuda backend does not step arrays of runs yet");
   const c10::cuda::CUDAGuard guard(call.device);
   const int device = call.device.index();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
@@ -182,8 +184,9 @@ void step_cuda(at::TensorList params, at::TensorList grads, at::TensorList ancho
   });
 }
 
-void check_finite_cuda(at::TensorList grads, const at::Tensor& counters) {
-  const at::Device device = check_finite_call(grads, counters);
+void check_finite_cuda(at::TensorList grads, const at::Tensor& counters, int64_t runs) {
+  const at::Device device = check_finite_call(grads, counters, runs);
+  TORCH_CHECK(runs == 1, "the cuda backend does not check arrays of runs yet");
   const c10::cuda::CUDAGuard guard(device);
   launch_check(grads, counters.data_ptr<int64_t>(), device.index(),
                c10::cuda::getCurrentCUDAStream(device.index()));
