@@ -1,8 +1,8 @@
 """Many runs, one launch: the optimizer's step over an array of N runs of the paper's MLP.
 
-    python -m benchmarks.bench_arrays                   # CPU at 1 and 2 threads (or the GPU)
-    python -m benchmarks.bench_arrays --quick           # fewer rounds and sizes (the smoke test)
-    python -m benchmarks.bench_arrays --runs 1 16 64 --threads 1 --ops inner
+    python -m benchmarks arrays                   # CPU at 1 and 2 threads (or the GPU)
+    python -m benchmarks arrays --quick           # N = 1 and 4, 3 rounds (the smoke test)
+    python -m benchmarks arrays --runs 1 16 64 --threads 1 --ops inner --name arrays_<machine>
 
 For N runs of the MLP 784-100-100-10 (89,610 fp32 elements per run), each run with its own
 learning rate and ``reg``, it times on the same machine, interleaved round by round:
@@ -21,7 +21,8 @@ learning rate and ``reg``, it times on the same machine, interleaved round by ro
 ``runs``, the contender, the times (ms; median, quartiles, min), ``ratio_to_separate`` and
 ``ratio_to_floor``. The goals: never slower than the separate optimizers, and from N = 16 up
 within 1.15x of the floor on the CPU (on a GPU: 64 runs in 1/20 of the separate time).
-Output: ``benchmarks/results/arrays_<machine>.json`` and a ``.png`` beside it.
+Output: ``benchmarks/results/<name>.json`` (``--name``, default ``arrays_<device>``) and a
+``.png`` beside it.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from typing import Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common, timing  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -142,7 +143,7 @@ def time_round_robin(contenders: dict, device, rounds: int, calls: int) -> dict:
         fn()
     for _ in range(rounds):
         for name, fn in contenders.items():
-            t = common.time_calls([fn] * calls, device)
+            t = timing.time_calls([fn] * calls, device)
             out[name].append(sum(t) / calls)
     return out
 
@@ -275,7 +276,7 @@ def main(argv: Optional[list] = None) -> dict:
     finally:
         torch.set_num_threads(saved_threads)
     result = {"schema": SCHEMA, "device": device.type, "machine": common.machine_info(),
-              "created": common.utc_now(), "command": "python -m benchmarks.bench_arrays "
+              "created": common.utc_now(), "command": "python -m benchmarks arrays "
               + " ".join(argv if argv is not None else sys.argv[1:]),
               "busy_warning": warning, "records": records,
               "verdicts": verdicts(records, device)}
