@@ -284,7 +284,10 @@ _MODE_SUBSET = (MODES[0], MODES[4], MODES[8], MODES[11])  # prox/grad x taylor/s
 FULL_MODES = [(op, mode, torch.float32, 3) for op in STEP_OPS for mode in MODES]
 FULL_DTYPES = [(op, mode, dtype, runs) for dtype in DTYPES[1:] for op in STEP_OPS
                for mode in _MODE_SUBSET for runs in (2, 7)]
-TRITON_GRID = ([("cadence", MODES[0], dtype, 3) for dtype in DTYPES]
+TRITON_GRID = ([(op, mode, dtype, 3) for op in STEP_OPS for mode in _MODE_SUBSET
+                for dtype in (torch.float32, torch.bfloat16)]
+               + [("cadence", MODES[0], dtype, runs) for dtype in (torch.float16, torch.float64)
+                  for runs in (2, 7)]
                + [(op, MODES[7], torch.float32, 2) for op in ("inner", "meta", "inner_meta")]
                + [("inner_meta", MODES[5], torch.bfloat16, 7)])
 
@@ -301,7 +304,8 @@ BAD_GRID = [(dtype, runs, bad) for dtype in DTYPES for runs in (2, 3, 7)
 
 @pytest.mark.parametrize("name, device, dtype, runs, bad_run",
                          _params(BAD_GRID,
-                                 [(torch.float32, 3, 1), (torch.bfloat16, 2, 0)]))
+                                 [(torch.float32, 3, 1), (torch.bfloat16, 2, 0),
+                                  (torch.float16, 7, 6), (torch.float64, 2, 1)]))
 def test_a_non_finite_gradient_skips_its_run_alone(name, device, dtype, runs, bad_run):
     counters = check_runs(name, device, "cadence", MODES[2], dtype, runs, bad_run=bad_run,
                           calls=3, bad_call=1, seed=7)
