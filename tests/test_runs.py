@@ -6,17 +6,29 @@ refused, naming the run, before anything is written."""
 from __future__ import annotations
 
 import itertools
+import os
 import warnings
 
 import pytest
 import torch
 
-from emcl_kernels import FusedEMCLOptimizer, functional
-from emcl_kernels.runs import PerRun
-from emcl_kernels.skips import NonFiniteGradientWarning
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"  # before the Triton kernels are first imported
 
-from emcl_testing import MODES
-from reliability_support import BACKEND_DEVICES, BACKEND_IDS
+from emcl_kernels import FusedEMCLOptimizer, functional  # noqa: E402
+from emcl_kernels.runs import PerRun  # noqa: E402
+from emcl_kernels.skips import NonFiniteGradientWarning  # noqa: E402
+
+from emcl_testing import MODES  # noqa: E402
+from reliability_support import BACKEND_DEVICES  # noqa: E402
+from test_runs_kernels import triton_module  # noqa: E402
+
+# every backend of the suite's reliability tests, and Triton through its interpreter here
+BACKEND_DEVICES = list(BACKEND_DEVICES)
+if not any(b == "triton" for b, _ in BACKEND_DEVICES) and triton_module() is not None:
+    BACKEND_DEVICES.append(("triton", "cuda" if ON_GPU else "cpu"))
+BACKEND_IDS = [f"{b}-{d}" for b, d in BACKEND_DEVICES]
 
 RUNS = 3
 # per run: an odd matrix, a bias, one element, and nothing at all
