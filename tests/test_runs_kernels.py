@@ -490,3 +490,94 @@ def test_bad_check_finite_calls_are_refused(name, device):
     with pytest.raises(ValueError, match="multiple of runs"):
         mod.check_finite(list(grads), torch.zeros(counters_size(5), dtype=torch.int64,
                                                   device=device), 5)
+
+
+# ---------------------------------------------------------------------------------------------
+# One launch per call whatever the number of runs; many tensors; CUDA graphs (GPU only).
+# ---------------------------------------------------------------------------------------------
+
+def _launch_counter(name):
+    """A function returning how many kernels backend ``name`` has launched so far (None for
+    the cpu backend, which launches nothing)."""
+    if name == "cuda":
+        from emcl_kernels.backends.extension import launch_count
+        return launch_count
+    if name == "triton":
+        tb = _triton_module()
+        return lambda: sum(tb.launch_counts.values())
+    return None
+
+
+@pytest.mark.parametrize("name, device", [p for p in _params([()], [()])
+                                          if p.values[0] != "cpu"])
+@pytest.mark.parametrize("check", (True, False))
+def test_an_array_call_is_as_many_launches_as_one_run(name, device, check):
+    """The update of 7 runs is one launch, plus one finite-check launch when the call checks
+    (as for one run); check_finite of an array is one launch."""
+    counted = _launch_counter(name)
+    mod = _mod(name, device)
+    mode = MODES[0]
+    for runs in (1, 7):
+        arrays = make_array(runs, (5, 300, 33), torch.float32, seed=5, device=device)
+        counters = torch.zeros(counters_size(runs), dtype=torch.int64, device=device)
+        hyper = hyper_table(mode, runs, device) if runs > 1 else pack_hyper(
+            run_hyper(mode, 0), device)
+        steps = torch.zeros(3 * runs, device=device)
+        before = counted()
+        call(mod, arrays, mode, "cadence", hyper, counters, steps, runs=runs, check=check)
+        assert counted() - before == (2 if check else 1), runs
+        before = counted()
+        mod.check_finite(list(arrays["grads"]), counters, runs)
+        assert counted() - before == 1, runs
+
+
+@pytest.mark.parametrize("name, device", [p for p in _params([()], [()])
+                                          if p.values[0] != "triton"])
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=_id)
+def test_many_tensors_of_odd_sizes(name, device, dtype):
+    """130 tensors (on a GPU, more than one launch's argument table holds), sizes around the
+    vector widths and the chunk sizes, 3 runs, one of them with a non-finite gradient."""
+    sizes = [(i * 37) % 301 + (i % 5) for i in range(130)] + [16385, 4099, 33]
+    check_runs(name, device, "cadence", MODES[1], dtype, 3, sizes=sizes, calls=2, bad_run=2,
+               bad_call=1, seed=5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CUDA graphs)")
+@pytest.mark.parametrize("name, device", [p for p in _params([()], [()])
+                                          if p.values[1] == "cuda"])
+def test_captured_array_step_replays_like_eager(name, device):
+    """A CUDA graph of step(op=cadence, check=True, runs=3) replays like eager calls, bit for
+    bit, with a hyper row changed in place between replays and one run's gradient made
+    non-finite for one replay; nothing is read back while capturing."""
+    mod = _mod(name, device)
+    mode, runs = MODES[0], 3
+    eager = make_array(runs, (7, 4097, 300, 0), torch.float32, seed=21, device=device)
+    graphed = {k: [t.clone() for t in v] for k, v in eager.items()}
+    h_e, h_g = hyper_table(mode, runs, device), hyper_table(mode, runs, device)
+    c_e = torch.zeros(counters_size(runs), dtype=torch.int64, device=device)
+    c_g = c_e.clone()
+    s_e, s_g = torch.zeros(4 * runs, device=device), torch.zeros(4 * runs, device=device)
+    # one eager call of the graphed tensors first (the Triton backend's tables; warm-up)
+    call(mod, graphed, mode, "cadence", h_g, c_g, s_g, runs=runs)
+    call(mod, eager, mode, "cadence", h_e, c_e, s_e, runs=runs)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(mod, graphed, mode, "cadence", h_g, c_g, s_g, runs=runs)
+    for i in range(5):
+        grads = _fresh_grads(eager, seed=100 + i)
+        if i == 2:
+            _poison(grads, 1, float("inf"))
+        for dst, src in ((eager["grads"], grads), (graphed["grads"], grads)):
+            for d, s in zip(dst, src):
+                d.copy_(s)
+        for h in (h_e, h_g):
+            h[2, 0] *= 1.1  # run 2's inner_lr
+        call(mod, eager, mode, "cadence", h_e, c_e, s_e, runs=runs)
+        graph.replay()
+        torch.cuda.synchronize()
+        for key in ("params", "anchors", "importances", "meta_lrs"):
+            for a, b in zip(graphed[key], eager[key]):
+                assert_bitwise(a, b, f"replay {i}: {key}")
+        assert torch.equal(s_g, s_e) and torch.equal(c_g, c_e), f"replay {i}"
+    assert c_e[run_skipped_at(runs) + 1] == 1
