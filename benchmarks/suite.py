@@ -62,6 +62,10 @@ REGISTRY = {b.name: b for b in (
               ("--device", "cpu", "--methods", "emcl", "--backends", "foreach",
                "--n-tasks", "2", "--samples-per-task", "64", "--streams", "permuted-mnist",
                "--no-plot", "--out-dir", "{out}")),
+    Benchmark("arrays", "bench_arrays",
+              "What does one step of N runs of the paper's MLP cost as one array, against N "
+              "separate optimizers, HFTA's way and the bytes' floor?",
+              ("--quick", "--out", "{out}")),
     Benchmark("imports", "bench_imports",
               "How much does `import emcl_kernels` cost beyond `import torch`?",
               ("--runs", "1", "--out", "{out}/imports.json")),

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include <ATen/Version.h>
 #include <torch/library.h>
@@ -25,16 +26,18 @@
 namespace emcl {
 namespace avx2 {
 bool any_nonfinite(at::TensorList grads);
+void runs_nonfinite(at::TensorList grads, int64_t runs, uint8_t* found);
 void update(const Lists& lists, Op which, bool prox, Importance importance, LrMode lr_mode,
-            const double* hyper, const float* grad_scale);
+            const double* hyper, const float* grad_scale, int64_t runs, const uint8_t* skip);
 void stream_probe(float* a, const float* b, float* c, float* d, int64_t n, StreamProbe kind);
 void stream_probe_bf16(at::BFloat16* a, const at::BFloat16* b, float* c, float* d, int64_t n,
                       bool step);
 }  // namespace avx2
 namespace avx512 {
 bool any_nonfinite(at::TensorList grads);
+void runs_nonfinite(at::TensorList grads, int64_t runs, uint8_t* found);
 void update(const Lists& lists, Op which, bool prox, Importance importance, LrMode lr_mode,
-            const double* hyper, const float* grad_scale);
+            const double* hyper, const float* grad_scale, int64_t runs, const uint8_t* skip);
 void stream_probe(float* a, const float* b, float* c, float* d, int64_t n, StreamProbe kind);
 void stream_probe_bf16(at::BFloat16* a, const at::BFloat16* b, float* c, float* d, int64_t n,
                       bool step);
@@ -81,17 +84,85 @@ bool any_nonfinite(at::TensorList grads) {
   return portable::any_nonfinite(grads);
 }
 
+void runs_nonfinite(at::TensorList grads, int64_t runs, uint8_t* found) {
+#ifdef EMCL_HAVE_AVX2
+  if (kernel() == Kernel::kAvx512) return avx512::runs_nonfinite(grads, runs, found);
+  if (kernel() == Kernel::kAvx2) return avx2::runs_nonfinite(grads, runs, found);
+#endif
+  portable::runs_nonfinite(grads, runs, found);
+}
+
 void update(const Lists& l, Op which, const StepCall& call, const double* hyper,
-            const float* grad_scale) {
+            const float* grad_scale, const uint8_t* skip = nullptr) {
 #ifdef EMCL_HAVE_AVX2
   if (kernel() == Kernel::kAvx512) {
-    return avx512::update(l, which, call.prox, call.importance, call.lr_mode, hyper, grad_scale);
+    return avx512::update(l, which, call.prox, call.importance, call.lr_mode, hyper, grad_scale,
+                          call.runs, skip);
   }
   if (kernel() == Kernel::kAvx2) {
-    return avx2::update(l, which, call.prox, call.importance, call.lr_mode, hyper, grad_scale);
+    return avx2::update(l, which, call.prox, call.importance, call.lr_mode, hyper, grad_scale,
+                        call.runs, skip);
   }
 #endif
-  portable::update(l, which, call.prox, call.importance, call.lr_mode, hyper, grad_scale);
+  portable::update(l, which, call.prox, call.importance, call.lr_mode, hyper, grad_scale,
+                   call.runs, skip);
+}
+
+// The finite check of an array of runs: counters[kRunFound + r] = 1 for every run r whose
+// gradients hold an inf or a NaN.
+void check_runs(at::TensorList grads, int64_t* c, int64_t runs) {
+  thread_local std::vector<uint8_t> found;
+  found.assign(static_cast<size_t>(runs), 0);
+  runs_nonfinite(grads, runs, found.data());
+  for (int64_t r = 0; r < runs; ++r) {
+    if (found[r] != 0) c[counter::kRunFound + r] = 1;
+  }
+}
+
+// step_ of an array of runs ([note: runs] in emcl_kernels/interface.py): the five points of
+// step_cpu with a found flag, a skip and a skip count per run, and one pass over the elements
+// for every run ([note: runs on the CPU] in emcl_cpu_kernels.h).
+void step_runs_cpu(const Lists& lists, const StepCall& call, const at::Tensor& steps,
+                   const at::Tensor& hyper, int64_t* c, bool check, bool finalize,
+                   const OptTensor& grad_scale, const OptTensor& found_inf) {
+  const int64_t runs = call.runs;
+  int64_t* run_found = c + counter::kRunFound;
+  int64_t* run_skipped = c + counter::kRunFound + runs;
+  // 1. the finite check, per run
+  if (check) check_runs(lists.grads, c, runs);
+  // 2. which runs skip
+  const bool skip_all = c[counter::kFound] != 0 ||
+                        (found_inf.has_value() && *found_inf->data_ptr<float>() != 0.f);
+  thread_local std::vector<uint8_t> skip;
+  skip.assign(static_cast<size_t>(runs), 0);
+  bool any_update = false;
+  for (int64_t r = 0; r < runs; ++r) {
+    skip[r] = skip_all || run_found[r] != 0;
+    any_update = any_update || skip[r] == 0;
+  }
+  // 3. which update
+  const Op which = resolve_op(call.op, c[counter::kCalls], call.meta_every);
+  // 4. the update of every run that does not skip, and its meta-step counts
+  if (any_update) {
+    update(lists, which, call, hyper.data_ptr<double>(),
+           grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr, skip.data());
+    if (has_meta(which) && steps.numel() > 0) {
+      float* s = steps.data_ptr<float>();  // param-major: s[i * runs + r]
+      for (int64_t i = 0; i < steps.numel(); ++i) {
+        if (skip[i % runs] == 0) s[i] += 1.f;
+      }
+    }
+  }
+  // 5. the bookkeeping of the step's last call on this device
+  if (finalize) {
+    if (call.op == Op::kCadence) c[counter::kCalls] += 1;
+    if (c[counter::kFound] != 0) c[counter::kSkipped] += 1;
+    c[counter::kFound] = 0;
+    for (int64_t r = 0; r < runs; ++r) {
+      if (run_found[r] != 0) run_skipped[r] += 1;
+      run_found[r] = 0;
+    }
+  }
 }
 
 // step_ on CPU tensors. On the CPU the counters, flags and hyper-parameters are host memory:
@@ -100,11 +171,15 @@ void step_cpu(at::TensorList params, at::TensorList grads, at::TensorList anchor
               at::TensorList importances, at::TensorList meta_lrs, const at::Tensor& steps,
               const at::Tensor& hyper, const at::Tensor& counters, int64_t op, bool prox,
               int64_t importance, int64_t lr_mode, int64_t meta_every, bool check,
-              bool finalize, const OptTensor& grad_scale, const OptTensor& found_inf) {
+              bool finalize, const OptTensor& grad_scale, const OptTensor& found_inf,
+              int64_t runs) {
   const Lists lists{params, grads, anchors, importances, meta_lrs};
   const StepCall call = check_step_call(lists, steps, hyper, counters, op, prox, importance,
-                                        lr_mode, meta_every, grad_scale, found_inf);
+                                        lr_mode, meta_every, grad_scale, found_inf, runs);
   int64_t* c = counters.data_ptr<int64_t>();
+  if (call.runs > 1) {
+    return step_runs_cpu(lists, call, steps, hyper, c, check, finalize, grad_scale, found_inf);
+  }
   // 1. the finite check over this call's gradients
   if (check && any_nonfinite(grads)) c[counter::kFound] = 1;
   // 2. skip?
@@ -129,8 +204,9 @@ void step_cpu(at::TensorList params, at::TensorList grads, at::TensorList anchor
   }
 }
 
-void check_finite_cpu(at::TensorList grads, const at::Tensor& counters) {
-  check_finite_call(grads, counters);
+void check_finite_cpu(at::TensorList grads, const at::Tensor& counters, int64_t runs) {
+  check_finite_call(grads, counters, runs);
+  if (runs > 1) return check_runs(grads, counters.data_ptr<int64_t>(), runs);
   if (any_nonfinite(grads)) counters.data_ptr<int64_t>()[counter::kFound] = 1;
 }
 

@@ -32,6 +32,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -46,10 +47,15 @@
 namespace emcl {
 namespace EMCL_CPU_NS {
 
-// The entry points of this copy (see the top of this file).
+// The entry points of this copy (see the top of this file). For an array of `runs` runs
+// ([note: runs] in emcl_kernels/interface.py): runs_nonfinite sets found[r] = 1 when run r's
+// elements of the gradients hold an inf or a NaN; update reads `hyper` as `runs` rows of
+// hyper::kCount values and leaves run r alone where skip[r] != 0 (`skip` may be null for
+// runs == 1). See [note: runs on the CPU].
 bool any_nonfinite(at::TensorList grads);
+void runs_nonfinite(at::TensorList grads, int64_t runs, uint8_t* found);
 void update(const Lists& lists, Op which, bool prox, Importance importance, LrMode lr_mode,
-            const double* hyper, const float* grad_scale);
+            const double* hyper, const float* grad_scale, int64_t runs, const uint8_t* skip);
 void stream_probe(float* a, const float* b, float* c, float* d, int64_t n, StreamProbe kind);
 void stream_probe_bf16(at::BFloat16* a, const at::BFloat16* b, float* c, float* d, int64_t n,
                       bool step);
@@ -456,19 +462,25 @@ void update_reduced(const Pointers<scalar_t, float>& ptrs, int64_t begin, int64_
   }
 }
 
+// [note: runs on the CPU] An array of runs is one pass like a single run's: the same index
+// space, the same pieces and threads. Each range a thread takes is cut at the run boundaries of
+// its tensor (run r owns elements [r * n, (r + 1) * n) of a tensor of runs * n elements), and
+// each part is updated with its run's Hyper (one per run, made once per call) by the same
+// per-element code, or left alone when its run skips. The result of an element depends only on
+// its own inputs and its run's hyper-parameters, so run r's elements come out bitwise as in a
+// call over run r's slices alone (tests/test_runs_kernels.py). runs == 1 takes the path it took
+// before arrays existed: no cut, one Hyper.
 template <Op kOp, bool kProx, Importance kImp, LrMode kLr, typename scalar_t>
-void update_typed(const Lists& l, const double* raw, const float* grad_scale) {
+void update_typed(const Lists& l, const double* raw, const float* grad_scale, int64_t runs,
+                  const uint8_t* skip) {
   using acc_t = at::opmath_type<scalar_t>;
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr bool kReadsAlpha = has_meta(kOp) && kLr == LrMode::kRecurrent;
   const bool scaled = grad_scale != nullptr;
-  const Hyper<Vec> hp =
-      make_hyper<acc_t>(raw, scaled ? static_cast<acc_t>(*grad_scale) : acc_t(1), scaled)
-          .template as<Vec>();
+  const acc_t scale = scaled ? static_cast<acc_t>(*grad_scale) : acc_t(1);
 
-  const auto& offsets =
-      flat_offsets(l.params.size(), [&](size_t k) { return l.params[k].numel(); });
-  for_each_range(offsets, [&](size_t k, int64_t begin, int64_t end) {
+  // Elements [begin, end) of tensor k with the hyper-parameters hp.
+  auto update_range = [&](size_t k, int64_t begin, int64_t end, const Hyper<Vec>& hp) {
     // data_ptr() once per range: a few loads from the TensorImpl.
     const Pointers<scalar_t, acc_t> ptrs{
         static_cast<scalar_t*>(l.params[k].data_ptr()),
@@ -480,6 +492,35 @@ void update_typed(const Lists& l, const double* raw, const float* grad_scale) {
       update_full<kOp, kProx, kImp, kLr>(ptrs, begin, end, hp);
     } else {
       update_reduced<kOp, kProx, kImp, kLr>(ptrs, begin, end, hp);
+    }
+  };
+
+  const auto& offsets =
+      flat_offsets(l.params.size(), [&](size_t k) { return l.params[k].numel(); });
+  if (runs == 1) {
+    const Hyper<Vec> hp = make_hyper<acc_t>(raw, scale, scaled).template as<Vec>();
+    for_each_range(offsets, [&](size_t k, int64_t begin, int64_t end) {
+      update_range(k, begin, end, hp);
+    });
+    return;
+  }
+  // Run r's hyper-parameters, from row r of `hyper`, kept as scalars and broadcast into vectors
+  // per part of a range, on the stack: a std::vector of Hyper<Vec> is not allocated at the
+  // alignment of AVX-512 vectors here (the aligned copy in update_full faulted).
+  std::vector<Hyper<acc_t>> hps;
+  hps.reserve(static_cast<size_t>(runs));
+  for (int64_t r = 0; r < runs; ++r) {
+    hps.push_back(make_hyper<acc_t>(raw + r * hyper::kCount, scale, scaled));
+  }
+  for_each_range(offsets, [&](size_t k, int64_t begin, int64_t end) {
+    const int64_t n = l.params[k].numel() / runs;  // > 0: the range is not empty
+    for (int64_t r = begin / n; begin < end; ++r) {
+      const int64_t stop = std::min(end, (r + 1) * n);
+      if (skip == nullptr || skip[r] == 0) {
+        const Hyper<Vec> hp = hps[r].template as<Vec>();
+        update_range(k, begin, stop, hp);
+      }
+      begin = stop;
     }
   });
 }
@@ -506,8 +547,38 @@ bool any_nonfinite(at::TensorList grads) {
   return found.load();
 }
 
+// The check of an array of runs: the same pass, each range cut at its tensor's run boundaries
+// ([note: runs on the CPU]); a run already found bad is not read further.
+void runs_nonfinite(at::TensorList grads, int64_t runs, uint8_t* found_out) {
+  const auto& offsets = flat_offsets(grads.size(), [&](size_t k) { return grads[k].numel(); });
+  std::unique_ptr<std::atomic<bool>[]> found(new std::atomic<bool>[static_cast<size_t>(runs)]);
+  for (int64_t r = 0; r < runs; ++r) found[r].store(false, std::memory_order_relaxed);
+  for_each_range(offsets, [&](size_t k, int64_t begin, int64_t end) {
+    const at::Tensor& g = grads[k];
+    const int64_t n = g.numel() / runs;  // > 0: the range is not empty
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "emcl_check",
+                                    [&] {
+      const auto* x = static_cast<const scalar_t*>(g.data_ptr());
+      for (int64_t r = begin / n; begin < end; ++r) {
+        const int64_t stop = std::min(end, (r + 1) * n);
+        for (int64_t b = begin; b < stop; b += kCheckBlock) {
+          if (found[r].load(std::memory_order_relaxed)) break;  // this run is known bad
+          if (range_nonfinite(x + b, std::min(kCheckBlock, stop - b))) {
+            found[r].store(true, std::memory_order_relaxed);
+            break;
+          }
+        }
+        begin = stop;
+      }
+    });
+  });
+  for (int64_t r = 0; r < runs; ++r) {
+    if (found[r].load(std::memory_order_relaxed)) found_out[r] = 1;
+  }
+}
+
 void update(const Lists& l, Op which, bool prox, Importance importance, LrMode lr_mode,
-            const double* hyper, const float* grad_scale) {
+            const double* hyper, const float* grad_scale, int64_t runs, const uint8_t* skip) {
   if (l.params.empty()) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, l.params[0].scalar_type(), "emcl_cpu", [&] {
@@ -515,7 +586,7 @@ void update(const Lists& l, Op which, bool prox, Importance importance, LrMode l
           constexpr Op kOp = decltype(op)::value;
           dispatch_modes_of<kOp>(prox, importance, lr_mode, [&](auto p, auto imp, auto lr) {
             update_typed<kOp, decltype(p)::value, decltype(imp)::value, decltype(lr)::value,
-                         scalar_t>(l, hyper, grad_scale);
+                         scalar_t>(l, hyper, grad_scale, runs, skip);
           });
         });
       });

@@ -78,8 +78,9 @@ template <> struct Bits<c10::Half> {
 
 // Elements [begin, end) of a tensor of T at `data`: any inf or NaN? Integer tests on the raw
 // bits (all exponent bits set), 16-byte loads when the tensor is aligned, kILP of them in
-// flight per thread.
-template <typename T>
+// flight per thread. kPeel: `begin` may fall inside a vector (a part of an array's chunk, [note:
+// runs on the GPU]): the elements before the next multiple of kVec are tested one at a time.
+template <typename T, bool kPeel = false>
 __device__ __forceinline__ bool range_nonfinite(const void* data, bool aligned, int64_t begin,
                                                 int64_t end) {
   using U = typename Bits<T>::U;
@@ -89,6 +90,14 @@ __device__ __forceinline__ bool range_nonfinite(const void* data, bool aligned, 
   const U* __restrict__ x = static_cast<const U*>(data);
   bool bad = false;
   if (aligned) {
+    if constexpr (kPeel) {
+      const int64_t head_end = (begin + kVec - 1) / kVec * kVec;
+      const int64_t head = head_end < end ? head_end : end;
+      for (int64_t i = begin + threadIdx.x; i < head; i += kBlockSize) {
+        bad |= (x[i] & kExp) == kExp;
+      }
+      begin = head;
+    }
     const int64_t nvec = (end - begin) / kVec;
     for (int64_t v0 = threadIdx.x; v0 < nvec; v0 += kILP * kBlockSize) {
       Pack<U, kVec> packs[kILP];
@@ -114,60 +123,96 @@ __device__ __forceinline__ bool range_nonfinite(const void* data, bool aligned, 
   return bad;
 }
 
+// Elements [begin, end) of table tensor t of the check's table, by its dtype code.
+template <bool kPeel>
+__device__ __forceinline__ bool chunk_nonfinite(const TensorListMeta<1>& meta, int t,
+                                                int64_t begin, int64_t end) {
+  const void* data = meta.addresses[0][t];
+  const bool aligned = meta.aligned(t);
+  switch (meta.dtype(t)) {  // uniform across the block
+    case kCodeFloat:
+      return range_nonfinite<float, kPeel>(data, aligned, begin, end);
+    case kCodeDouble:
+      return range_nonfinite<double, kPeel>(data, aligned, begin, end);
+    case kCodeBFloat16:
+      return range_nonfinite<c10::BFloat16, kPeel>(data, aligned, begin, end);
+    default:
+      return range_nonfinite<c10::Half, kPeel>(data, aligned, begin, end);
+  }
+}
+
+// kArray: an array of `runs` runs ([note: runs on the GPU] in emcl_cuda_step.cuh): each chunk
+// is cut at the run boundaries of its tensor and a part with an inf or a NaN sets its run's
+// flag, counters[kRunFound + r]; else counters[kFound].
+template <bool kArray>
 struct CheckFunctor {
   int64_t* counters;
+  int64_t runs;
 
   __device__ __forceinline__ void operator()(const TensorListMeta<1>& meta) const {
-    bool bad = false;
-    for_each_chunk(meta, [&](int t, int64_t begin, int64_t end) {
-      const void* data = meta.addresses[0][t];
-      const bool aligned = meta.aligned(t);
-      switch (meta.dtype(t)) {  // uniform across the block
-        case kCodeFloat:
-          bad |= range_nonfinite<float>(data, aligned, begin, end);
-          break;
-        case kCodeDouble:
-          bad |= range_nonfinite<double>(data, aligned, begin, end);
-          break;
-        case kCodeBFloat16:
-          bad |= range_nonfinite<c10::BFloat16>(data, aligned, begin, end);
-          break;
-        default:
-          bad |= range_nonfinite<c10::Half>(data, aligned, begin, end);
-          break;
+    if constexpr (kArray) {
+      for_each_chunk(meta, [&](int t, int64_t begin, int64_t end) {
+        const int64_t n = meta.numel[t] / runs;  // > 0: the chunk is not empty
+        for (int64_t r = begin / n; begin < end; ++r) {  // uniform across the block
+          const int64_t stop = end < (r + 1) * n ? end : (r + 1) * n;
+          const bool bad = chunk_nonfinite<true>(meta, t, begin, stop);
+          if (__syncthreads_or(bad) && threadIdx.x == 0) {
+            atomicExch(reinterpret_cast<unsigned long long*>(
+                           counters + counter::kRunFound + r), 1ull);
+          }
+          begin = stop;
+        }
+      });
+    } else {
+      bool bad = false;
+      for_each_chunk(meta, [&](int t, int64_t begin, int64_t end) {
+        bad |= chunk_nonfinite<false>(meta, t, begin, end);
+      });
+      // Every writer writes the same 1; the update launch that reads it comes after this one
+      // on the stream.
+      if (__syncthreads_or(bad) && threadIdx.x == 0) {
+        atomicExch(reinterpret_cast<unsigned long long*>(counters + counter::kFound), 1ull);
       }
-    });
-    // Every writer writes the same 1; the update launch that reads it comes after this one on
-    // the stream.
-    if (__syncthreads_or(bad) && threadIdx.x == 0) {
-      atomicExch(reinterpret_cast<unsigned long long*>(counters + counter::kFound), 1ull);
     }
   }
 };
 
-void launch_check(at::TensorList grads, int64_t* counters, int device, cudaStream_t stream) {
-  pack_tensor_lists<1>({grads}, resident_grid<1, CheckFunctor>(device), /*launch_empty=*/false,
+template <bool kArray>
+void launch_check_kernel(at::TensorList grads, int64_t* counters, int64_t runs, int device,
+                         cudaStream_t stream) {
+  using Functor = CheckFunctor<kArray>;
+  pack_tensor_lists<1>({grads}, resident_grid<1, Functor>(device), /*launch_empty=*/false,
                        [&](const TensorListMeta<1>& meta, bool, int grid) {
-                         multi_tensor_kernel<1, CheckFunctor>
-                             <<<grid, kBlockSize, 0, stream>>>(meta, CheckFunctor{counters});
+                         multi_tensor_kernel<1, Functor>
+                             <<<grid, kBlockSize, 0, stream>>>(meta, Functor{counters, runs});
                          C10_CUDA_KERNEL_LAUNCH_CHECK();
                          g_launch_count.fetch_add(1, std::memory_order_relaxed);
                        });
+}
+
+void launch_check(at::TensorList grads, int64_t* counters, int64_t runs, int device,
+                  cudaStream_t stream) {
+  if (runs > 1) {
+    launch_check_kernel<true>(grads, counters, runs, device, stream);
+  } else {
+    launch_check_kernel<false>(grads, counters, 1, device, stream);
+  }
 }
 
 void step_cuda(at::TensorList params, at::TensorList grads, at::TensorList anchors,
                at::TensorList importances, at::TensorList meta_lrs, const at::Tensor& steps,
                const at::Tensor& hyper, const at::Tensor& counters, int64_t op, bool prox,
                int64_t importance, int64_t lr_mode, int64_t meta_every, bool check,
-               bool finalize, const OptTensor& grad_scale, const OptTensor& found_inf) {
+               bool finalize, const OptTensor& grad_scale, const OptTensor& found_inf,
+               int64_t runs) {
   const Lists lists{params, grads, anchors, importances, meta_lrs};
   const StepCall call = check_step_call(lists, steps, hyper, counters, op, prox, importance,
-                                        lr_mode, meta_every, grad_scale, found_inf);
+                                        lr_mode, meta_every, grad_scale, found_inf, runs);
   const c10::cuda::CUDAGuard guard(call.device);
   const int device = call.device.index();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
   int64_t* c = counters.data_ptr<int64_t>();
-  if (check) launch_check(grads, c, device, stream);
+  if (check) launch_check(grads, c, call.runs, device, stream);
   const StepArgs args{hyper.data_ptr<double>(),
                       c,
                       grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr,
@@ -175,6 +220,7 @@ void step_cuda(at::TensorList params, at::TensorList grads, at::TensorList ancho
                       steps.numel() > 0 ? steps.data_ptr<float>() : nullptr,
                       call.op,
                       call.meta_every,
+                      call.runs,
                       finalize};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, call.dtype, "emcl_cuda", [&] {
     launch_step_modes<scalar_t>(lists, args, call.prox, call.importance, call.lr_mode, device,
@@ -182,10 +228,10 @@ void step_cuda(at::TensorList params, at::TensorList grads, at::TensorList ancho
   });
 }
 
-void check_finite_cuda(at::TensorList grads, const at::Tensor& counters) {
-  const at::Device device = check_finite_call(grads, counters);
+void check_finite_cuda(at::TensorList grads, const at::Tensor& counters, int64_t runs) {
+  const at::Device device = check_finite_call(grads, counters, runs);
   const c10::cuda::CUDAGuard guard(device);
-  launch_check(grads, counters.data_ptr<int64_t>(), device.index(),
+  launch_check(grads, counters.data_ptr<int64_t>(), runs, device.index(),
                c10::cuda::getCurrentCUDAStream(device.index()));
 }
 

@@ -40,13 +40,14 @@ __device__ __forceinline__ void store_pack(T* ptr, const Pack<T, N>& pack) {
 
 // The device pointers and the scalars of one step call (kernel arguments; no float value).
 struct StepArgs {
-  const double* hyper;      // hyper::kCount raw values
-  int64_t* counters;        // counter::kCount
+  const double* hyper;      // hyper::kCount raw values per run
+  int64_t* counters;        // counters_size(runs)
   const float* grad_scale;  // null: not scaled
   const float* found_inf;   // null: not given
-  float* steps;             // null: not counted
+  float* steps;             // null: not counted; else runs per parameter, param-major
   Op op;                    // as passed (kCadence resolved per block)
   int64_t meta_every;
+  int64_t runs;             // an array of runs ([note: runs on the GPU]); 1: a single run
   bool finalize;            // this launch is the last of a finalizing call
 };
 
@@ -102,7 +103,56 @@ __device__ __forceinline__ void finalize_call(int64_t* counters, int64_t found, 
   c[counter::kDone] = 0;
 }
 
-template <typename scalar_t, bool kProx, Importance kImp, LrMode kLr>
+// finalize_call for an array of `runs` runs: the same last-block pattern, and the last block's
+// threads then add each run's found flag to its skip count and clear the flag. Every block's
+// threads read the run flags before the barrier at the top (the update's skips, block 0's
+// steps); thread 0's fence-then-atomic after that barrier is cumulative over them (the same
+// argument as the Triton kernel's [note: last program]), and the last block's other threads
+// write after its thread 0's atomic-then-fence, through the second barrier.
+__device__ __forceinline__ void finalize_runs(int64_t* counters, int64_t found, int64_t calls,
+                                              Op op, int64_t runs) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    auto* done = reinterpret_cast<unsigned long long*>(counters + counter::kDone);
+    last = atomicAdd(done, 1ull) == static_cast<unsigned long long>(gridDim.x) - 1;
+    if (last) {
+      __threadfence();
+      volatile int64_t* c = counters;
+      if (op == Op::kCadence) c[counter::kCalls] = calls + 1;
+      if (found != 0) c[counter::kSkipped] = c[counter::kSkipped] + 1;
+      c[counter::kFound] = 0;
+      c[counter::kDone] = 0;
+    }
+  }
+  __syncthreads();
+  if (!last) return;
+  volatile int64_t* flags = counters + counter::kRunFound;
+  volatile int64_t* skipped = counters + counter::kRunFound + runs;
+  for (int64_t r = threadIdx.x; r < runs; r += kBlockSize) {
+    if (flags[r] != 0) skipped[r] = skipped[r] + 1;
+    flags[r] = 0;
+  }
+}
+
+// [note: runs on the GPU] An array of runs ([note: runs] in emcl_kernels/interface.py) is the
+// same single launch over the same table of tensors and chunks; kArray (a template parameter,
+// so that a single run's kernels are the ones they were) switches the functor to: each chunk
+// cut at the run boundaries of its tensor (run r owns elements [r * n, (r + 1) * n) of a tensor
+// of runs * n elements; the cut is uniform across the block), each part skipped when its run's
+// found flag is set, else updated with Hyper made by every thread from its run's row of
+// `hyper` (nine loads the block shares in L1, no barrier) by the same per-element code; a part
+// that starts inside a vector runs its first elements on the scalar path (kPeel). Block 0
+// counts each run's meta steps after its flag, and the last block clears the flags into the
+// skip counts (finalize_runs). Registers (CUDA 13.0, sm_90, cuobjdump -res-usage): the single
+// run's kernels as before (fp32 118-128, bf16 98-120, fp16 110-121, fp64 76-100); the array
+// kernels fp32 128-162, bf16 128-164, fp16 128-154, fp64 118-128, some with 16-64 bytes of
+// stack: one 256-thread block per SM where a single run's kernels have two, which still keeps
+// 4 x 16 bytes per thread and stream in flight (see kILP). Capping them at 128 registers
+// (__launch_bounds__(256, 2)) spilled 308 bytes in the fp32 kernel. To be measured on a GPU.
+
+template <typename scalar_t, bool kProx, Importance kImp, LrMode kLr, bool kArray>
 struct StepFunctor {
   using acc_t = at::opmath_type<scalar_t>;
   static constexpr bool kAlpha = kLr == LrMode::kRecurrent;  // meta_lrs are in the lists
@@ -119,6 +169,83 @@ struct StepFunctor {
   StepArgs args;
 
   __device__ __forceinline__ void operator()(const Meta& meta) const {
+    if constexpr (kArray) {
+      step_runs(meta);
+    } else {
+      step_one(meta);
+    }
+  }
+
+  // An array of runs ([note: runs on the GPU]).
+  __device__ __forceinline__ void step_runs(const Meta& meta) const {
+    __shared__ BlockState<acc_t> shared;  // (its hp is not used: one per run, per part)
+    if (threadIdx.x == 0) {
+      BlockState<acc_t> s;
+      s.found = args.counters[counter::kFound];
+      s.calls = args.counters[counter::kCalls];
+      s.skip = s.found != 0 || (args.found_inf != nullptr && *args.found_inf != 0.f);
+      s.which = resolve_op(args.op, s.calls, args.meta_every);
+      shared.found = s.found;
+      shared.calls = s.calls;
+      shared.skip = s.skip;
+      shared.which = s.which;
+    }
+    __syncthreads();
+    const int64_t runs = args.runs;
+    const int64_t* run_found = args.counters + counter::kRunFound;
+    if (!shared.skip) {
+      const Op which = shared.which;
+      switch (which) {  // uniform across the launch
+        case Op::kInner:
+          for_each_chunk(meta, [&](int t, int64_t b, int64_t e) {
+            update_runs<Op::kInner>(meta, t, b, e);
+          });
+          break;
+        case Op::kMeta:
+          for_each_chunk(meta, [&](int t, int64_t b, int64_t e) {
+            update_runs<Op::kMeta>(meta, t, b, e);
+          });
+          break;
+        default:
+          for_each_chunk(meta, [&](int t, int64_t b, int64_t e) {
+            update_runs<Op::kInnerMeta>(meta, t, b, e);
+          });
+          break;
+      }
+      // The meta-step counts of this launch's parameters, every run that did not skip
+      // (element i * runs + r), by one block.
+      if (blockIdx.x == 0 && has_meta(which) && args.steps != nullptr) {
+        float* steps = args.steps + static_cast<int64_t>(meta.first_param) * runs;
+        const int64_t count = static_cast<int64_t>(meta.num_params) * runs;
+        for (int64_t j = threadIdx.x; j < count; j += kBlockSize) {
+          if (run_found[j % runs] == 0) steps[j] += 1.f;
+        }
+      }
+    }
+    if (args.finalize) finalize_runs(args.counters, shared.found, shared.calls, args.op, runs);
+  }
+
+  // Elements [begin, end) of table tensor t of an array: cut at its run boundaries, each part
+  // updated with its run's hyper-parameters unless its run skips.
+  template <Op kOp>
+  __device__ __forceinline__ void update_runs(const Meta& meta, int t, int64_t begin,
+                                              int64_t end) const {
+    const int64_t n = meta.numel[t] / args.runs;  // > 0: the chunk is not empty
+    const bool scaled = args.grad_scale != nullptr;
+    for (int64_t r = begin / n; begin < end; ++r) {
+      const int64_t stop = end < (r + 1) * n ? end : (r + 1) * n;
+      if (args.counters[counter::kRunFound + r] == 0) {
+        const Hyper<acc_t> hp = make_hyper<acc_t>(
+            args.hyper + r * hyper::kCount,
+            scaled ? static_cast<acc_t>(*args.grad_scale) : acc_t(1), scaled);
+        update_range<kOp, true>(meta, t, begin, stop, hp);
+      }
+      begin = stop;
+    }
+  }
+
+  // A single run: the block's state read once by thread 0 and shared.
+  __device__ __forceinline__ void step_one(const Meta& meta) const {
     __shared__ BlockState<acc_t> shared;
     if (threadIdx.x == 0) {
       BlockState<acc_t> s;
@@ -164,7 +291,9 @@ struct StepFunctor {
 
   // Elements [begin, end) of table tensor t: 16-byte packs (kILP per thread in flight) when
   // the tensor is aligned, then the tail (fewer than kVec elements) one element at a time.
-  template <Op kOp>
+  // kPeel: `begin` may fall inside a vector (a part of an array's chunk): the elements before
+  // the next multiple of kVec go one at a time first.
+  template <Op kOp, bool kPeel = false>
   __device__ __forceinline__ void update_range(const Meta& meta, int t, int64_t begin,
                                                int64_t end, const Hyper<acc_t>& hp) const {
     constexpr bool kReadsAlpha = has_meta(kOp) && kAlpha;
@@ -174,8 +303,28 @@ struct StepFunctor {
     auto* __restrict__ importance = static_cast<acc_t*>(meta.addresses[3][t]);
     acc_t* __restrict__ alpha = nullptr;
     if constexpr (kAlpha) alpha = static_cast<acc_t*>(meta.addresses[kDepth - 1][t]);
+    auto one = [&](int64_t i) {  // element i alone
+      acc_t theta = static_cast<acc_t>(param[i]);
+      acc_t theta0 = anchor[i];
+      acc_t h = importance[i];
+      acc_t rate = acc_t(0);
+      if constexpr (kReadsAlpha) rate = alpha[i];
+      step<kOp, kProx, kImp, kLr>(theta, static_cast<acc_t>(grad[i]), theta0, h, rate, hp);
+      param[i] = static_cast<scalar_t>(theta);
+      if constexpr (has_meta(kOp)) {
+        anchor[i] = theta0;
+        importance[i] = h;
+        if constexpr (kReadsAlpha) alpha[i] = rate;
+      }
+    };
 
     if (meta.aligned(t)) {
+      if constexpr (kPeel) {
+        const int64_t head_end = (begin + kVec - 1) / kVec * kVec;
+        const int64_t head = head_end < end ? head_end : end;
+        for (int64_t i = begin + threadIdx.x; i < head; i += kBlockSize) one(i);
+        begin = head;
+      }
       const int64_t nvec = (end - begin) / kVec;
       for (int64_t v0 = threadIdx.x; v0 < nvec; v0 += kILP * kBlockSize) {
         Pack<scalar_t, kVec> p[kILP], g[kILP];
@@ -216,26 +365,13 @@ struct StepFunctor {
       }
       begin += nvec * kVec;
     }
-    for (int64_t i = begin + threadIdx.x; i < end; i += kBlockSize) {
-      acc_t theta = static_cast<acc_t>(param[i]);
-      acc_t theta0 = anchor[i];
-      acc_t h = importance[i];
-      acc_t rate = acc_t(0);
-      if constexpr (kReadsAlpha) rate = alpha[i];
-      step<kOp, kProx, kImp, kLr>(theta, static_cast<acc_t>(grad[i]), theta0, h, rate, hp);
-      param[i] = static_cast<scalar_t>(theta);
-      if constexpr (has_meta(kOp)) {
-        anchor[i] = theta0;
-        importance[i] = h;
-        if constexpr (kReadsAlpha) alpha[i] = rate;
-      }
-    }
+    for (int64_t i = begin + threadIdx.x; i < end; i += kBlockSize) one(i);
   }
 };
 
-template <typename scalar_t, bool kProx, Importance kImp, LrMode kLr>
+template <typename scalar_t, bool kProx, Importance kImp, LrMode kLr, bool kArray>
 void launch_step(const Lists& l, const StepArgs& args, int device, cudaStream_t stream) {
-  using Functor = StepFunctor<scalar_t, kProx, kImp, kLr>;
+  using Functor = StepFunctor<scalar_t, kProx, kImp, kLr, kArray>;
   constexpr int kDepth = Functor::kDepth;
   static_assert(sizeof(TensorListMeta<kDepth>) + sizeof(Functor) <= 4096,
                 "kernel arguments past the 4 KiB limit, see [note: argument limit]");
@@ -264,8 +400,13 @@ template <typename scalar_t>
 void launch_step_modes(const Lists& l, const StepArgs& args, bool prox, Importance importance,
                        LrMode lr_mode, int device, cudaStream_t stream) {
   dispatch_modes(prox, importance, lr_mode, [&](auto p, auto imp, auto lr) {
-    launch_step<scalar_t, decltype(p)::value, decltype(imp)::value, decltype(lr)::value>(
-        l, args, device, stream);
+    if (args.runs > 1) {
+      launch_step<scalar_t, decltype(p)::value, decltype(imp)::value, decltype(lr)::value,
+                  true>(l, args, device, stream);
+    } else {
+      launch_step<scalar_t, decltype(p)::value, decltype(imp)::value, decltype(lr)::value,
+                  false>(l, args, device, stream);
+    }
   });
 }
 #endif  // EMCL_CUDA_STEP_DEFINE

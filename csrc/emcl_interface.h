@@ -4,10 +4,10 @@
 
 namespace emcl {
 
-constexpr int kInterfaceVersion = 2;
-constexpr const char* kLayout = "v2;hyper=inner_lr,meta_lr,reg,gamma,decay,lr_scale,lr_min,lr_max,eps;counters=found,calls,skipped,done;ops=inner,meta,inner_meta,cadence;lr_modes=recurrent,inverse,constant;importance=taylor,si";
-constexpr const char* kStepSchema = "step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] anchors, Tensor(c!)[] importances, Tensor(d!)[] meta_lrs, Tensor(e!) steps, Tensor hyper, Tensor(f!) counters, *, int op, bool prox, int importance, int lr_mode, int meta_every, bool check, bool finalize, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()";
-constexpr const char* kCheckFiniteSchema = "check_finite_(Tensor[] grads, Tensor(a!) counters) -> ()";
+constexpr int kInterfaceVersion = 3;
+constexpr const char* kLayout = "v3;hyper=inner_lr,meta_lr,reg,gamma,decay,lr_scale,lr_min,lr_max,eps;counters=found,calls,skipped,done;ops=inner,meta,inner_meta,cadence;lr_modes=recurrent,inverse,constant;importance=taylor,si";
+constexpr const char* kStepSchema = "step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] anchors, Tensor(c!)[] importances, Tensor(d!)[] meta_lrs, Tensor(e!) steps, Tensor hyper, Tensor(f!) counters, *, int op, bool prox, int importance, int lr_mode, int meta_every, bool check, bool finalize, Tensor? grad_scale=None, Tensor? found_inf=None, int runs=1) -> ()";
+constexpr const char* kCheckFiniteSchema = "check_finite_(Tensor[] grads, Tensor(a!) counters, int runs=1) -> ()";
 
 // Slots of the fp64 `hyper` tensor.
 namespace hyper {
@@ -31,6 +31,8 @@ constexpr int kCalls = 1;
 constexpr int kSkipped = 2;
 constexpr int kDone = 3;
 constexpr int kCount = 4;
+// runs > 1: per-run found flags at kRunFound + r, skip counts at kRunFound + runs + r
+constexpr int kRunFound = 4;
 }  // namespace counter
 
 enum class Op : int {

@@ -100,9 +100,48 @@ void check_flag(const char* name, const OptTensor& t, const at::Device& device) 
               "are on ", device);
 }
 
-void check_counters(const at::Tensor& counters, const at::Device& device) {
-  check_vector("counters", counters, at::kLong, counter::kCount, device,
-               "the device's step counters, emcl_kernels.interface.COUNTER_FIELDS");
+void check_runs(int64_t runs) {
+  TORCH_CHECK_VALUE(runs >= 1, "runs must be >= 1 (the runs of an array; 1: no array), got ",
+                    runs);
+}
+
+void check_counters(const at::Tensor& counters, const at::Device& device, int64_t runs) {
+  check_vector("counters", counters, at::kLong, counters_size(runs), device,
+               runs == 1 ? "the device's step counters, emcl_kernels.interface.COUNTER_FIELDS"
+                         : "the device's step counters, emcl_kernels.interface.COUNTER_FIELDS, "
+                           "then a found flag and a skip count per run: "
+                           "emcl_kernels.interface.counters_size(runs)");
+}
+
+// hyper: contiguous fp64 on `device`, one row of hyper::kCount raw values per run (1-d for a
+// single run; [runs, kCount] or 1-d of runs * kCount for an array).
+void check_hyper(const at::Tensor& hyper, const at::Device& device, int64_t runs) {
+  if (runs == 1) {
+    check_vector("hyper", hyper, at::kDouble, hyper::kCount, device,
+                 "the raw hyper-parameters, emcl_kernels.interface.HYPER_FIELDS");
+    return;
+  }
+  TORCH_CHECK(hyper.defined(), "hyper is undefined");
+  TORCH_CHECK_TYPE(hyper.scalar_type() == at::kDouble, "hyper must be float64 (the raw "
+                   "hyper-parameters), got ", hyper.scalar_type());
+  TORCH_CHECK_VALUE(hyper.numel() == runs * hyper::kCount &&
+                        (hyper.dim() == 1 || (hyper.dim() == 2 && hyper.size(0) == runs)),
+                    "hyper must hold one row of ", hyper::kCount, " raw hyper-parameters "
+                    "(emcl_kernels.interface.HYPER_FIELDS) per run: shape [", runs, ", ",
+                    hyper::kCount, "] (or ", runs * hyper::kCount, " elements in one "
+                    "dimension) for runs=", runs, ", got shape ", hyper.sizes());
+  TORCH_CHECK(hyper.layout() == at::kStrided && hyper.is_contiguous(), "hyper must be a "
+              "contiguous dense tensor (the raw hyper-parameters, one row per run)");
+  TORCH_CHECK(hyper.device() == device, "hyper is on ", hyper.device(), " but the call's "
+              "tensors are on ", device);
+}
+
+// Every tensor of an array of `runs` runs holds numel / runs elements of each run.
+void check_divisible(const char* role, size_t i, const at::Tensor& t, int64_t runs) {
+  TORCH_CHECK_VALUE(t.numel() % runs == 0, role, "[", i, "] has ", t.numel(), " elements, "
+                    "not a multiple of runs=", runs, "; every tensor of an array of runs "
+                    "holds the same number of elements of each run (the run is its leading "
+                    "dimension)");
 }
 
 }  // namespace
@@ -110,7 +149,8 @@ void check_counters(const at::Tensor& counters, const at::Device& device) {
 StepCall check_step_call(const Lists& l, const at::Tensor& steps, const at::Tensor& hyper,
                          const at::Tensor& counters, int64_t op, bool prox, int64_t importance,
                          int64_t lr_mode, int64_t meta_every, const OptTensor& grad_scale,
-                         const OptTensor& found_inf) {
+                         const OptTensor& found_inf, int64_t runs) {
+  check_runs(runs);
   TORCH_CHECK_VALUE(op >= 0 && op <= static_cast<int64_t>(Op::kCadence), "op must be one of "
                     "emcl_kernels.interface.OP (0 inner, 1 meta, 2 inner_meta, 3 cadence), "
                     "got ", op);
@@ -140,16 +180,18 @@ StepCall check_step_call(const Lists& l, const at::Tensor& steps, const at::Tens
                                                               : at::kFloat;
   TORCH_CHECK_TYPE(is_param_dtype(dtype), "params must be float32, float64, bfloat16 or "
                    "float16, got ", dtype);
-  check_counters(counters, device);
-  check_vector("hyper", hyper, at::kDouble, hyper::kCount, device,
-               "the raw hyper-parameters, emcl_kernels.interface.HYPER_FIELDS");
+  check_counters(counters, device, runs);
+  check_hyper(hyper, device, runs);
   TORCH_CHECK(steps.defined(), "steps is undefined; pass an empty float32 tensor when the "
               "meta steps are not counted");
   TORCH_CHECK_TYPE(steps.scalar_type() == at::kFloat, "steps must be float32 (the step of each "
                    "parameter's optimizer state), got ", steps.scalar_type());
   TORCH_CHECK_VALUE(steps.numel() == 0 || (steps.dim() == 1 && static_cast<size_t>(
-                    steps.numel()) == n), "steps must be empty or one-dimensional with one "
-                    "element per parameter (", n, "), got shape ", steps.sizes());
+                    steps.numel()) == n * static_cast<size_t>(runs)),
+                    "steps must be empty or one-dimensional with ",
+                    runs == 1 ? "one element per parameter (" : "runs elements per parameter, "
+                    "param-major (", n * static_cast<size_t>(runs), "), got shape ",
+                    steps.sizes());
   TORCH_CHECK(steps.layout() == at::kStrided && steps.is_contiguous(), "steps must be a "
               "contiguous dense tensor");
   TORCH_CHECK(steps.numel() == 0 || steps.device() == device, "steps is on ", steps.device(),
@@ -163,6 +205,8 @@ StepCall check_step_call(const Lists& l, const at::Tensor& steps, const at::Tens
     check_tensor("anchors", i, l.anchors[i], state, p, device);
     check_tensor("importances", i, l.importances[i], state, p, device);
     if (alpha) check_tensor("meta_lrs", i, l.meta_lrs[i], state, p, device);
+    // the other lists have p's sizes (checked above)
+    if (runs > 1) check_divisible("params", i, p, runs);
   }
   check_flag("grad_scale", grad_scale, device);
   check_flag("found_inf", found_inf, device);
@@ -173,13 +217,15 @@ StepCall check_step_call(const Lists& l, const at::Tensor& steps, const at::Tens
                   meta_every,
                   alpha,
                   device,
-                  dtype};
+                  dtype,
+                  runs};
 }
 
-at::Device check_finite_call(at::TensorList grads, const at::Tensor& counters) {
+at::Device check_finite_call(at::TensorList grads, const at::Tensor& counters, int64_t runs) {
+  check_runs(runs);
   TORCH_CHECK(counters.defined(), "counters is undefined");
   const at::Device device = counters.device();
-  check_counters(counters, device);
+  check_counters(counters, device, runs);
   for (size_t i = 0; i < grads.size(); ++i) {
     const at::Tensor& g = grads[i];
     TORCH_CHECK(g.defined(), "grads[", i, "] is undefined (None)");
@@ -187,6 +233,7 @@ at::Device check_finite_call(at::TensorList grads, const at::Tensor& counters) {
                      g.scalar_type(), "; gradients must be float32, float64, bfloat16 or "
                      "float16");
     check_tensor("grads", i, g, g.scalar_type(), g, device);
+    if (runs > 1) check_divisible("grads", i, g, runs);
   }
   return device;
 }
@@ -238,14 +285,15 @@ namespace {
 using StepFn = void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
                     at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                     int64_t, bool, int64_t, int64_t, int64_t, bool, bool, const OptTensor&,
-                    const OptTensor&);
-using CheckFiniteFn = void(at::TensorList, const at::Tensor&);
+                    const OptTensor&, int64_t);
+using CheckFiniteFn = void(at::TensorList, const at::Tensor&, int64_t);
 
-// The arguments' positions in kStepSchema.
+// The arguments' positions in kStepSchema. The last one, runs, has a default (1): the entry
+// points take the arguments with or without it.
 const char* const kStepArgs[] = {"params", "grads", "anchors", "importances", "meta_lrs",
                                  "steps", "hyper", "counters", "op", "prox", "importance",
                                  "lr_mode", "meta_every", "check", "finalize", "grad_scale",
-                                 "found_inf"};
+                                 "found_inf", "runs"};
 constexpr Py_ssize_t kStepNargs = sizeof(kStepArgs) / sizeof(kStepArgs[0]);
 
 std::vector<at::Tensor> unpack_list(PyObject* obj, const char* name) {
@@ -304,8 +352,9 @@ class WithoutGil {
 
 PyObject* py_step(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  TORCH_CHECK_TYPE(nargs == kStepNargs, "emcl_kernels._C.step takes the ", kStepNargs,
-                   " arguments of torch.ops.emcl.step_ by position, got ", nargs);
+  TORCH_CHECK_TYPE(nargs == kStepNargs || nargs == kStepNargs - 1, "emcl_kernels._C.step "
+                   "takes the ", kStepNargs, " arguments of torch.ops.emcl.step_ by position "
+                   "(runs may be left out), got ", nargs);
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("emcl::step_", "")
                              .typed<StepFn>();
@@ -326,10 +375,12 @@ PyObject* py_step(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
   const bool finalize = unpack_bool(args[14], kStepArgs[14]);
   const OptTensor grad_scale = unpack_optional(args[15], kStepArgs[15]);
   const OptTensor found_inf = unpack_optional(args[16], kStepArgs[16]);
+  const int64_t runs = nargs == kStepNargs ? unpack_int(args[17], kStepArgs[17]) : 1;
   {
     const WithoutGil released;
     op.call(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, op_code,
-            prox, importance, lr_mode, meta_every, check, finalize, grad_scale, found_inf);
+            prox, importance, lr_mode, meta_every, check, finalize, grad_scale, found_inf,
+            runs);
   }
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
@@ -341,8 +392,9 @@ PyObject* py_step(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs)
 // property. Raises what step_ would raise; returns None.
 PyObject* py_check_step_call(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  TORCH_CHECK_TYPE(nargs == kStepNargs, "emcl_kernels._C.check_step_call takes the ",
-                   kStepNargs, " arguments of torch.ops.emcl.step_ by position, got ", nargs);
+  TORCH_CHECK_TYPE(nargs == kStepNargs || nargs == kStepNargs - 1,
+                   "emcl_kernels._C.check_step_call takes the ", kStepNargs, " arguments of "
+                   "torch.ops.emcl.step_ by position (runs may be left out), got ", nargs);
   const auto params = unpack_list(args[0], kStepArgs[0]);
   const auto grads = unpack_list(args[1], kStepArgs[1]);
   const auto anchors = unpack_list(args[2], kStepArgs[2]);
@@ -355,23 +407,25 @@ PyObject* py_check_step_call(PyObject* /*module*/, PyObject* const* args, Py_ssi
                   unpack_int(args[10], kStepArgs[10]), unpack_int(args[11], kStepArgs[11]),
                   unpack_int(args[12], kStepArgs[12]),
                   unpack_optional(args[15], kStepArgs[15]),
-                  unpack_optional(args[16], kStepArgs[16]));
+                  unpack_optional(args[16], kStepArgs[16]),
+                  nargs == kStepNargs ? unpack_int(args[17], kStepArgs[17]) : 1);
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
 
 PyObject* py_check_finite(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  TORCH_CHECK_TYPE(nargs == 2, "emcl_kernels._C.check_finite takes (grads, counters), got ",
-                   nargs, " arguments");
+  TORCH_CHECK_TYPE(nargs == 2 || nargs == 3, "emcl_kernels._C.check_finite takes (grads, "
+                   "counters[, runs]), got ", nargs, " arguments");
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("emcl::check_finite_", "")
                              .typed<CheckFiniteFn>();
   const auto grads = unpack_list(args[0], "grads");
   const at::Tensor& counters = unpack_tensor(args[1], "counters");
+  const int64_t runs = nargs == 3 ? unpack_int(args[2], "runs") : 1;
   {
     const WithoutGil released;
-    op.call(grads, counters);
+    op.call(grads, counters, runs);
   }
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
@@ -674,13 +728,13 @@ PyMethodDef kMethods[] = {
     {"step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_step)),
      METH_FASTCALL,
      "step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, op, prox, "
-     "importance, lr_mode, meta_every, check, finalize, grad_scale, found_inf): "
+     "importance, lr_mode, meta_every, check, finalize, grad_scale, found_inf[, runs]): "
      "torch.ops.emcl.step_ with its arguments by position, without torch.ops' argument "
      "parsing."},
     {"check_step_call",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_check_step_call)),
      METH_FASTCALL,
-     "check_step_call(<the 17 arguments of step>): the argument checks of "
+     "check_step_call(<the 18 arguments of step, runs optional>): the argument checks of "
      "torch.ops.emcl.step_ alone (raises what it would raise), for the Triton launcher."},
     {"plan_grads", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_plan_grads)),
      METH_FASTCALL,
@@ -707,7 +761,8 @@ PyMethodDef kMethods[] = {
      "False: run the Python checks."},
     {"check_finite", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_check_finite)),
      METH_FASTCALL,
-     "check_finite(grads, counters): torch.ops.emcl.check_finite_, without torch.ops' "
+     "check_finite(grads, counters[, runs]): torch.ops.emcl.check_finite_, without "
+     "torch.ops' "
      "argument parsing."},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -34,21 +34,31 @@ struct StepCall {
   bool alpha;         // meta_lrs are passed (lr_mode is recurrent)
   at::Device device;  // of every tensor of the call
   at::ScalarType dtype;  // of params and grads (kFloat when there are no params)
+  int64_t runs;       // runs of an array ([note: runs] in emcl_kernels/interface.py); 1: none
 };
+
+// The length of a device's `counters` for a call over `runs` runs: the counter::kCount fields,
+// and for runs > 1 a found flag and a skip count per run (interface.counters_size).
+inline int64_t counters_size(int64_t runs) {
+  return counter::kCount + (runs > 1 ? 2 * runs : 0);
+}
 
 // Checks every argument of a step_ call against the interface (emcl_kernels/interface.py) and
 // returns the decoded scalars; throws before anything is written. A direct torch.ops.emcl call
 // with bad arguments gets a ValueError (counts, shapes, values), a TypeError (dtypes) or a
 // RuntimeError (devices, layouts), never a crash. Costs a few comparisons per tensor: no
-// allocation, no message formatting unless a check fails.
+// allocation, no message formatting unless a check fails. For an array of `runs` runs it also
+// checks that `hyper` holds runs rows, `counters` the per-run slots, `steps` runs entries per
+// parameter and that every tensor's numel is a multiple of `runs`.
 StepCall check_step_call(const Lists& lists, const at::Tensor& steps, const at::Tensor& hyper,
                          const at::Tensor& counters, int64_t op, bool prox, int64_t importance,
                          int64_t lr_mode, int64_t meta_every, const OptTensor& grad_scale,
-                         const OptTensor& found_inf);
+                         const OptTensor& found_inf, int64_t runs);
 
-// The same for check_finite_(grads, counters): grads of any parameter dtypes, dense and
-// non-overlapping, on the device of `counters`. Returns that device.
-at::Device check_finite_call(at::TensorList grads, const at::Tensor& counters);
+// The same for check_finite_(grads, counters, runs): grads of any parameter dtypes, dense and
+// non-overlapping, on the device of `counters` (of counters_size(runs) elements), each with a
+// numel that is a multiple of `runs`. Returns that device.
+at::Device check_finite_call(at::TensorList grads, const at::Tensor& counters, int64_t runs);
 
 // Which update the call does: `op`, or for kCadence kInnerMeta when (calls + 1) % meta_every
 // == 0, else kInner (`calls` is counters[kCalls] as the call finds it).

@@ -10,11 +10,12 @@ that a stale build is refused with a message instead of reading the wrong slots.
 
     backend.step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, *,
                  op, prox, importance, lr_mode, meta_every, check, finalize,
-                 grad_scale=None, found_inf=None)
+                 grad_scale=None, found_inf=None, runs=1)
 
-and when a step covers several groups on one device, ``backend.check_finite(grads, counters)``
-is called for every group first and every ``step`` then has ``check=False``, so that one
-non-finite gradient anywhere skips the whole step in every group.
+and when a step covers several groups on one device, ``backend.check_finite(grads, counters,
+runs)`` is called for every group first and every ``step`` then has ``check=False``, so that one
+non-finite gradient anywhere skips the whole step in every group (in an array of runs: that
+run, in every group; see [note: runs]).
 
 Tensors (all on one device; Python validated them before the call, the C++ ops check them
 again cheaply so that a direct ``torch.ops.emcl`` call cannot crash):
@@ -25,14 +26,17 @@ again cheaply so that a direct ``torch.ops.emcl`` call cannot crash):
 - Tensor ``i`` of every list has the shape and the strides of ``params[i]``, and is dense and
   non-overlapping (contiguous, channels_last, ...): a kernel treats it as ``numel`` elements
   from its data pointer. No two tensors overlap in memory.
-- ``steps``: 1-d fp32 of one element per param (each param's meta-step count, the ``step`` of
-  its optimizer state), or empty (not counted). ``+1`` for every meta update that is not
-  skipped.
-- ``hyper``: 1-d contiguous fp64, laid out by :data:`HYPER_FIELDS` (raw values; the kernels
+- ``steps``: 1-d fp32 of ``runs`` elements per param, param-major (element ``i * runs + r`` is
+  run ``r``'s meta-step count of param ``i``, the ``step`` of its optimizer state), or empty (not
+  counted). ``+1`` for every meta update that is not skipped.
+- ``hyper``: contiguous fp64, ``runs`` rows of :data:`HYPER_FIELDS` (row ``r`` is run ``r``'s;
+  1-d for ``runs == 1``) (raw values; the kernels
   combine them in fp64, in the order of ``emcl_kernels.reference``, and round once to the
   compute dtype). ``lr_scale`` = :data:`LR_SCALE_FROM_REG` means ``1 / reg`` (1 when reg is 0).
 - ``counters``: 1-d contiguous int64, laid out by :data:`COUNTER_FIELDS`, one per device,
-  shared by every call of a step on that device.
+  shared by every call of a step on that device; for ``runs > 1`` followed by ``runs`` per-run
+  found flags and ``runs`` per-run skip counts (:func:`counters_size`).
+- ``runs`` (>= 1): the number of runs the call's tensors hold ([note: runs]).
 - ``grad_scale``, ``found_inf``: None or one-element fp32 (``torch.amp.GradScaler``): g is
   divided by ``grad_scale``; ``found_inf != 0`` skips the step.
 
@@ -43,16 +47,27 @@ the step on this device: advance the counters, see below).
 
 What a call does:
 
-1. ``check``: any inf/NaN in ``grads`` sets ``counters[FOUND] = 1``.
-2. ``skip = counters[FOUND] != 0 or (found_inf is given and found_inf != 0)``.
+1. ``check``: any inf/NaN in ``grads`` sets ``counters[FOUND] = 1`` (``runs > 1``: any inf/NaN
+   in run ``r``'s elements sets ``counters[RUN_FOUND + r] = 1``).
+2. ``skip = counters[FOUND] != 0 or (found_inf is given and found_inf != 0)``; run ``r`` skips
+   when ``skip`` or ``counters[RUN_FOUND + r] != 0``.
 3. ``op``: INNER, META or INNER_META; CADENCE is INNER_META when
    ``(counters[CALLS] + 1) % meta_every == 0``, else INNER (the counter is read before any
    call of the step changes it).
-4. Unless ``skip``: the update of SPEC section 2 on every element; ``steps += 1`` when it was a
-   meta update.
+4. For every run that does not skip: the update of SPEC section 2 on its elements, with its row
+   of ``hyper``; its ``steps`` ``+= 1`` when it was a meta update.
 5. ``finalize``: ``counters[CALLS] += 1`` if ``op == CADENCE``; ``counters[SKIPPED] += 1`` if
-   ``counters[FOUND] != 0``; then ``counters[FOUND] = 0``. (``counters[DONE]`` is scratch for
-   the GPU kernels' last-block bookkeeping and is 0 between calls.)
+   ``counters[FOUND] != 0``; then ``counters[FOUND] = 0``; for ``runs > 1`` and every run ``r``:
+   ``counters[RUN_SKIPPED + r] += 1`` if ``counters[RUN_FOUND + r] != 0``, then
+   ``counters[RUN_FOUND + r] = 0``. (``counters[DONE]`` is scratch for the GPU kernels'
+   last-block bookkeeping and is 0 between calls.)
+
+[note: runs] An array of ``runs`` runs: every tensor of the call holds ``numel / runs`` elements
+of each run, run-major in memory (run ``r`` owns flat elements ``[r * n, (r + 1) * n)``, ``n =
+numel / runs``: the leading dimension is the run and the outermost in memory). Run ``r`` computes
+exactly what a call over its slices alone with ``hyper``'s row ``r`` computes, bit for bit; its
+non-finite gradient skips it alone (a GradScaler's ``found_inf`` and ``counters[FOUND]`` skip
+every run). One call still serves the whole (device, dtype) group, whatever ``runs``.
 
 Every hyper-parameter is within :func:`emcl_kernels.validation`'s domain, so no scalar the
 kernels form overflows (see [note: domains] there).
@@ -60,13 +75,13 @@ kernels form overflows (see [note: domains] there).
 from __future__ import annotations
 
 __all__ = ["HYPER_FIELDS", "HYPER", "LR_SCALE_FROM_REG", "HYPER_DEFAULTS", "resolve_lr_scale",
-           "COUNTER_FIELDS", "COUNTER", "OPS",
+           "COUNTER_FIELDS", "COUNTER", "RUN_FOUND", "counters_size", "run_skipped_at", "OPS",
            "OP", "LR_MODES", "LR_MODE", "IMPORTANCE_KINDS", "IMPORTANCE", "PARAM_DTYPES",
            "INTERFACE_VERSION", "STEP_ARGS", "STEP_POSITIONAL", "CHECK_FINITE_ARGS",
            "STEP_SCHEMA", "CHECK_FINITE_SCHEMA", "layout_string", "render_header"]
 
 #: Bumped whenever the meaning of an argument changes (the header and the build carry it).
-INTERFACE_VERSION = 2
+INTERFACE_VERSION = 3
 
 #: Layout of ``hyper`` (fp64): raw hyper-parameters, SPEC section 1's names.
 HYPER_FIELDS = ("inner_lr", "meta_lr", "reg", "gamma", "decay", "lr_scale", "lr_min", "lr_max",
@@ -89,6 +104,19 @@ def resolve_lr_scale(lr_scale, reg):
 #: Layout of ``counters`` (int64, one per device).
 COUNTER_FIELDS = ("found", "calls", "skipped", "done")
 COUNTER = {name: i for i, name in enumerate(COUNTER_FIELDS)}
+#: For ``runs > 1``: run ``r``'s found flag is ``counters[RUN_FOUND + r]``, its skip count
+#: ``counters[run_skipped_at(runs) + r]``.
+RUN_FOUND = len(COUNTER_FIELDS)
+
+
+def run_skipped_at(runs: int) -> int:
+    """Where the per-run skip counts start in ``counters`` for ``runs`` runs."""
+    return RUN_FOUND + runs
+
+
+def counters_size(runs: int = 1) -> int:
+    """The length of a device's ``counters`` for arrays of ``runs`` runs (1: no array)."""
+    return len(COUNTER_FIELDS) + (2 * runs if runs > 1 else 0)
 
 #: ``op``: which update a call does.
 OPS = ("inner", "meta", "inner_meta", "cadence")
@@ -112,10 +140,10 @@ STEP_ARGS = (
     ("hyper", "Tensor"), ("counters", "Tensor(f!)"),
     ("op", "int"), ("prox", "bool"), ("importance", "int"), ("lr_mode", "int"),
     ("meta_every", "int"), ("check", "bool"), ("finalize", "bool"),
-    ("grad_scale", "Tensor?=None"), ("found_inf", "Tensor?=None"),
+    ("grad_scale", "Tensor?=None"), ("found_inf", "Tensor?=None"), ("runs", "int=1"),
 )
 STEP_POSITIONAL = 8  # params .. counters
-CHECK_FINITE_ARGS = (("grads", "Tensor[]"), ("counters", "Tensor(a!)"))
+CHECK_FINITE_ARGS = (("grads", "Tensor[]"), ("counters", "Tensor(a!)"), ("runs", "int=1"))
 
 
 def _schema(name: str, args, positional: int) -> str:
@@ -168,7 +196,9 @@ def render_header() -> str:
             f"constexpr double kLrScaleFromReg = {LR_SCALE_FROM_REG!r};", "",
             "// Slots of the int64 `counters` tensor.", "namespace counter {"]
     out += [f"constexpr int {_camel(n)} = {i};" for i, n in enumerate(COUNTER_FIELDS)]
-    out += [f"constexpr int kCount = {len(COUNTER_FIELDS)};", "}  // namespace counter", ""]
+    out += [f"constexpr int kCount = {len(COUNTER_FIELDS)};",
+            "// runs > 1: per-run found flags at kRunFound + r, skip counts at kRunFound + runs + r",
+            f"constexpr int kRunFound = {len(COUNTER_FIELDS)};", "}  // namespace counter", ""]
     out += _enum("Op", [_camel(n) for n in OPS], OPS)
     out += _enum("LrMode", [_camel(n) for n in LR_MODES], LR_MODES)
     out += _enum("Importance", [_camel(n) if n != "si" else "kSI" for n in IMPORTANCE_KINDS],

@@ -521,29 +521,38 @@ def test_step_traces_under_torch_compile():
 
 
 def test_direct_entry_points_refuse_malformed_arguments():
-    """emcl_kernels._C.step/check_finite take the schema's arguments by position; anything
-    else is a TypeError naming the argument, before the operator runs."""
+    """emcl_kernels._C.step/check_finite take the schema's arguments by position (the last,
+    runs, may be left out); anything else is a TypeError naming the argument, before the
+    operator runs."""
     from emcl_kernels import _C
     call = step_op_call("cpu")
     args = [call[k] for k in ("params", "grads", "anchors", "importances", "meta_lrs", "steps",
                               "hyper", "counters", "op", "prox", "importance", "lr_mode",
                               "meta_every", "check", "finalize", "grad_scale", "found_inf")]
+    args.append(1)  # runs
     tensors = call_tensors(call)
     before = bitwise_snapshot(tensors)
-    with pytest.raises(TypeError, match="17 arguments"):
-        _C.step(*args[:-1])
+    with pytest.raises(TypeError, match="18 arguments"):
+        _C.step(*args[:-2])
+    with pytest.raises(TypeError, match="18 arguments"):
+        _C.step(*args, 1)
     for i, bad, match in ((0, call["params"][0], "params must be a list"),
                           (1, [call["grads"][0], 3.0], r"grads\[1\] must be a tensor"),
                           (6, [call["hyper"]], "hyper must be a tensor"),
                           (8, 3.0, "op must be an int"), (8, True, "op must be an int"),
-                          (9, 1, "prox must be a bool"), (15, 8.0, "grad_scale must be a tensor")):
+                          (9, 1, "prox must be a bool"), (15, 8.0, "grad_scale must be a tensor"),
+                          (17, 1.0, "runs must be an int")):
         with pytest.raises(TypeError, match=match):
             _C.step(*args[:i], bad, *args[i + 1:])
     with pytest.raises(TypeError, match="grads, counters"):
         _C.check_finite(call["grads"])
+    with pytest.raises(TypeError, match="runs must be an int"):
+        _C.check_finite(call["grads"], call["counters"], "1")
     assert_bitwise_unchanged(tensors, before, "malformed direct calls")
     _C.step(*args)
     assert counters_dict(call["counters"])["calls"] == 1
+    _C.step(*args[:-1])  # runs left out: 1
+    assert counters_dict(call["counters"])["calls"] == 2
 
 
 def test_check_skip_in_one_call_writes_nothing_but_the_counters():

@@ -172,10 +172,10 @@ def test_stage_selection():
     assert sel("--stage", "1") == ["env", "deps", "build", "smoke", "gpu_tests"]
     # stage 2: what only a GPU tells first, the test files CI also runs last
     assert sel("--stage", "2") == ["env", "deps", "build", "big_tests", "sanitizer",
-                                   "bench_step", "bench_kernels", "triton_sweep", "plan_key",
-                                   "main_job", "rest_tests"]
-    assert sel("--stage", "2", "--skip", "sanitizer,rest_tests")[-5:] == [
-        "bench_step", "bench_kernels", "triton_sweep", "plan_key", "main_job"]
+                                   "bench_step", "bench_arrays", "bench_kernels", "triton_sweep",
+                                   "plan_key", "main_job", "rest_tests"]
+    assert sel("--stage", "2", "--skip", "sanitizer,rest_tests")[-6:] == [
+        "bench_step", "bench_arrays", "bench_kernels", "triton_sweep", "plan_key", "main_job"]
 
 
 def test_every_test_file_runs_in_one_of_the_two_stages():

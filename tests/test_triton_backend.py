@@ -768,7 +768,7 @@ def test_fast_launch_entry_reads_the_launcher_signature():
 def test_launcher_arguments_follow_the_kernel_signature():
     """The launchers' constexpr names are the kernels' constexpr parameters, in order, after
     every other parameter (the fast path passes them by position)."""
-    for launcher, n_args in ((TB._STEP, 10), (TB._CHECK, 3)):
+    for launcher, n_args in ((TB._STEP, 11), (TB._CHECK, 4)):
         kernel = getattr(TB._kernels, launcher.name)
         params = list(inspect.signature(kernel.fn).parameters.values())
         consts = [p.name for p in params if "constexpr" in str(p.annotation)]
@@ -794,7 +794,7 @@ def test_fast_launch_key_refines_tritons_specialization():
     steps = [off(torch.float32, 3, s) for s in (0, 1, 2, 4)]
     flags = [None, off(torch.float32, 1, 0), off(torch.float32, 1, 1)]
     ints = [0, 1, 3, 16, 17, 2 ** 31 - 1, 2 ** 31, -2 ** 31, -2 ** 31 - 1, 2 ** 62, 2 ** 63]
-    consts = (0, OP["cadence"], True, 0, 1, False, False, True, 4096, 1024)
+    consts = (0, OP["cadence"], True, 0, 1, False, False, True, 4096, 1024, False)
     seen = {True: {}, False: {}}
     for tb, h, c, s, gs, fi, n, m in itertools.product(
             table, hyper, counters, steps, flags, flags, ints[:6], ints):
@@ -804,10 +804,11 @@ def test_fast_launch_key_refines_tritons_specialization():
         f = hyper[0] if fi is None else fi
         tensors = (table[0], tb, table[1], h, c, s, g, f)
         kc = consts[:5] + (gs is not None, fi is not None) + consts[7:]
-        _, spec, _ = binder(table[0], tb, table[1], h, c, s, n, m, g, f,
+        _, spec, _ = binder(table[0], tb, table[1], h, c, s, n, m, 1, g, f,
                             **dict(zip(TB._STEP.consts, kc)))
         for dtypes in (True, False):
-            key = (kc, TB._tensor_kinds(tensors, dtypes), TB._int_kind(n), TB._int_kind(m))
+            key = (kc, TB._tensor_kinds(tensors, dtypes), TB._int_kind(n), TB._int_kind(m),
+                   TB._int_kind(1))
             got = seen[dtypes].setdefault(key, spec)
             assert got == spec, (dtypes, key, got, spec)
     assert len(set(map(repr, seen[True].values()))) > 20       # the grid meets many kernels
@@ -980,15 +981,16 @@ from emcl_kernels.backends import triton_kernels as K
 assert type(K.emcl_step_kernel).__name__ == "JITFunction", type(K.emcl_step_kernel)
 # integers that change with the model or the cadence compile no new variant (1, multiples of 16)
 loose = {p.name: p.do_not_specialize for p in K.emcl_step_kernel.params}
-assert loose["n_steps"] and loose["meta_every"], loose
+assert loose["n_steps"] and loose["meta_every"] and loose["runs"], loose
+assert {p.name: p.do_not_specialize for p in K.emcl_check_kernel.params}["runs"]
 names = ["PARAM", "OP", "PROX", "IMPORTANCE_KIND", "LR_MODE", "HAS_GRAD_SCALE",
-         "HAS_FOUND_INF", "FINALIZE", "BLOCK", "SUB"]
+         "HAS_FOUND_INF", "FINALIZE", "BLOCK", "SUB", "ARRAY"]
 step_sig = {"chunks": "*i64", "tensors": "*i64", "grads": "*i64", "hyper": "*fp64",
             "counters": "*i64", "steps": "*fp32", "n_steps": "i64", "meta_every": "i64",
-            "grad_scale_ptr": "*fp32", "found_inf_ptr": "*fp32"}
+            "runs": "i64", "grad_scale_ptr": "*fp32", "found_inf_ptr": "*fp32"}
 step_sig.update({n: "constexpr" for n in names})
-check_sig = {"chunks": "*i64", "grads": "*i64", "counters": "*i64", "PARAM": "constexpr",
-             "BLOCK": "constexpr"}
+check_sig = {"chunks": "*i64", "grads": "*i64", "counters": "*i64", "runs": "i64",
+             "PARAM": "constexpr", "BLOCK": "constexpr", "ARRAY": "constexpr"}
 target = GPUTarget("cuda", 90, 32)
 out = []
 for kind, consts in json.loads(sys.argv[1]):
@@ -997,7 +999,7 @@ for kind, consts in json.loads(sys.argv[1]):
                         constexprs=dict(zip(names, consts)))
     else:
         src = ASTSource(fn=K.emcl_check_kernel, signature=check_sig,
-                        constexprs=dict(PARAM=consts[0], BLOCK=consts[1]))
+                        constexprs=dict(PARAM=consts[0], BLOCK=consts[1], ARRAY=consts[2]))
     ptx = triton.compile(src, target=target, options={"num_warps": 8}).asm["ptx"]
     ops = re.findall(r"((?:ld|st|atom)\.global[.\w]*)|(bar\.sync)", ptx)
     # the run-time alignment test of the vector path: `addr & 15`
@@ -1012,18 +1014,23 @@ def test_compiles_for_the_gpu_with_vector_access():
     """Both kernels compile for sm_90 (front end to PTX, no GPU needed) for every dtype and
     several ops and flags, each with its vector path (16-byte loads and stores of the aligned
     full chunks), chosen at run time by an alignment test that the compiler kept (bf16/fp16
-    also show the 16-bit accesses of their scalar path); n_steps and meta_every are not
+    also show the 16-bit accesses of their scalar path); n_steps, meta_every and runs are not
     specialized (no new compile when they change); a finalizing
-    update has one acq_rel atomic add on counters[DONE], right after a block barrier."""
+    update has one acq_rel atomic add on counters[DONE], right after a block barrier. The
+    kernels of arrays of runs (ARRAY) too."""
     import json
     import subprocess
     # PARAM, OP, PROX, IMPORTANCE_KIND, LR_MODE, HAS_GRAD_SCALE, HAS_FOUND_INF, FINALIZE,
-    # BLOCK, SUB (as the backend passes them: fp64 chunks are half as long)
+    # BLOCK, SUB (as the backend passes them: fp64 chunks are half as long), ARRAY
     steps = [[p, OP["cadence"], True, 0, 0, True, True, True, 4096 // (2 if p == 3 else 1),
-              1024 // (2 if p == 3 else 1)] for p in range(4)]
-    steps += [[1, OP["inner"], False, 1, 1, False, False, False, 4096, 1024],
-              [0, OP["meta"], True, 1, 2, False, True, True, 4096, 1024]]
-    checks = [[p, 4096 // (2 if p == 3 else 1)] for p in range(4)]
+              1024 // (2 if p == 3 else 1), False] for p in range(4)]
+    steps += [[1, OP["inner"], False, 1, 1, False, False, False, 4096, 1024, False],
+              [0, OP["meta"], True, 1, 2, False, True, True, 4096, 1024, False]]
+    steps += [[p, OP["cadence"], True, 0, 0, True, True, True, 4096 // (2 if p == 3 else 1),
+               1024 // (2 if p == 3 else 1), True] for p in (0, 1, 3)]
+    steps += [[0, OP["inner"], False, 1, 1, False, False, False, 4096, 1024, True]]
+    checks = [[p, 4096 // (2 if p == 3 else 1), False] for p in range(4)]
+    checks += [[p, 4096 // (2 if p == 3 else 1), True] for p in (0, 2)]
     combos = [["step", c] for c in steps] + [["check", c] for c in checks]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

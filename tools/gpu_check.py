@@ -112,14 +112,14 @@ def repo_relative(text: str) -> str:
     files a check writes name no machine's folders."""
     return text.replace(ROOT + os.sep, "").replace(ROOT, ".")
 STAGES = ("env", "deps", "build", "smoke", "gpu_tests", "tests", "rest_tests", "big_tests",
-          "sanitizer", "bench_kernels", "triton_sweep", "bench_step", "plan_key",
+          "sanitizer", "bench_kernels", "triton_sweep", "bench_step", "bench_arrays", "plan_key",
           "check_finite", "bench_training", "main_job")
 #: The stages of the full run (no --stage).
 FULL = ("env", "deps", "build", "tests", "sanitizer", "bench_kernels", "triton_sweep",
-        "bench_step", "plan_key", "check_finite", "bench_training", "main_job")
+        "bench_step", "bench_arrays", "plan_key", "check_finite", "bench_training", "main_job")
 #: [note: two stages]: the stages of --stage 1 and --stage 2, and their time budgets (s).
 STAGE_SETS = {1: ("env", "deps", "build", "smoke", "gpu_tests"),
-              2: ("env", "deps", "build", "big_tests", "sanitizer", "bench_step",
+              2: ("env", "deps", "build", "big_tests", "sanitizer", "bench_step", "bench_arrays",
                   "bench_kernels", "triton_sweep", "plan_key", "main_job", "rest_tests")}
 STAGE_BUDGETS = {1: 360, 2: 300}
 #: The test files with tests that run only on a GPU or on the GPU backends (stage 1); the
@@ -127,7 +127,7 @@ STAGE_BUDGETS = {1: 360, 2: 300}
 GPU_TEST_FILES = ("tests/test_cuda_backend.py", "tests/test_triton_backend.py",
                   "tests/test_capturable.py", "tests/test_graphed.py", "tests/test_amp.py",
                   "tests/test_compile.py", "tests/test_checkpoint.py", "tests/test_misuse.py",
-                  "tests/test_distributed.py")
+                  "tests/test_distributed.py", "tests/test_runs.py", "tests/test_runs_kernels.py")
 #: The GPU-only tests of the other files: stage 1 runs them too, since a 270 s stage 2 seldom
 #: reaches the rest of the suite (tests/test_gpu_check.py checks that none is missing).
 GPU_TESTS_ELSEWHERE = (
@@ -160,13 +160,15 @@ _MENTIONS_GPU = re.compile(r"\b(GPU|GPUs|CUDA|cuda)\b")
 _TIMEOUTS = {"env": (300, 300), "deps": (300, 300), "build": (1800, 1800),
              "tests": (5400, 3600), "sanitizer": (3600, 120), "bench_kernels": (2400, 90),
              "triton_sweep": (1200, 120),
-             "bench_step": (2400, 120), "plan_key": (300, 60), "check_finite": (900, 300),
+             "bench_step": (2400, 120), "bench_arrays": (1200, 60), "plan_key": (300, 60),
+             "check_finite": (900, 300),
              "bench_training": (2400, 900), "main_job": (1800, 90),
              "smoke": (240, 150), "gpu_tests": (600, 600), "rest_tests": (600, 600),
              "big_tests": (300, 120)}
 # Below this many seconds left in the budget, a stage is not started.
 _MIN_SECONDS = {"build": 60, "smoke": 30, "gpu_tests": 30, "rest_tests": 30, "big_tests": 40,
                 "sanitizer": 30, "bench_kernels": 30, "triton_sweep": 30, "bench_step": 30,
+                "bench_arrays": 20,
                 "plan_key": 20, "main_job": 30}
 
 
@@ -969,7 +971,8 @@ class GpuCheck:
         if jsons:
             try:
                 key = {"bench_kernels": "kernels", "bench_step": "step",
-                       "check_finite": "check_finite", "bench_training": "training"}[st.name]
+                       "bench_arrays": "arrays", "check_finite": "check_finite",
+                       "bench_training": "training"}[st.name]
                 reader = kernel_headline if key == "kernels" else generic_headline
                 headline = self.summary_extra["benchmarks"][key] = reader(jsons[-1])
                 if headline.get("bugs"):
@@ -1010,6 +1013,11 @@ class GpuCheck:
 
     def stage_bench_step(self, st: StageResult) -> None:
         self._bench(st, "step", "step_*", required_device=False)
+
+    def stage_bench_arrays(self, st: StageResult) -> None:
+        """``python -m benchmarks arrays --device cuda``: N = 1 ... 256 runs of the MLP as one
+        array against N optimizers, HFTA's way (quick: 3 rounds)."""
+        self._bench(st, "arrays", "arrays_*", required_device=False)
 
     def stage_plan_key(self, st: StageResult) -> None:
         """The host's part of a step on cuda (the kernels a no-op): what the per-step plan key
@@ -1098,8 +1106,8 @@ class GpuCheck:
         if self.args.skip_tests:
             skip |= {"tests", "sanitizer"}
         if self.args.skip_benchmarks:
-            skip |= {"bench_kernels", "triton_sweep", "bench_step", "plan_key", "check_finite",
-                     "bench_training"}
+            skip |= {"bench_kernels", "triton_sweep", "bench_step", "bench_arrays", "plan_key",
+                     "check_finite", "bench_training"}
         for name in list(only) + list(skip):
             if name not in STAGES:
                 raise SystemExit(f"unknown stage {name!r}; the stages are {', '.join(STAGES)}")

@@ -110,11 +110,11 @@ if LOAD_ERROR is None:
     @torch.library.register_fake("emcl::step_")
     def _step_fake(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, *,
                    op, prox, importance, lr_mode, meta_every, check, finalize,
-                   grad_scale=None, found_inf=None):
+                   grad_scale=None, found_inf=None, runs=1):
         return None
 
     @torch.library.register_fake("emcl::check_finite_")
-    def _check_finite_fake(grads, counters):
+    def _check_finite_fake(grads, counters, runs=1):
         return None
 else:
     def _unavailable(*args, **kwargs):
@@ -127,23 +127,25 @@ _compiling = torch.compiler.is_compiling
 
 def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, *, op: int,
          prox: bool, importance: int, lr_mode: int, meta_every: int, check: bool,
-         finalize: bool, grad_scale=None, found_inf=None) -> None:
+         finalize: bool, grad_scale=None, found_inf=None, runs: int = 1) -> None:
     """One step of one group ([note: the step call] in :mod:`emcl_kernels.interface`): one
-    call of the ``emcl::step_`` operator."""
+    call of the ``emcl::step_`` operator, whatever ``runs`` ([note: runs] there)."""
     if _compiling():
         _step_op(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, op=op,
                  prox=prox, importance=importance, lr_mode=lr_mode, meta_every=meta_every,
-                 check=check, finalize=finalize, grad_scale=grad_scale, found_inf=found_inf)
+                 check=check, finalize=finalize, grad_scale=grad_scale, found_inf=found_inf,
+                 runs=runs)
     else:
         _direct_step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, op,
                      prox, importance, lr_mode, meta_every, check, finalize, grad_scale,
-                     found_inf)
+                     found_inf, runs)
 
 
-def check_finite(grads, counters) -> None:
-    """``counters[FOUND] = 1`` when a gradient holds an inf or a NaN (a read-only pass; one
+def check_finite(grads, counters, runs: int = 1) -> None:
+    """``counters[FOUND] = 1`` when a gradient holds an inf or a NaN; for an array of ``runs``
+    runs, ``counters[RUN_FOUND + r] = 1`` when run ``r``'s elements do (a read-only pass; one
     launch on a GPU): one call of the ``emcl::check_finite_`` operator."""
     if _compiling():
-        _check_finite_op(grads, counters)
+        _check_finite_op(grads, counters, runs)
     else:
-        _direct_check_finite(grads, counters)
+        _direct_check_finite(grads, counters, runs)

@@ -14,8 +14,9 @@ from torch import Tensor
 
 from emcl_kernels.integration import capturing
 from emcl_kernels.interface import (COUNTER, HYPER, IMPORTANCE_KINDS, LR_MODES,
-                                    LR_SCALE_FROM_REG, OP)
-from emcl_kernels.backends.reference import hyper_dict  # the one decoder of `hyper` on the host
+                                    LR_SCALE_FROM_REG, OP, RUN_FOUND, run_skipped_at)
+# the one decoder of `hyper` on the host, and the run slices of an array ([note: runs])
+from emcl_kernels.backends.reference import hyper_dict, run_slice
 from emcl_kernels.reference import compute_dtype
 
 __all__ = ["step", "check_finite"]
@@ -118,17 +119,25 @@ def _meta(theta, g, anchors, importances, meta_lrs, *, meta_lr, reg, decay, lr_s
 _FOUND, _CALLS, _SKIPPED = COUNTER["found"], COUNTER["calls"], COUNTER["skipped"]
 
 
-def check_finite(grads, counters: Tensor) -> None:
+def check_finite(grads, counters: Tensor, runs: int = 1) -> None:
     """``counters[FOUND] = 1`` when a gradient holds an inf or a NaN: one read-only pass per
-    dtype (the inf-norm of each tensor is inf or NaN exactly then), no host sync."""
+    dtype (the inf-norm of each tensor is inf or NaN exactly then), no host sync. In an array of
+    runs, the inf-norm of each run's slice sets that run's flag ``counters[RUN_FOUND + r]``."""
     by_dtype: dict = {}
     for g in grads:
         if g.numel():
             by_dtype.setdefault(g.dtype, []).append(g)
     for lst in by_dtype.values():
-        norms = torch._foreach_norm(lst, float("inf"))
-        bad = ~torch.isfinite(torch.stack(norms)).all()
-        counters[_FOUND].copy_(torch.maximum(counters[_FOUND], bad.to(counters.dtype)))
+        if runs == 1:
+            norms = torch._foreach_norm(lst, float("inf"))
+            bad = ~torch.isfinite(torch.stack(norms)).all()
+            counters[_FOUND].copy_(torch.maximum(counters[_FOUND], bad.to(counters.dtype)))
+            continue
+        # one inf-norm per (tensor, run): the per-run maxima of |g| over each tensor's runs
+        per_run = torch.stack([g.detach().reshape(runs, -1).abs().amax(dim=1) for g in lst])
+        bad = (~torch.isfinite(per_run)).any(dim=0).to(counters.dtype)
+        flags = counters[RUN_FOUND:RUN_FOUND + runs]
+        flags.copy_(torch.maximum(flags, bad))
 
 
 def _hyper_tensors(hyper: Tensor) -> dict:
@@ -158,10 +167,19 @@ def _update(which: int, params, grads, anchors, importances, meta_lrs, hp: dict,
 
 def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, *, op: int,
          prox: bool, importance: int, lr_mode: int, meta_every: int, check: bool,
-         finalize: bool, grad_scale=None, found_inf=None) -> None:
+         finalize: bool, grad_scale=None, found_inf=None, runs: int = 1) -> None:
     """One step of one group (emcl_kernels.interface, [note: the step call]). Eagerly it reads
     the counters and the hyper-parameters on the host (one sync on a GPU); under torch.compile
-    or a CUDA graph capture it computes every branch and selects with ``torch.where``."""
+    or a CUDA graph capture it computes every branch and selects with ``torch.where``.
+
+    An array of runs ([note: runs]) is stepped run by run, each run's slices with the ops and
+    the scalars of a group of its own: its bits are those of the run alone, and the launches
+    grow with the number of runs (the fused backends make one launch whatever the number)."""
+    if runs > 1:
+        return _step_runs(params, grads, anchors, importances, meta_lrs, steps, hyper,
+                          counters, op=op, prox=prox, importance=importance, lr_mode=lr_mode,
+                          meta_every=meta_every, check=check, finalize=finalize,
+                          grad_scale=grad_scale, found_inf=found_inf, runs=runs)
     if check:
         check_finite(grads, counters)
     kinds = dict(prox=prox, importance=IMPORTANCE_KINDS[importance], lr_mode=LR_MODES[lr_mode])
@@ -215,3 +233,35 @@ def _step_without_sync(op, params, grads, anchors, importances, meta_lrs, steps,
         t.copy_(torch.where(skip, old, t))
     if steps.numel():
         steps.add_((is_meta & ~skip).to(steps.dtype))
+
+
+def _step_runs(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, *, op,
+               prox, importance, lr_mode, meta_every, check, finalize, grad_scale, found_inf,
+               runs) -> None:
+    """An array's step: the finite check per run, then each run's step as a group of its own
+    with a scratch counter that carries the array's flags for that run."""
+    if check:
+        check_finite(grads, counters, runs)
+    rows = hyper.reshape(runs, -1)
+    per_param = steps.view(-1, runs) if steps.numel() else None
+    for r in range(runs):
+        own = counters[:RUN_FOUND].clone()          # FOUND and CALLS as the array's
+        own[_FOUND] = torch.maximum(own[_FOUND], counters[RUN_FOUND + r])
+        run_steps = per_param[:, r].clone() if per_param is not None else steps
+        step([run_slice(t, r, runs) for t in params], [run_slice(t, r, runs) for t in grads],
+             [run_slice(t, r, runs) for t in anchors],
+             [run_slice(t, r, runs) for t in importances],
+             [run_slice(t, r, runs) for t in meta_lrs], run_steps, rows[r], own, op=op,
+             prox=prox, importance=importance, lr_mode=lr_mode, meta_every=meta_every,
+             check=False, finalize=False, grad_scale=grad_scale, found_inf=found_inf)
+        if per_param is not None:
+            per_param[:, r].copy_(run_steps)
+    if finalize:
+        if op == OP["cadence"]:
+            counters[_CALLS].add_(1)
+        counters[_SKIPPED].add_((counters[_FOUND] != 0).to(counters.dtype))
+        counters[_FOUND].zero_()
+        at = run_skipped_at(runs)
+        flags = counters[RUN_FOUND:RUN_FOUND + runs]
+        counters[at:at + runs].add_((flags != 0).to(counters.dtype))
+        flags.zero_()

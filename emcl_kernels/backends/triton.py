@@ -72,7 +72,7 @@ from typing import Optional
 import torch
 
 from emcl_kernels.backends.extension import entry_point
-from emcl_kernels.interface import LR_MODE, OP
+from emcl_kernels.interface import LR_MODE, OP, counters_size
 
 try:
     import triton  # noqa: F401
@@ -336,21 +336,27 @@ def _ensure_reserve(device: torch.device, need: int) -> None:
         _reserves[device] = _Reserve(max(_RESERVE_MIN, 4 * need))
 
 
-def _chunk_table(device, block, numels, capturing):
-    """(table, count): rows (tensor index, first element, elements) of every chunk."""
-    key = (device, block, numels)
+def _chunk_table(device, block, numels, capturing, runs=1):
+    """(table, count): rows (tensor index, first element, elements) of every chunk. For an
+    array of ``runs`` runs ([note: runs in Triton] in ``triton_kernels``) each run's elements
+    of each tensor are chunked on their own (no chunk crosses a run boundary) and the first
+    column is ``tensor * runs + run``."""
+    key = (device, block, numels, runs)
     hit = _chunk_tables.get(key)
     if hit is not None:
         _chunk_tables.move_to_end(key)
         return hit
+    # (for an array: one part per (tensor, run), tensor-major, of numel / runs elements)
     n = torch.tensor(numels, dtype=torch.int64)
-    counts = (n + block - 1) // block
+    per = torch.repeat_interleave(n // runs, runs) if runs > 1 else n
+    counts = (per + block - 1) // block
     n_chunks = int(counts.sum())
     first = torch.cumsum(counts, 0) - counts
-    index = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int64), counts)
-    start = (torch.arange(n_chunks, dtype=torch.int64)
-             - torch.repeat_interleave(first, counts)) * block
-    size = torch.clamp(n[index] - start, max=block)
+    index = torch.repeat_interleave(torch.arange(per.numel(), dtype=torch.int64), counts)
+    offset = (torch.arange(n_chunks, dtype=torch.int64)
+              - torch.repeat_interleave(first, counts)) * block   # within the part
+    size = torch.clamp(per[index] - offset, max=block)
+    start = offset + (index % runs) * per[index] if runs > 1 else offset
     table = _upload(torch.stack([index, start, size], 1).contiguous(), device, capturing)
     if capturing:
         return table, n_chunks
@@ -764,8 +770,8 @@ _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device
 
 _STEP = _Launcher("emcl_step_kernel", ("PARAM", "OP", "PROX", "IMPORTANCE_KIND", "LR_MODE",
                                        "HAS_GRAD_SCALE", "HAS_FOUND_INF", "FINALIZE", "BLOCK",
-                                       "SUB"))
-_CHECK = _Launcher("emcl_check_kernel", ("PARAM", "BLOCK"))
+                                       "SUB", "ARRAY"))
+_CHECK = _Launcher("emcl_check_kernel", ("PARAM", "BLOCK", "ARRAY"))
 
 
 def _block(dtype: torch.dtype) -> int:
@@ -789,21 +795,50 @@ def _param_code(dtype: torch.dtype) -> int:
     return code
 
 
-def _check(chunks, n_chunks, grads_table, counters, code, device, stream, block, options):
-    args = (chunks, grads_table, counters)
-    _CHECK(n_chunks, device, stream, args, _tensor_kinds(args, True), (code, block), options)
+def _check(chunks, n_chunks, grads_table, counters, code, device, stream, block, options,
+           runs=1):
+    args = (chunks, grads_table, counters, runs)
+    _CHECK(n_chunks, device, stream, args, _tensor_kinds(args[:3], True) + (_int_kind(runs),),
+           (code, block, runs > 1), options)
 
 
-def check_finite(grads, counters: torch.Tensor) -> None:
-    """``counters[FOUND] = 1`` when a gradient holds an inf or a NaN: one read-only launch
+_PLAIN_COUNTERS = counters_size(1)
+
+
+def _check_finite_call(grads, counters: torch.Tensor, runs: int) -> None:
+    """The checks of ``torch.ops.emcl.check_finite_`` that concern arrays of runs, before
+    anything is launched: ``runs`` >= 1, ``counters`` with the per-run slots, every gradient's
+    numel a multiple of ``runs``."""
+    if type(runs) is not int:
+        raise TypeError(f"runs must be an int, got {type(runs).__name__}")
+    if runs < 1:
+        raise ValueError(f"runs must be >= 1 (the runs of an array; 1: no array), got {runs}")
+    want = counters_size(runs)
+    if counters.dim() != 1 or counters.numel() != want:
+        raise ValueError(f"counters must be one-dimensional with {want} elements "
+                         f"(emcl_kernels.interface.counters_size({runs})), got shape "
+                         f"{tuple(counters.shape)}")
+    if runs > 1:
+        for i, g in enumerate(grads):
+            if g.numel() % runs:
+                raise ValueError(f"grads[{i}] has {g.numel()} elements, not a multiple of "
+                                 f"runs={runs}; every tensor of an array of runs holds the "
+                                 "same number of elements of each run")
+
+
+def check_finite(grads, counters: torch.Tensor, runs: int = 1) -> None:
+    """``counters[FOUND] = 1`` when a gradient holds an inf or a NaN; for an array of ``runs``
+    runs, ``counters[RUN_FOUND + r] = 1`` when run ``r``'s elements do: one read-only launch
     per dtype over every non-empty gradient (``grads`` writes nothing, no host sync)."""
     grads = list(grads)
+    if runs != 1 or counters.numel() != _PLAIN_COUNTERS:
+        _check_finite_call(grads, counters, runs)
     if not grads:
         return
     dtypes = set(map(_dtype, grads))
     if len(dtypes) > 1:                    # one launch per dtype
         for dt in dtypes:
-            check_finite([g for g in grads if g.dtype == dt], counters)
+            check_finite([g for g in grads if g.dtype == dt], counters, runs)
         return
     block = _block(grads[0].dtype)
     device = grads[0].device
@@ -814,13 +849,13 @@ def check_finite(grads, counters: torch.Tensor) -> None:
         if not numels:
             return
     grad_key = tuple(map(_data_ptr, grads))
-    sig = (device, block, len(numels), grad_key[0])            # [note: cache keys]
+    sig = (device, block, len(numels), grad_key[0], runs)      # [note: cache keys]
     hit = _checks.get(sig)
     if hit is not None and hit[0] == numels and hit[1] == grad_key and not capturing:
         chunks, n_chunks, table = hit[2]
         _checks.move_to_end(sig)
     else:
-        chunks, n_chunks = _chunk_table(device, block, numels, capturing)
+        chunks, n_chunks = _chunk_table(device, block, numels, capturing, runs)
         table = _grad_table(device, grad_key, capturing)
         if not capturing:
             _checks[sig] = (numels, grad_key, (chunks, n_chunks, table))
@@ -836,15 +871,16 @@ def check_finite(grads, counters: torch.Tensor) -> None:
         _ensure_reserve(device, 3 * n_chunks + len(numels))
         _used_here(device, stream, (chunks, table))
     _check(chunks, n_chunks, table, counters, _param_code(grads[0].dtype), device, stream,
-           block, _options())
+           block, _options(), runs)
 
 
 def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, *, op: int,
          prox: bool, importance: int, lr_mode: int, meta_every: int, check: bool,
-         finalize: bool, grad_scale=None, found_inf=None) -> None:
+         finalize: bool, grad_scale=None, found_inf=None, runs: int = 1) -> None:
     """One step of one group ([note: the step call] in :mod:`emcl_kernels.interface`): with
     ``check``, one launch of the finite check; then one launch of the update, which also
-    counts ``steps`` and, with ``finalize``, advances ``counters``."""
+    counts ``steps`` and, with ``finalize``, advances ``counters``. An array of ``runs`` runs
+    takes the same two launches ([note: runs in Triton] in ``triton_kernels``)."""
     dtype = params[0].dtype if params else torch.float32
     block = _block(dtype)
     device = counters.device
@@ -859,7 +895,7 @@ def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, 
         found = _confirmed(device, block, params, grads, anchors)
         if found is not None:
             call = (op, bool(prox), importance, lr_mode, meta_every, grad_scale is not None,
-                    found_inf is not None)
+                    found_inf is not None, runs)
             others = [_as_list(anchors), _as_list(importances),
                       _as_list(meta_lrs) if recurrent else [],
                       [steps, hyper, counters] + [t for t in (grad_scale, found_inf)
@@ -871,10 +907,12 @@ def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, 
     elif _NATIVE_CHECK is not None:                          # [note: launcher checks]
         _NATIVE_CHECK(params, grads, anchors, importances, meta_lrs if recurrent else [],
                       steps, hyper, counters, op, bool(prox), importance, lr_mode, meta_every,
-                      bool(check), bool(finalize), grad_scale, found_inf)
+                      bool(check), bool(finalize), grad_scale, found_inf, runs)
     else:
         _check_call(params, grads, anchors, importances, meta_lrs if recurrent else None,
                     device)
+        if runs != 1:
+            _check_runs_call(params, steps, hyper, counters, runs)
     code = _param_code(dtype)
     options = _options()
     stream = _stream(device) if cuda else 0
@@ -888,25 +926,52 @@ def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, 
             if len(records) >= _MAX_CHECKED and call not in records:
                 records.clear()
             records[call] = _LAYOUT_KEY(others)
+    chunks = None
     if plan is not None:
+        chunks, n_chunks = plan.chunks, plan.n_chunks
+        if runs > 1:             # the array's chunks: none crosses a run boundary
+            chunks, n_chunks = _chunk_table(
+                device, block, tuple(n for n in map(_numel, params) if n), capturing, runs)
         if cuda and not capturing:
-            _ensure_reserve(device, plan.need)
-            _used_here(device, stream, (plan.chunks, plan.tensors, plan.grads))
+            _ensure_reserve(device, plan.need + 3 * n_chunks)
+            _used_here(device, stream, (chunks, plan.tensors, plan.grads))
         if check:
-            _check(plan.chunks, plan.n_chunks, plan.grads, counters, code, device, stream,
-                   block, options)
+            _check(chunks, n_chunks, plan.grads, counters, code, device, stream, block,
+                   options, runs)
     else:
         if not finalize and not (steps.numel() and op != _OP_INNER):
             return                          # no tensor, nothing to count
         plan = _empty_plan(device, capturing)
+        chunks, n_chunks = plan.chunks, plan.n_chunks
     n_steps = steps.numel()
     gs = hyper if grad_scale is None else grad_scale
     fi = hyper if found_inf is None else found_inf
     # [note: fast launch] with the C++ checks, every dtype here is fixed by the call's checks
-    kinds = _tensor_kinds((plan.chunks, plan.tensors, plan.grads, hyper, counters, steps, gs,
-                           fi), _NATIVE_CHECK is None)
-    _STEP(plan.n_chunks, device, stream,
-          (plan.chunks, plan.tensors, plan.grads, hyper, counters, steps, n_steps, meta_every,
-           gs, fi), kinds + (_int_kind(n_steps), _int_kind(meta_every)),
+    kinds = _tensor_kinds((chunks, plan.tensors, plan.grads, hyper, counters, steps, gs, fi),
+                          _NATIVE_CHECK is None)
+    _STEP(n_chunks, device, stream,
+          (chunks, plan.tensors, plan.grads, hyper, counters, steps, n_steps, meta_every, runs,
+           gs, fi), kinds + (_int_kind(n_steps), _int_kind(meta_every), _int_kind(runs)),
           (code, op, bool(prox), importance, lr_mode, grad_scale is not None,
-           found_inf is not None, bool(finalize), block, block // 4), options)
+           found_inf is not None, bool(finalize), block, block // 4, runs > 1), options)
+
+
+def _check_runs_call(params, steps, hyper, counters, runs) -> None:
+    """Where the extension is not built: the checks of ``torch.ops.emcl.step_`` that concern
+    an array of ``runs`` runs (``hyper`` rows, ``counters`` and ``steps`` lengths, every
+    tensor's numel a multiple of ``runs``), before anything is launched."""
+    from emcl_kernels.interface import HYPER_FIELDS
+    _check_finite_call([], counters, runs)
+    fields = len(HYPER_FIELDS)
+    if hyper.numel() != runs * fields or hyper.dim() not in (1, 2) or (
+            hyper.dim() == 2 and hyper.shape[0] != runs) or not hyper.is_contiguous():
+        raise ValueError(f"hyper must hold one row of {fields} raw hyper-parameters per run: "
+                         f"shape [{runs}, {fields}] for runs={runs}, got shape "
+                         f"{tuple(hyper.shape)}")
+    if steps.numel() not in (0, len(params) * runs):
+        raise ValueError(f"steps must be empty or one-dimensional with runs elements per "
+                         f"parameter ({len(params) * runs}), got shape {tuple(steps.shape)}")
+    for i, p in enumerate(params):
+        if p.numel() % runs:
+            raise ValueError(f"params[{i}] has {p.numel()} elements, not a multiple of "
+                             f"runs={runs}")

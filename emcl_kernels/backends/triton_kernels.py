@@ -42,15 +42,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from emcl_kernels.interface import (COUNTER, HYPER, IMPORTANCE, LR_MODE, LR_SCALE_FROM_REG, OP,
-                                    PARAM_DTYPES)
+from emcl_kernels.interface import (COUNTER, HYPER, HYPER_FIELDS, IMPORTANCE, LR_MODE,
+                                    LR_SCALE_FROM_REG, OP, PARAM_DTYPES, RUN_FOUND)
 
 __all__ = ["emcl_step_kernel", "emcl_check_kernel", "PARAM_CODES", "CHUNK_COLUMNS",
            "TENSOR_COLUMNS"]
 
 #: ``PARAM`` constexpr codes: the index of the dtype in the interface's ``PARAM_DTYPES``.
 PARAM_CODES = {name: i for i, name in enumerate(PARAM_DTYPES)}
-CHUNK_COLUMNS = 3   # tensor index, first element, elements in the chunk
+CHUNK_COLUMNS = 3   # tensor index (an array's: tensor * runs + run), first element, elements
 TENSOR_COLUMNS = 4  # param, anchor, importance, meta_lr (0 unless recurrent)
 
 # The interface's layouts and codes as constexpr globals (the only globals a @jit function may
@@ -73,6 +73,9 @@ _C_FOUND = tl.constexpr(COUNTER["found"])
 _C_CALLS = tl.constexpr(COUNTER["calls"])
 _C_SKIPPED = tl.constexpr(COUNTER["skipped"])
 _C_DONE = tl.constexpr(COUNTER["done"])
+_C_RUN_FOUND = tl.constexpr(RUN_FOUND)
+_H_COUNT = tl.constexpr(len(HYPER_FIELDS))
+_RUN_BLOCK = tl.constexpr(128)  # runs handled per iteration of the finalize's per-run loop
 _OP_INNER = tl.constexpr(OP["inner"])
 _OP_META = tl.constexpr(OP["meta"])
 _OP_CADENCE = tl.constexpr(OP["cadence"])
@@ -151,21 +154,33 @@ def _update(p_ptr, g_ptr, a_ptr, h_ptr, lr_ptr, mask, grad_scale, inner_lr, reg,
         tl.store(p_ptr, theta, mask=mask)
 
 
-# n_steps and meta_every change with the model and the user's cadence: not specialized (Triton
-# would compile a variant for 1 and for multiples of 16, possibly inside a CUDA graph capture)
-@triton.jit(do_not_specialize=["n_steps", "meta_every"])
-def emcl_step_kernel(chunks, tensors, grads, hyper, counters, steps, n_steps, meta_every,
+# n_steps, meta_every and runs change with the model, the user's cadence and the array: not
+# specialized (Triton would compile a variant for 1 and for multiples of 16, possibly inside a
+# CUDA graph capture)
+@triton.jit(do_not_specialize=["n_steps", "meta_every", "runs"])
+def emcl_step_kernel(chunks, tensors, grads, hyper, counters, steps, n_steps, meta_every, runs,
                      grad_scale_ptr, found_inf_ptr,
                      PARAM: tl.constexpr, OP: tl.constexpr, PROX: tl.constexpr,
                      IMPORTANCE_KIND: tl.constexpr, LR_MODE: tl.constexpr,
                      HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
-                     FINALIZE: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
+                     FINALIZE: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
+                     ARRAY: tl.constexpr):
     """One step of one group: one chunk of one tensor per program (see the module docstring).
 
     ``OP``, ``PROX``, ``IMPORTANCE_KIND``, ``LR_MODE``: the interface's codes. ``n_steps``:
     elements of ``steps`` (0: not counted; program 0 adds 1 to each after a meta update that
     was not skipped). ``meta_every``: read by ``OP == cadence`` only. ``FINALIZE``: the program
     that finishes last advances the counters ([note: last program]).
+
+    [note: runs in Triton] ``ARRAY``: the call is an array of ``runs`` runs ([note: runs] in
+    ``emcl_kernels.interface``; ``runs`` is read only then). Its chunk table never lets a chunk
+    cross a run boundary, and its first column is ``tensor * runs + run``: a program takes the
+    hyper-parameters of its run's row of ``hyper`` and skips when its run's found flag is set;
+    program 0 counts each run's ``steps`` (``i * runs + r``) after its own flag; the last
+    program adds each run's flag to its skip count and clears it. A chunk starts anywhere in
+    its tensor, so its vector path also needs its first element 16-byte aligned. Every element
+    goes through the same ``_update`` as in a call over its run alone. Without ``ARRAY`` the
+    kernel is the single run's as it was.
 
     ``BLOCK``: elements per chunk; ``SUB``: elements per iteration of the scalar path
     ([note: vector path]).
@@ -189,6 +204,7 @@ def emcl_step_kernel(chunks, tensors, grads, hyper, counters, steps, n_steps, me
     go = found == 0
     if HAS_FOUND_INF:
         go = go & (tl.load(found_inf_ptr) == 0)
+    go_all = go                                     # every run's (the steps' count reads it)
     if OP == _OP_CADENCE:
         calls = tl.load(counters + _C_CALLS)
         is_meta = (calls + 1) % meta_every == 0
@@ -197,12 +213,18 @@ def emcl_step_kernel(chunks, tensors, grads, hyper, counters, steps, n_steps, me
     t = tl.load(row)
     start = tl.load(row + 1)
     count = tl.load(row + 2)
+    hp = hyper                                      # this program's row of hyper
+    if ARRAY:                                       # [note: runs in Triton]
+        run = t % runs
+        t = t // runs
+        go = go & (tl.load(counters + _C_RUN_FOUND + run) == 0)
+        hp = hyper + run * _H_COUNT
     if go:
         # Hyper-parameters: raw fp64 values, combined in fp64 in the order of
         # emcl_kernels.reference, then rounded once to the compute dtype.
-        reg64 = tl.load(hyper + _H_REG)
-        scale64 = tl.load(hyper + _H_LR_SCALE)
-        decay64 = tl.load(hyper + _H_DECAY)
+        reg64 = tl.load(hp + _H_REG)
+        scale64 = tl.load(hp + _H_LR_SCALE)
+        decay64 = tl.load(hp + _H_DECAY)
         # r = lr_scale, or 1 / reg for the sentinel (1 when reg == 0: 1 / 1)
         r64 = tl.where(scale64 == _FROM_REG, 1.0 / tl.where(reg64 > 0, reg64, 1.0), scale64)
         if PARAM == _P_F64:
@@ -210,12 +232,12 @@ def emcl_step_kernel(chunks, tensors, grads, hyper, counters, steps, n_steps, me
         else:
             max_finite64 = _MAX_F32
         if LR_MODE == _LR_CONSTANT:
-            rate_num64 = tl.load(hyper + _H_META_LR)               # α₀
+            rate_num64 = tl.load(hp + _H_META_LR)                  # α₀
         elif LR_MODE == _LR_RECURRENT:
             rate_num64 = r64                                       # r
         else:
-            rate_num64 = tl.load(hyper + _H_META_LR) * r64         # α₀·r
-        lr_hi64 = tl.minimum(tl.load(hyper + _H_LR_MAX), max_finite64)
+            rate_num64 = tl.load(hp + _H_META_LR) * r64            # α₀·r
+        lr_hi64 = tl.minimum(tl.load(hp + _H_LR_MAX), max_finite64)
 
         row_t = tensors + t * 4
         p_addr = tl.load(row_t)
@@ -247,21 +269,28 @@ def emcl_step_kernel(chunks, tensors, grads, hyper, counters, steps, n_steps, me
             lr_ptr = lr_addr.to(state) + start
             any_addr = any_addr | lr_addr
         aligned = (any_addr & 15) == 0
+        if ARRAY:  # the chunk's first element too (16 bytes of the parameter dtype)
+            if PARAM == _P_F64:
+                aligned = aligned & ((start & 1) == 0)
+            elif PARAM == _P_F32:
+                aligned = aligned & ((start & 3) == 0)
+            else:
+                aligned = aligned & ((start & 7) == 0)
 
         cdt = a_ptr.dtype.element_ty
         grad_scale = tl.full([], 1.0, cdt)
         if HAS_GRAD_SCALE:
             grad_scale = tl.load(grad_scale_ptr).to(cdt)
-        inner_lr = tl.load(hyper + _H_INNER_LR).to(cdt)
+        inner_lr = tl.load(hp + _H_INNER_LR).to(cdt)
         reg = reg64.to(cdt)
-        gamma_reg = (tl.load(hyper + _H_GAMMA) * reg64).to(cdt)   # γ·λ
+        gamma_reg = (tl.load(hp + _H_GAMMA) * reg64).to(cdt)      # γ·λ
         max_finite = tl.full([], max_finite64, cdt)
         decay = decay64.to(cdt)
         one_minus_decay = (1.0 - decay64).to(cdt)                 # 1 − η
         rate_num = rate_num64.to(cdt)
-        lr_min = tl.load(hyper + _H_LR_MIN).to(cdt)
+        lr_min = tl.load(hp + _H_LR_MIN).to(cdt)
         lr_hi = lr_hi64.to(cdt)
-        eps = tl.load(hyper + _H_EPS).to(cdt)
+        eps = tl.load(hp + _H_EPS).to(cdt)
 
         # The same _update call in each branch ([note: vector path]); the cadence picks INNER
         # or INNER_META at run time (one uniform branch per program). Written out on purpose:
@@ -320,18 +349,25 @@ def emcl_step_kernel(chunks, tensors, grads, hyper, counters, steps, n_steps, me
                             HAS_GRAD_SCALE)
 
     # steps: +1 per param after a meta update that was not skipped (program 0, every param,
-    # empty ones included: they have no chunk)
+    # empty ones included: they have no chunk); in an array, per run: element i * runs + r
+    # after run r's own flag
     if OP != _OP_INNER:
         if pid == 0:
-            counted = go
+            counted = go_all
             if OP == _OP_CADENCE:
-                counted = go & is_meta
+                counted = go_all & is_meta
             if counted:
                 soffs = tl.arange(0, BLOCK)
                 for s in range(0, n_steps, BLOCK):
                     smask = (s + soffs) < n_steps
                     v = tl.load(steps + s + soffs, mask=smask, other=0.0)
-                    tl.store(steps + s + soffs, v + 1.0, mask=smask)
+                    if ARRAY:
+                        flags = tl.load(counters + _C_RUN_FOUND + (s + soffs) % runs,
+                                        mask=smask, other=1)
+                        v = tl.where(flags == 0, v + 1.0, v)
+                    else:
+                        v = v + 1.0
+                    tl.store(steps + s + soffs, v, mask=smask)
 
     if FINALIZE:
         # [note: last program] counters[FOUND] and counters[CALLS] are read above by every
@@ -355,15 +391,28 @@ def emcl_step_kernel(chunks, tensors, grads, hyper, counters, steps, n_steps, me
             skipped = tl.load(counters + _C_SKIPPED)
             tl.store(counters + _C_SKIPPED, skipped + (found != 0).to(tl.int64))
             tl.store(counters + _C_FOUND, found * 0)
+            if ARRAY:  # each run's skip count += its flag, then the flag is cleared
+                roffs = tl.arange(0, _RUN_BLOCK)
+                for s in range(0, runs, _RUN_BLOCK):
+                    rmask = (s + roffs) < runs
+                    flag_ptr = counters + _C_RUN_FOUND + s + roffs
+                    flags = tl.load(flag_ptr, mask=rmask, other=0)
+                    skip_ptr = flag_ptr + runs
+                    skips = tl.load(skip_ptr, mask=rmask, other=0)
+                    tl.store(skip_ptr, skips + (flags != 0).to(tl.int64), mask=rmask)
+                    tl.store(flag_ptr, flags * 0, mask=rmask)
             tl.store(counters + _C_DONE, done * 0)
 
 
-@triton.jit
-def emcl_check_kernel(chunks, grads, counters, PARAM: tl.constexpr, BLOCK: tl.constexpr):
-    """``counters[FOUND] = 1`` when an element of a chunk of the gradients is inf or NaN.
+@triton.jit(do_not_specialize=["runs"])
+def emcl_check_kernel(chunks, grads, counters, runs, PARAM: tl.constexpr, BLOCK: tl.constexpr,
+                      ARRAY: tl.constexpr):
+    """``counters[FOUND] = 1`` when an element of a chunk of the gradients is inf or NaN; in an
+    array of ``runs`` runs (``ARRAY``; its chunk table as the update's, [note: runs in
+    Triton]), ``counters[RUN_FOUND + r] = 1`` for the run ``r`` of the chunk.
 
     Read-only on the gradients: each element's exponent bits are tested (all ones: inf or
-    NaN), and the flag is stored through a block of pointers to ``counters[FOUND]`` masked by
+    NaN), and the flag is stored through a block of pointers to the flag masked by
     the test (no reduction, so no standard-library @jit function; every writer writes 1). The
     update kernel, launched after it on the same stream, reads the flag."""
     pid = tl.program_id(0).to(tl.int64)
@@ -371,6 +420,9 @@ def emcl_check_kernel(chunks, grads, counters, PARAM: tl.constexpr, BLOCK: tl.co
     t = tl.load(row)
     start = tl.load(row + 1)
     count = tl.load(row + 2)
+    if ARRAY:
+        run = t % runs
+        t = t // runs
     g_addr = tl.load(grads + t)
     offs = tl.arange(0, BLOCK)
     if PARAM == _P_F32:
@@ -386,7 +438,15 @@ def emcl_check_kernel(chunks, grads, counters, PARAM: tl.constexpr, BLOCK: tl.co
     # is its mask, `offs < count` with count read from the table (no divisibility the compiler
     # can see); an unmasked load there is vectorized like the aligned one and faults on an odd
     # address (the PTX test checks that the `& 15` test survives).
-    if (count == BLOCK) & ((g_addr & 15) == 0):
+    aligned = (g_addr & 15) == 0
+    if ARRAY:  # the chunk's first element too (a chunk starts anywhere in its tensor)
+        if PARAM == _P_F64:
+            aligned = aligned & ((start & 1) == 0)
+        elif PARAM == _P_F32:
+            aligned = aligned & ((start & 3) == 0)
+        else:
+            aligned = aligned & ((start & 7) == 0)
+    if (count == BLOCK) & aligned:
         g = tl.load(tl.multiple_of(g_ptr, 16) + offs)
     else:
         g = tl.load(g_ptr + offs, mask=offs < count, other=0.0)
@@ -396,5 +456,8 @@ def emcl_check_kernel(chunks, grads, counters, PARAM: tl.constexpr, BLOCK: tl.co
     else:
         bits = g.to(tl.float32).to(tl.uint32, bitcast=True)   # bf16/fp16 -> fp32 is exact
         bad = (bits & 0x7F800000) == 0x7F800000
-    flag = counters + _C_FOUND + offs * 0
+    if ARRAY:
+        flag = counters + _C_RUN_FOUND + run + offs * 0
+    else:
+        flag = counters + _C_FOUND + offs * 0
     tl.store(flag, tl.full([BLOCK], 1, tl.int64), mask=bad)
