@@ -36,11 +36,11 @@ def mlp(seed: int) -> nn.Module:
 
 
 def sweep_values(runs: int) -> tuple:
-    """``runs`` learning rates from 0.003 to 0.3 (log-spaced) and ``reg`` from 0.1 to 10, each
+    """``runs`` learning rates from 0.01 to 0.3 (log-spaced) and ``reg`` from 0.1 to 10, each
     run a different pair (the reg grid walked in another order than the rates)."""
     def log_grid(lo, hi, i):
         return lo * (hi / lo) ** (i / max(1, runs - 1))
-    lrs = [log_grid(0.003, 0.3, i) for i in range(runs)]
+    lrs = [log_grid(0.01, 0.3, i) for i in range(runs)]
     regs = [log_grid(0.1, 10.0, (5 * i) % runs) for i in range(runs)]
     return lrs, regs
 
