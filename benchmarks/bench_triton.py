@@ -36,6 +36,8 @@ import time
 
 import torch  # noqa: E402
 
+from benchmarks import timing  # noqa: E402
+
 from emcl_kernels.backends import triton as TB  # noqa: E402
 from emcl_kernels.interface import (COUNTER_FIELDS, HYPER_FIELDS, IMPORTANCE,  # noqa: E402
                                     LR_MODE, OP)
@@ -77,21 +79,10 @@ class Group:
 
 
 def median_seconds(fn, device, reps):
-    fn()                                                  # compile / build the tables
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    """Median seconds of ``reps`` calls of ``fn`` (CUDA events on a GPU), after one untimed
+    call that compiles the kernels and builds the tables."""
+    fn()
+    return statistics.median(timing.time_calls([fn] * reps, device))
 
 
 def wall_per_call(fn, device, calls):

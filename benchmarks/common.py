@@ -11,7 +11,6 @@ and a description of the machine for the results files.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 import subprocess
@@ -578,17 +577,6 @@ def plotting_unavailable() -> Optional[str]:
     except Exception as exc:  # noqa: BLE001 - any failure means: no plot here
         return f"matplotlib is not importable ({type(exc).__name__}: {exc})"
     return None
-
-
-def write_result(result: dict, out_dir: str, stem: str) -> str:
-    """Write a benchmark's ``result`` as ``OUT_DIR/STEM.json`` (the folder made if needed), record
-    the path in ``result["paths"]["json"]`` and return it."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, stem + ".json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    result["paths"] = {"json": relative(path)}
-    return path
 
 
 def command_line(argv: Sequence[str]) -> str:

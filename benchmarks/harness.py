@@ -133,7 +133,8 @@ def finish(result: dict, out: str, stem: str, *, plot: Optional[Callable] = None
            no_plot: bool = False, table: Optional[Callable] = None,
            log: Callable = print) -> dict:
     """Write ``OUT/STEM.json`` and, with ``plot(result, png_path)`` and matplotlib importable
-    (unless ``no_plot``), ``OUT/STEM.png``; then print ``table(result)``, the notes and the
+    (unless ``no_plot``), ``OUT/STEM.png`` (a plot that writes other files instead returns
+    them, key -> path); then print ``table(result)``, the notes and the
     paths written. The paths (relative to the repository when inside it) are kept in
     ``result["paths"]``, which is returned."""
     path = os.path.join(out, stem + ".json")
@@ -145,8 +146,8 @@ def finish(result: dict, out: str, stem: str, *, plot: Optional[Callable] = None
             log(f"no plot: {why_not}")
         else:
             png = os.path.join(out, stem + ".png")
-            plot(result, png)
-            result["paths"]["png"] = common.relative(png)
+            written = plot(result, png) or {"png": png}
+            result["paths"].update({k: common.relative(v) for k, v in written.items()})
     if table is not None:
         log(table(result))
     for note in result.get("notes") or ():
