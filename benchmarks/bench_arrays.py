@@ -40,17 +40,9 @@ import torch  # noqa: E402
 from emcl_kernels import FusedEMCLOptimizer  # noqa: E402
 
 SCHEMA = "emcl-kernels/bench_arrays/1"
-MLP = (784, 100, 100, 10)
 RUNS = (1, 4, 16, 64, 256)
 OPS = {"inner": ("inner_step", 3, 20), "step": ("step", 2, 28)}  # call, probe kind, bytes
 GOAL_TO_FLOOR, GOAL_FROM_RUNS = 1.15, 16
-
-
-def mlp_shapes() -> list:
-    shapes = []
-    for fan_in, fan_out in zip(MLP[:-1], MLP[1:]):
-        shapes += [(fan_out, fan_in), (fan_out,)]
-    return shapes
 
 
 def per_run_values(n: int) -> dict:
@@ -64,7 +56,7 @@ HYPER = dict(meta_lr=0.1, gamma=0.1, decay=0.9, lr_mode="inverse")
 
 def make_array(n: int, device, gen) -> tuple:
     params = [(0.1 * torch.randn((n, *s), generator=gen)).to(device).requires_grad_()
-              for s in mlp_shapes()]
+              for s in common.mlp_shapes()]
     for p in params:
         p.grad = 1e-3 * torch.randn(p.shape, generator=gen).to(device)
     return params
@@ -82,7 +74,7 @@ def separate_contender(n: int, device, gen, call: str) -> Callable[[], None]:
     steps = []
     for r in range(n):
         params = [(0.1 * torch.randn(s, generator=gen)).to(device).requires_grad_()
-                  for s in mlp_shapes()]
+                  for s in common.mlp_shapes()]
         for p in params:
             p.grad = 1e-3 * torch.randn(p.shape, generator=gen).to(device)
         opt = FusedEMCLOptimizer(params, lr=values["lr"][r], reg=values["reg"][r], **HYPER,
@@ -128,7 +120,7 @@ def hfta_contender(n: int, device, gen, call: str) -> Callable[[], None]:
 def floor_contender(n: int, device, kind: int) -> Optional[Callable[[], None]]:
     if not common.stream_probes_available(device):
         return None
-    numel = n * sum(torch.Size(s).numel() for s in mlp_shapes())
+    numel = n * sum(torch.Size(s).numel() for s in common.mlp_shapes())
     tensors = [torch.rand(numel, device=device) for _ in range(4)]
     return lambda: torch.ops.emcl.stream_probe_(*tensors, kind)
 
@@ -142,7 +134,7 @@ def measure(n: int, op: str, device, threads: int, rounds: int, log) -> list:
     floor = floor_contender(n, device, kind) if device.type == "cpu" else None
     if floor is not None:
         contenders["floor"] = floor
-    numel = n * sum(torch.Size(s).numel() for s in mlp_shapes())
+    numel = n * sum(torch.Size(s).numel() for s in common.mlp_shapes())
     # about 20 ms of work per contender and round
     calls = max(1, min(50, int(2e-2 / max(numel * nbytes / 10e9, 2e-5 * n))))
     times = harness.interleaved(contenders, device, rounds, calls=calls)

@@ -30,8 +30,7 @@ import torch
 from benchmarks import common, harness
 from emcl_kernels import FusedEMCLOptimizer
 
-LAYOUTS = {"mlp": [(100, 784), (100,), (100, 100), (100,), (10, 100), (10,)],
-           "many": [(4096,)] * 1000}
+LAYOUTS = {"mlp": common.mlp_shapes(), "many": [(4096,)] * 1000}
 
 
 def _plans(opt):

@@ -75,15 +75,6 @@ PARAM_SCALE, GRAD_SCALE = 0.1, 1e-3   # θ ~ 0.1·N(0,1), g ~ 1e-3·N(0,1): fini
 # Layouts: parameter shapes, nothing downloaded
 # ---------------------------------------------------------------------------------------------
 
-def mlp_shapes() -> list:
-    """The paper's MNIST MLP, 784-100-100-10 (weights and biases): 89,610 elements."""
-    dims = (784, 100, 100, 10)
-    out = []
-    for fan_in, fan_out in zip(dims, dims[1:]):
-        out += [(fan_out, fan_in), (fan_out,)]
-    return out
-
-
 def resnet18_shapes_by_hand() -> list:
     """torchvision's ``resnet18()`` parameter shapes in its parameter order, written out from
     the architecture (for machines without torchvision): 62 tensors, 11,689,512 elements."""
@@ -129,7 +120,7 @@ def gpt2_shapes(n_layer: int = 12, d: int = 768, vocab: int = 50257, ctx: int = 
 def layout_shapes(choice: str) -> tuple:
     """(name, shapes, where the shapes come from) of a ``--layouts`` choice."""
     if choice == "mlp":
-        return LAYOUT_NAMES[choice], mlp_shapes(), "784-100-100-10"
+        return LAYOUT_NAMES[choice], common.mlp_shapes(), "784-100-100-10"
     if choice == "resnet18":
         shapes, source = resnet18_shapes()
         return LAYOUT_NAMES[choice], shapes, source
@@ -141,13 +132,7 @@ def layout_shapes(choice: str) -> tuple:
 
 
 def numel_of(shapes) -> int:
-    total = 0
-    for shape in shapes:
-        n = 1
-        for d in shape:
-            n *= int(d)
-        total += n
-    return total
+    return sum(torch.Size(shape).numel() for shape in shapes)
 
 
 def make_params(shapes, dtype: torch.dtype, device: torch.device, gen) -> list:

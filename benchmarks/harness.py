@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import sys
 from typing import Callable, Iterable, Optional, Sequence
 
