@@ -36,16 +36,19 @@ _OPTIONS = ("device", "threads", "out", "name", "note", "quick", "plot", "quiet"
 
 def parser(name: str, doc: str, *options: str, device: str = "auto",
            devices: bool = False, threads=None, many_threads: bool = False,
+           threads_default: Optional[str] = None,
            out: Optional[str] = common.RESULTS_DIR) -> argparse.ArgumentParser:
     """The parser of ``python -m benchmarks NAME`` (its description the first paragraph of
     ``doc``) with the common ``options`` asked for, each with one meaning across the suite:
 
-    ``device``  ``--device`` (default ``device``: auto, the GPU when there is one; ``devices``:
-                several); ``threads``  ``--threads`` torch CPU threads (default ``threads``;
-                ``many_threads``: several, each timed in turn); ``out``  ``--out``/``--out-dir``,
-                the results folder (default ``out``); ``name``  ``--name``, the file stem;
-                ``note``  ``--note``, free text kept in the file; ``quick``  ``--quick``, a short
-                run; ``plot``  ``--no-plot``; ``quiet``  ``--quiet``, no progress lines."""
+    * ``device``: ``--device``, default ``device`` (auto: the GPU when there is one);
+      ``devices=True`` takes several;
+    * ``threads``: ``--threads``, torch CPU threads, default ``threads`` (``threads_default``
+      describes it when that is not the whole story); ``many_threads=True`` takes several,
+      each timed in turn;
+    * ``out``: ``--out``/``--out-dir``, the results folder (default ``out``);
+    * ``name``: ``--name``, the file stem; ``note``: ``--note``, free text kept in the file;
+    * ``quick``: ``--quick``, a short run; ``plot``: ``--no-plot``; ``quiet``: ``--quiet``."""
     unknown = set(options) - set(_OPTIONS)
     if unknown:
         raise ValueError(f"unknown common option(s) {sorted(unknown)}; known: {_OPTIONS}")
@@ -57,10 +60,11 @@ def parser(name: str, doc: str, *options: str, device: str = "auto",
                        default=[device] if devices else device,
                        help="cpu, cuda, or auto (the GPU when there is one)")
     if "threads" in options:
+        shown = " ".join(map(str, threads)) if isinstance(threads, (list, tuple)) else str(threads)
         p.add_argument("--threads", type=int, nargs="+" if many_threads else None,
                        default=threads, help="torch CPU threads" +
-                       (", each timed in turn" if many_threads else "") +
-                       (f" (default {threads})" if threads is not None else " (default: torch's)"))
+                       (", each timed in turn" if many_threads else "") + " (default " +
+                       (threads_default or (shown if threads is not None else "torch's")) + ")")
     if "out" in options:
         p.add_argument("--out", "--out-dir", dest="out", default=out,
                        help="folder of the results file")

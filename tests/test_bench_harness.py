@@ -99,3 +99,14 @@ def test_table_aligns_columns_and_shows_missing_values():
     assert lines[0] == "T" and lines[1].split() == ["name", "ms"]
     assert lines[3].startswith("adam") and lines[3].endswith("1.235")
     assert lines[4].endswith("-") and len(lines[3]) == len(lines[4])
+
+
+@pytest.mark.parametrize("name", sorted(__import__("benchmarks.suite").suite.REGISTRY))
+def test_every_benchmark_prints_its_help(name, capsys):
+    from benchmarks import suite
+    for module in suite.REGISTRY[name].requires:
+        pytest.importorskip(module)
+    with pytest.raises(SystemExit) as exc:
+        suite.run(name, ["--help"])
+    assert exc.value.code == 0
+    assert f"usage: python -m benchmarks {name}" in capsys.readouterr().out
