@@ -200,7 +200,8 @@ def plot(result: dict, path: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = harness.parser("arrays", __doc__, "device", "threads", "out", "name", "quick", "plot",
-                       threads=[1, 2], many_threads=True)
+                       threads=[1, 2], many_threads=True,
+                       quick="3 rounds; on the CPU also N = 1 and 4 at one thread")
     p.add_argument("--runs", type=int, nargs="+", default=list(RUNS), help="array widths N")
     p.add_argument("--ops", nargs="+", choices=sorted(OPS), default=sorted(OPS))
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds per cell")

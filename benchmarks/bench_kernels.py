@@ -636,7 +636,8 @@ def plot(result: dict, device: str, path: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = harness.parser("kernels", __doc__, "device", "threads", "out", "name", "note", "quick",
-                       "plot", "quiet", devices=True)
+                       "plot", "quiet", devices=True,
+                       quick="small sizes, few repeats (< 1 min on 2 cores)")
     p.add_argument("--backends", nargs="+", default=None,
                    help="only these backends (default: every one available on the device)")
     p.add_argument("--ops", nargs="+", default=list(common.OPS), choices=common.OPS)

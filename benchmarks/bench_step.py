@@ -770,7 +770,8 @@ def _peer_text(r: dict) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = harness.parser("step", __doc__, "device", "threads", "out", "name", "note", "quick",
                        "plot", "quiet", many_threads=True,
-                       threads_default="on CPU: 1 2; on a GPU: torch's")
+                       threads_default="on CPU: 1 2; on a GPU: torch's",
+                       quick="fewer rounds and warm-up steps")
     p.add_argument("--layouts", nargs="+", default=list(LAYOUT_CHOICES), choices=LAYOUT_CHOICES)
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     p.add_argument("--backends", nargs="+", default=None,

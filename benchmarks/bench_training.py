@@ -817,7 +817,7 @@ def run_heldout(args, argv, train, get_method, make_stream) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = harness.parser("training", __doc__, "threads", "out", "name", "note", "quick", "plot",
-                       threads=1)
+                       threads=1, quick="2 tasks x 50 samples; 3 image batches")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto (the CPU, and the GPU if any)")
     p.add_argument("--streams", "--stream", dest="streams", nargs="+", default=["permuted-mnist"],
                    help="streams to time (default permuted-mnist)")

@@ -36,7 +36,7 @@ _OPTIONS = ("device", "threads", "out", "name", "note", "quick", "plot", "quiet"
 
 def parser(name: str, doc: str, *options: str, device: str = "auto",
            devices: bool = False, threads=None, many_threads: bool = False,
-           threads_default: Optional[str] = None,
+           threads_default: Optional[str] = None, quick: str = "a short run",
            out: Optional[str] = common.RESULTS_DIR) -> argparse.ArgumentParser:
     """The parser of ``python -m benchmarks NAME`` (its description the first paragraph of
     ``doc``) with the common ``options`` asked for, each with one meaning across the suite:
@@ -48,7 +48,8 @@ def parser(name: str, doc: str, *options: str, device: str = "auto",
       each timed in turn;
     * ``out``: ``--out``/``--out-dir``, the results folder (default ``out``);
     * ``name``: ``--name``, the file stem; ``note``: ``--note``, free text kept in the file;
-    * ``quick``: ``--quick``, a short run; ``plot``: ``--no-plot``; ``quiet``: ``--quiet``."""
+    * ``quick``: ``--quick``, a short run (``quick`` says what it cuts);
+    * ``plot``: ``--no-plot``; ``quiet``: ``--quiet``."""
     unknown = set(options) - set(_OPTIONS)
     if unknown:
         raise ValueError(f"unknown common option(s) {sorted(unknown)}; known: {_OPTIONS}")
@@ -73,7 +74,7 @@ def parser(name: str, doc: str, *options: str, device: str = "auto",
     if "note" in options:
         p.add_argument("--note", default=None, help="free text stored with the results")
     if "quick" in options:
-        p.add_argument("--quick", action="store_true", help="a short run")
+        p.add_argument("--quick", action="store_true", help=quick)
     if "plot" in options:
         p.add_argument("--no-plot", action="store_true", help="no .png")
     if "quiet" in options:
