@@ -142,7 +142,8 @@ def _extensions():
 
     cuda_home, why_not = _cuda_home(torch, cpp_extension)
     sources = [os.path.join(CSRC, f) for f in ("emcl_ops.cpp", "emcl_cpu.cpp", "emcl_cpu_avx2.cpp",
-                                                  "emcl_cpu_avx512.cpp")]
+                                                  "emcl_cpu_avx512.cpp",
+                                                  "emcl_glance_cpu.cpp")]
     cxx = ["-O3"]  # torch adds the C++ standard it was built with
     link = []
     # [note: OpenMP] at::parallel_for is a header template: it spreads a loop over torch's
@@ -167,7 +168,8 @@ def _extensions():
             # the update's kernels in one file per dtype: nvcc compiles them in parallel
             sources + [os.path.join(CSRC, f) for f in ("emcl_cuda.cu", "emcl_cuda_f32.cu",
                                                        "emcl_cuda_f64.cu", "emcl_cuda_bf16.cu",
-                                                       "emcl_cuda_f16.cu")],
+                                                       "emcl_cuda_f16.cu",
+                                                       "emcl_glance_cuda.cu")],
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
             extra_link_args=link,
         )

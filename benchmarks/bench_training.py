@@ -248,6 +248,9 @@ class CostCounter:
       last SGD step, La-MAML's learning-rate step with its weight step);
     * MER's hand-written per-sample step (``_ReluMLPStepper.sgd_step``, NumPy on the weights'
       memory, no torch forward) counts one forward, one backward and one update per call;
+    * EMCL's fused glance (``FusedGlance.inner_loop``, its inner loop in one native call)
+      counts, per sample, what the autograd loop it replaces does: one forward, one backward,
+      one ``inner_step`` and one update;
     * optimizer calls by name (``step``, ``inner_step``, ``meta_step``) as the method makes
       them (a call one of them makes of another counts once), whatever they update (La-MAML's
       ``step`` moves its learning rates).
@@ -327,6 +330,9 @@ class CostCounter:
         stepper = getattr(learner, "_stepper", None)
         if stepper is not None:
             self._wrap(stepper, "sgd_step", self._stepper_call(stepper.sgd_step))
+        fused = getattr(learner, "fused", None)
+        if fused is not None and callable(getattr(fused, "inner_loop", None)):
+            self._wrap(fused, "inner_loop", self._fused_glance_call(fused.inner_loop))
         if callable(getattr(model, "forward_with", None)):
             self._wrap(model, "forward_with", self._forward_with_call(model.forward_with))
         return self
@@ -367,6 +373,26 @@ class CostCounter:
             out = fn(*args, **kwargs)
             self._pending = True
             return out
+        return call
+
+    def _fused_glance_call(self, fn):
+        """EMCL's fused glance ``inner_loop(xi, yi, ti)``: per sample the forward, backward,
+        ``inner_step`` and update of the autograd loop it replaces (an optimizer call it makes
+        itself, the zero-gradient step that creates the state, is part of the glance)."""
+        def call(xi, yi, ti):
+            for _ in range(int(xi.shape[0])):
+                self._check_update(self._weights_now())
+                self.forward_calls += 1
+                self.forward_samples += 1
+                self.backward_calls += 1
+                self.backward_samples += 1
+                self.optimizer_calls["inner_step"] = self.optimizer_calls.get("inner_step", 0) + 1
+                self._pending = True
+            self._in_optimizer += 1
+            try:
+                return fn(xi, yi, ti)
+            finally:
+                self._in_optimizer -= 1
         return call
 
     def detach(self) -> None:

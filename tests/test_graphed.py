@@ -62,8 +62,10 @@ def _image_stream(n_tasks=2, per_task=25, hw=32, seed=0):
 
 def _learner(stream, overrides, device="cpu", seed=0):
     # two glances unless a test says otherwise (the MNIST default these tests were written for;
-    # EMCL's default is now Algorithm 1's one visit)
-    cfg = train.build_config("emcl", stream.info.name, seed, {"glances": 2, **overrides})
+    # EMCL's default is now Algorithm 1's one visit); the eager loop with autograd's inner steps,
+    # which the routine replays (the fused glance is tests/test_emcl_fused.py's)
+    cfg = train.build_config("emcl", stream.info.name, seed,
+                             {"glances": 2, "fused_glance": False, **overrides})
     torch.manual_seed(seed)
     model = models.build_model(stream.info).to(device)
     return get_method("emcl")(model, stream.info, cfg, torch.device(device))
@@ -145,7 +147,8 @@ def test_static_routine_on_cpu_reduced_resnet_with_batch_norm():
 
 def test_train_run_with_the_routine_gives_the_same_results_on_cpu():
     s = _flat_stream()
-    a = train.run("emcl", s, 0, overrides={"cuda_graph": False, "glances": 2}, progress=False)
+    a = train.run("emcl", s, 0, overrides={"cuda_graph": False, "glances": 2, "fused_glance": False},
+                  progress=False)
     b = train.run("emcl", s, 0, overrides={"cuda_graph": True, "glances": 2}, progress=False)
     assert a["acc_matrix"] == b["acc_matrix"] and a["task_losses"] == b["task_losses"]
     assert b["config"]["cuda_graph"] is True and a["acc_matrix"][0][0] > 30.0

@@ -31,7 +31,10 @@ Ablation (paper Table IV, third column) ``inner_lr_modulation=True``: no regular
 the inner loop; each inner step is θ ← θ − α ⊙ g with α the per-element meta learning
 rates the optimizer holds (La-MAML style), clipped to ``[0, modulation_lr_max]``.
 
-On a GPU (``cuda_graph="auto"``, the default) each glance is captured in a CUDA graph and
+On the MLP streams the eager inner loop (the CPU's default) runs as one fused call per glance
+(:mod:`emcl_continual.methods.emcl_fused`: the same one-sample steps, the gradient never in
+memory; ``fused_glance=False`` keeps autograd's loop). On a GPU (``cuda_graph="auto"``, the
+default) each glance is captured in a CUDA graph and
 replayed (:mod:`emcl_continual.methods.emcl_graphed`: static input buffers, one graph per shape, the
 optimizer built with ``capturable=True``); ``cuda_graph=False`` keeps the eager loop below,
 ``cuda_graph=True`` also runs the static-buffer routine on the CPU (eagerly, bit for bit the
@@ -77,6 +80,7 @@ from ..replay import ReservoirBuffer
 from ..schema import BOOL, Rule, float_rule, int_rule
 from ..streams import StreamInfo
 from .base import Method
+from .emcl_fused import FusedGlance, fused_plan
 from .emcl_graphed import GlanceRoutine, graph_plan
 
 __all__ = ["EMCL", "OPTIMIZER_KEYS", "glance_plan"]
@@ -142,6 +146,8 @@ class EMCL(Method):
         "importance_norm": Rule(str, choices=("global", "tensor"), none=True, note="None: the pull is gamma*reg*h"),
         "backend": Rule(str, choices=("auto",) + tuple(sorted(BACKENDS))),
         "cuda_graph": Rule(bool, choices=("auto",), note="'auto': capture on a GPU, eager on a CPU"),
+        "fused_glance": Rule(bool, choices=("auto",),
+                             note="'auto': the MLP's eager inner loop in one fused call (emcl_fused.py)"),
     }
 
     @classmethod
@@ -168,6 +174,7 @@ class EMCL(Method):
             "importance_norm": None,       # pull c = γλh/mean(h): "global" or "tensor" (None: γλh)
             "backend": "auto",
             "cuda_graph": "auto",          # glances replayed from CUDA graphs on a GPU (emcl_graphed.py)
+            "fused_glance": "auto",        # the MLP's eager inner loop as one fused call (emcl_fused.py)
         })
         return cfg
 
@@ -222,6 +229,8 @@ class EMCL(Method):
         self.buffer = ReservoirBuffer(self.memory, info.input_shape, self.generator, device=self.device) \
             if self.memory > 0 else None
         self.routine = GlanceRoutine(self, capture=capture) if use_routine else None
+        use_fused, self.fused_why_not = fused_plan(cfg, model, self.device, eager=not use_routine)
+        self.fused = FusedGlance(self) if use_fused else None
         if why_not is not None:
             warnings.warn(f"emcl: no CUDA graphs on {self.device}: {why_not}; the glances run eagerly",
                           RuntimeWarning, stacklevel=2)
@@ -347,13 +356,16 @@ class EMCL(Method):
             order = torch.randperm(xi.shape[0], generator=self.generator).to(xi.device)
             xi, yi, ti = xi[order], yi[order], ti[order]
         self._zero_grads()
-        for k in range(xi.shape[0]):
-            self._loss(xi[k:k + 1], yi[k:k + 1], ti[k:k + 1]).backward()
-            if self.modulation:
-                self._modulated_inner_step()
-            else:
-                opt.inner_step()
-            self._zero_grads()
+        if self.fused is not None:   # the same inner steps in one call (emcl_fused.py)
+            self.fused.inner_loop(xi, yi, ti)
+        else:
+            for k in range(xi.shape[0]):
+                self._loss(xi[k:k + 1], yi[k:k + 1], ti[k:k + 1]).backward()
+                if self.modulation:
+                    self._modulated_inner_step()
+                else:
+                    opt.inner_step()
+                self._zero_grads()
 
         # meta step on the batch (and the replayed samples)
         if xr is not None and self.meta_replay:
