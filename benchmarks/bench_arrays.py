@@ -28,30 +28,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from typing import Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import common, timing  # noqa: E402
+from benchmarks import common, harness  # noqa: E402
 
 import torch  # noqa: E402
 
 from emcl_kernels import FusedEMCLOptimizer  # noqa: E402
 
 SCHEMA = "emcl-kernels/bench_arrays/1"
-MLP = (784, 100, 100, 10)
 RUNS = (1, 4, 16, 64, 256)
 OPS = {"inner": ("inner_step", 3, 20), "step": ("step", 2, 28)}  # call, probe kind, bytes
 GOAL_TO_FLOOR, GOAL_FROM_RUNS = 1.15, 16
-
-
-def mlp_shapes() -> list:
-    shapes = []
-    for fan_in, fan_out in zip(MLP[:-1], MLP[1:]):
-        shapes += [(fan_out, fan_in), (fan_out,)]
-    return shapes
 
 
 def per_run_values(n: int) -> dict:
@@ -65,7 +56,7 @@ HYPER = dict(meta_lr=0.1, gamma=0.1, decay=0.9, lr_mode="inverse")
 
 def make_array(n: int, device, gen) -> tuple:
     params = [(0.1 * torch.randn((n, *s), generator=gen)).to(device).requires_grad_()
-              for s in mlp_shapes()]
+              for s in common.mlp_shapes()]
     for p in params:
         p.grad = 1e-3 * torch.randn(p.shape, generator=gen).to(device)
     return params
@@ -83,7 +74,7 @@ def separate_contender(n: int, device, gen, call: str) -> Callable[[], None]:
     steps = []
     for r in range(n):
         params = [(0.1 * torch.randn(s, generator=gen)).to(device).requires_grad_()
-                  for s in mlp_shapes()]
+                  for s in common.mlp_shapes()]
         for p in params:
             p.grad = 1e-3 * torch.randn(p.shape, generator=gen).to(device)
         opt = FusedEMCLOptimizer(params, lr=values["lr"][r], reg=values["reg"][r], **HYPER,
@@ -129,30 +120,9 @@ def hfta_contender(n: int, device, gen, call: str) -> Callable[[], None]:
 def floor_contender(n: int, device, kind: int) -> Optional[Callable[[], None]]:
     if not common.stream_probes_available(device):
         return None
-    numel = n * sum(torch.Size(s).numel() for s in mlp_shapes())
+    numel = n * sum(torch.Size(s).numel() for s in common.mlp_shapes())
     tensors = [torch.rand(numel, device=device) for _ in range(4)]
     return lambda: torch.ops.emcl.stream_probe_(*tensors, kind)
-
-
-def time_round_robin(contenders: dict, device, rounds: int, calls: int) -> dict:
-    """Seconds per call of each contender: ``rounds`` rounds, each contender ``calls`` calls
-    per round, the contenders interleaved within every round (a slow spell of the machine
-    hits them all)."""
-    out = {name: [] for name in contenders}
-    for name, fn in contenders.items():  # warm-up
-        fn()
-    for _ in range(rounds):
-        for name, fn in contenders.items():
-            t = timing.time_calls([fn] * calls, device)
-            out[name].append(sum(t) / calls)
-    return out
-
-
-def summarize(seconds: list) -> dict:
-    ms = sorted(s * 1e3 for s in seconds)
-    q = statistics.quantiles(ms, n=4, method="inclusive") if len(ms) > 1 else [ms[0]] * 3
-    return {"median_ms": statistics.median(ms), "q25_ms": q[0], "q75_ms": q[2],
-            "min_ms": ms[0], "rounds": len(ms)}
 
 
 def measure(n: int, op: str, device, threads: int, rounds: int, log) -> list:
@@ -164,11 +134,11 @@ def measure(n: int, op: str, device, threads: int, rounds: int, log) -> list:
     floor = floor_contender(n, device, kind) if device.type == "cpu" else None
     if floor is not None:
         contenders["floor"] = floor
-    numel = n * sum(torch.Size(s).numel() for s in mlp_shapes())
+    numel = n * sum(torch.Size(s).numel() for s in common.mlp_shapes())
     # about 20 ms of work per contender and round
     calls = max(1, min(50, int(2e-2 / max(numel * nbytes / 10e9, 2e-5 * n))))
-    times = time_round_robin(contenders, device, rounds, calls)
-    stats = {name: summarize(t) for name, t in times.items()}
+    times = harness.interleaved(contenders, device, rounds, calls=calls)
+    stats = {name: harness.summary(t) for name, t in times.items()}
     records = []
     for name, s in stats.items():
         r = {"runs": n, "op": op, "threads": threads, "contender": name, **s,
@@ -201,9 +171,8 @@ def verdicts(records: list, device) -> dict:
     return out
 
 
-def plot(result: dict, path: str) -> Optional[str]:
-    if common.plotting_unavailable():
-        return None
+def plot(result: dict, path: str) -> None:
+    """Per op and thread count: µs per run-step against N, one line per contender."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -227,32 +196,22 @@ def plot(result: dict, path: str) -> Optional[str]:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return path
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto (the GPU if any)")
+    p = harness.parser("arrays", __doc__, "device", "threads", "out", "name", "quick", "plot",
+                       threads=[1, 2], many_threads=True,
+                       quick="3 rounds; on the CPU also N = 1 and 4 at one thread")
     p.add_argument("--runs", type=int, nargs="+", default=list(RUNS), help="array widths N")
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 2],
-                   help="CPU thread counts (ignored on a GPU)")
     p.add_argument("--ops", nargs="+", choices=sorted(OPS), default=sorted(OPS))
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds per cell")
-    p.add_argument("--quick", action="store_true",
-                   help="3 rounds; on the CPU also N = 1 and 4 at one thread (a smoke test)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                 "results"))
-    p.add_argument("--name", default=None, help="output stem (default arrays_<device>)")
     return p
 
 
 def main(argv: Optional[list] = None) -> dict:
+    """Run the benchmark; return the results (also written to ``--out``)."""
     args = build_parser().parse_args(argv)
-    if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
+    device = harness.device_of(args.device)
     bad = [n for n in args.runs if n < 1]
     if bad:
         raise SystemExit(f"bench_arrays: --runs must be positive, got {bad}")
@@ -260,34 +219,17 @@ def main(argv: Optional[list] = None) -> dict:
         args.rounds = 3
         if device.type == "cpu":
             args.runs, args.threads = [n for n in args.runs if n <= 4] or [1, 4], [1]
-    threads = args.threads if device.type == "cpu" else [torch.get_num_threads()]
-    log = print
-    log(f"bench_arrays on {common.machine_info()['summary']} ({device})")
-    warning = common.busy_warning(device)
-    if warning:
-        log("WARNING: " + warning)
+    result = harness.head("arrays", argv, device, schema=SCHEMA)
+    print(f"bench_arrays on {result['machine']['summary']} ({device})")
     records = []
-    saved_threads = torch.get_num_threads()
-    try:
-        for t in threads:
-            if device.type == "cpu":
-                torch.set_num_threads(t)
+    for t in args.threads if device.type == "cpu" else [None]:
+        with harness.threads(t):
             for op in args.ops:
                 for n in args.runs:
-                    records += measure(n, op, device, t, args.rounds, log)
-    finally:
-        torch.set_num_threads(saved_threads)
-    result = {"schema": SCHEMA, "device": device.type, "machine": common.machine_info(),
-              "created": common.utc_now(), "command": "python -m benchmarks arrays "
-              + " ".join(argv if argv is not None else sys.argv[1:]),
-              "busy_warning": warning, "records": records,
-              "verdicts": verdicts(records, device)}
+                    records += measure(n, op, device, torch.get_num_threads(), args.rounds, print)
+    result.update(records=records, verdicts=verdicts(records, device))
     stem = args.name or f"arrays_{device.type}" + ("_quick" if args.quick else "")
-    path = common.write_result(result, args.out, stem)
-    png = plot(result, os.path.join(args.out, stem + ".png"))
-    log(f"wrote {os.path.relpath(path)}" + (f" and {os.path.relpath(png)}" if png else ""))
-    return result
-
+    return harness.finish(result, args.out, stem, plot=plot, no_plot=args.no_plot)
 
 if __name__ == "__main__":
     main()

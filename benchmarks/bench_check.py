@@ -14,13 +14,11 @@ synchronizations. Writes ``check_finite_<stamp>_<device>.json`` into ``--out``.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 
 import torch
 
-from benchmarks import common
+from benchmarks import common, harness
 from emcl_kernels import FusedEMCLOptimizer, available_backends
 from emcl_kernels.backends import BackendUnavailableError, get_backend
 from emcl_kernels.plan import new_counters
@@ -36,17 +34,6 @@ def _uneven(total: int, count: int) -> list:
     sizes = [max(1, int(s * scale)) for s in sizes]
     sizes[-1] += total - sum(sizes)
     return sizes
-
-
-def _interleaved(fns: dict, device, repeats: int) -> dict:
-    """{name: (min, median) seconds}, the functions run in turn each repeat."""
-    for fn in fns.values():
-        fn()
-    times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            times[k].append(common.time_once(fn, device))
-    return {k: (min(v), statistics.median(v)) for k, v in times.items()}
 
 
 def _params(sizes, dtype, device):
@@ -81,7 +68,8 @@ def run(device: torch.device, backends: list, repeats: int, numel: int) -> list:
                 fns = {"check alone": lambda: mod.check_finite(grads, counters)}
                 fns.update({f"{call} {'check' if check else 'no check'}": fn
                             for (call, check), fn in opts.items()})
-                t = _interleaved(fns, device, repeats)
+                t = {k: (min(v), statistics.median(v))
+                     for k, v in harness.interleaved(fns, device, repeats).items()}
                 check_s = t["check alone"][0]
                 row = dict(device=str(device), backend=backend, layout=layout,
                            tensors=len(sizes), elements=numel, dtype=str(dtype)[6:],
@@ -101,19 +89,17 @@ def run(device: torch.device, backends: list, repeats: int, numel: int) -> list:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=1)
+    """Run the benchmark; return the results (also written to ``--out``)."""
+    ap = harness.parser("check", __doc__, "device", "threads", "out", device="cpu", threads=1)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--numel", type=int, default=1 << 24, help="elements per layout (>= 50)")
     ap.add_argument("--backends", default="", help="comma-separated; default: every available "
                     "backend for the device but the reference")
-    ap.add_argument("--out", default=common.RESULTS_DIR, help="folder of the results file")
     args = ap.parse_args(argv)
     if args.numel < 50 or args.repeats < 1:
         ap.error("--numel must be at least 50 (the second layout's tensors) and --repeats >= 1")
     torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = harness.device_of(args.device)
     names = [b for b in args.backends.split(",") if b] or [
         b for b in available_backends() if b != "reference"]
     backends = []
@@ -123,18 +109,14 @@ def main(argv=None) -> dict:
             backends.append(b)
         except (BackendUnavailableError, ValueError) as exc:
             print(f"skipping {b}: {exc}")
+    result = harness.head("check", argv, device)
     load_before = common.load_average()
     rows = run(device, backends, args.repeats, args.numel)
-    result = dict(created_utc=common.utc_now(), command=common.command_line(sys.argv),
-                  machine=common.machine_info(), device=str(device),
-                  device_name=common.device_name(device), threads=args.threads,
-                  load_average_before=load_before, load_average_after=common.load_average(),
-                  records=rows,
+    result.update(threads=args.threads, load_average_before=load_before,
+                  load_average_after=common.load_average(), records=rows,
                   headline={f"{r['backend']} {r['dtype']} {r['layout']}": {
                       "check_ms": round(r["check_ms"], 3),
                       "check_read_gbps": round(r["check_read_gbps"], 2),
                       "inner_step_overhead_pct": round(r["inner_step_overhead_pct"], 1),
                       "step_overhead_pct": round(r["step_overhead_pct"], 1)} for r in rows})
-    path = common.write_result(result, args.out, f"check_finite_{common.utc_stamp()}_{device.type}")
-    print(f"wrote {common.relative(path)}")
-    return result
+    return harness.finish(result, args.out, f"check_finite_{common.utc_stamp()}_{device.type}")

@@ -48,7 +48,7 @@ import time
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import common, timing  # noqa: E402
+from benchmarks import common, harness, timing  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -209,51 +209,42 @@ def paired_runs(seeds) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser("glance", __doc__, "threads", "out", "quick", threads=1,
+                       quick="2 rounds of short blocks, 1 main-job round of 1 task x 100, no "
+                             "paired runs")
     p.add_argument("--device", default="cpu", choices=("cpu",),
                    help="the CPU (the GPU measurement is the GPU check's)")
-    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--block-s", type=float, default=0.5, help="seconds per timed block")
     p.add_argument("--main-job-tasks", type=int, default=5)
     p.add_argument("--main-job-rounds", type=int, default=3)
     p.add_argument("--paired-seeds", type=int, nargs="*", default=[0, 1, 2])
-    p.add_argument("--quick", action="store_true",
-                   help="2 rounds of short blocks, 1 main-job round of 1 task x 100, no paired runs")
-    p.add_argument("--out-dir", default=common.RESULTS_DIR)
-    p.add_argument("--name", default="glance_cpu")
+    p.add_argument("--name", default="glance_cpu", help="file stem of the results")
     return p
 
 
 def main(argv: Optional[list] = None) -> dict:
+    """Run the benchmark; return the results (also written to ``--out``)."""
     args = build_parser().parse_args(argv)
     device = torch.device(args.device)
-    before = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
+    with harness.threads(args.threads):
         samples = None
         if args.quick:
             args.rounds, args.block_s, args.main_job_rounds = 2, 0.05, 1
             args.main_job_tasks, samples, args.paired_seeds = 1, 100, []
-        result = {"benchmark": "glance", "command": common.command_line(sys.argv),
-                  "started": common.utc_now(),
-                  "machine": common.machine_info(), "threads": args.threads,
-                  "busy_warning": common.busy_warning(device),
-                  "mlp": list(WIDTHS), "steps_per_glance": STEPS, "hyper": HYPER,
-                  "glance_cpu_kernel": str(torch.ops.emcl.glance_cpu_kernel())}
+        result = harness.head("glance", argv, device)
+        result.update({"benchmark": "glance", "started": result["created_utc"],
+                       "threads": args.threads, "mlp": list(WIDTHS), "steps_per_glance": STEPS,
+                       "hyper": HYPER,
+                       "glance_cpu_kernel": str(torch.ops.emcl.glance_cpu_kernel())})
         result["inner_step"] = time_inner_step(device, args.rounds, args.block_s)
         result["floor"] = _floor(device, 20 if not args.quick else 3)
         result["main_job"] = time_main_job(args.main_job_tasks, args.main_job_rounds, samples)
         if args.paired_seeds:
             result["paired"] = paired_runs(args.paired_seeds)
-        result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+        result["load_average_at_end"] = common.load_average()
         result["finished"] = common.utc_now()
-        path = common.write_result(result, args.out_dir, args.name)
-        print(table(result))
-        print(f"wrote {path}")
-        return result
-    finally:
-        torch.set_num_threads(before)
+        return harness.finish(result, args.out, args.name, table=table)
 
 
 def table(result: dict) -> str:

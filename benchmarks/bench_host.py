@@ -21,20 +21,16 @@ plan layer, and how often the launches go through Triton's JIT rather than the f
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-from benchmarks import common
+from benchmarks import common, harness
 from emcl_kernels import FusedEMCLOptimizer
 
-LAYOUTS = {"mlp": [(100, 784), (100,), (100, 100), (100,), (10, 100), (10,)],
-           "many": [(4096,)] * 1000}
+LAYOUTS = {"mlp": common.mlp_shapes(), "many": [(4096,)] * 1000}
 
 
 def _plans(opt):
@@ -176,8 +172,8 @@ def key_passes(args) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks host",
-                                 description=__doc__.split("\n\n")[0])
+    """Run the benchmark; return the record (also written to ``--out FILE``)."""
+    ap = harness.parser("host", __doc__)
     ap.add_argument("--backend", default="auto", help="default: auto (cpu on the CPU)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--steps", type=int, default=400, help="calls per round (MLP; fewer on many)")
@@ -214,10 +210,9 @@ def main(argv=None) -> dict:
                "backend": args.backend, "device": args.device, "threads": 1,
                "load_before": common.load_average(), "layouts": measure(args),
                "load_after": common.load_average()}
-    res.update(machine=common.machine_info(), command=common.command_line(sys.argv), note=args.note)
+    res.update(harness.head("host", argv, note=args.note))
     if args.out:
-        folder, name = os.path.split(os.path.abspath(args.out))
-        common.write_result(res, folder, os.path.splitext(name)[0])
+        harness.save(res, args.out)
     if args.json:
         print(json.dumps(res))
     return res

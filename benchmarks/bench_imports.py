@@ -11,14 +11,13 @@ microseconds, as ``-X importtime`` counts them), so a slow import is named, not 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import subprocess
 import sys
 import time
 
-from benchmarks import common
+from benchmarks import common, harness
 
 TORCH = "import torch"
 PACKAGE = "import torch, emcl_kernels"
@@ -63,8 +62,8 @@ def slowest_imports(tree: str, top: int = 10) -> list:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks imports",
-                                 description=__doc__.split("\n\n")[0])
+    """Run the benchmark; return the results (also written to ``--out FILE``)."""
+    ap = harness.parser("imports", __doc__)
     ap.add_argument("--runs", type=int, default=7, help="pairs of fresh interpreters")
     ap.add_argument("--tree", default=common.REPO,
                     help="the checkout whose emcl_kernels is imported (default: this one)")
@@ -84,8 +83,7 @@ def main(argv=None) -> dict:
         package_s.append(times[PACKAGE])
     extra = [p - t for p, t in zip(package_s, torch_s)]
     result = {
-        "created_utc": common.utc_now(), "command": common.command_line(sys.argv),
-        "machine": common.machine_info(), "runs": args.runs,
+        **harness.head("imports", argv), "runs": args.runs,
         "tree": "this checkout" if tree == common.REPO else "another checkout",
         "tree_commit": _commit(tree),
         "load_average_before": load_before, "load_average_after": common.load_average(),
@@ -101,6 +99,5 @@ def main(argv=None) -> dict:
     for row in result["slowest_imports"][:5]:
         print(f"  {row['module']:40s} {row['cumulative_us'] / 1e3:8.1f} ms")
     if args.out:
-        folder, name = os.path.split(os.path.abspath(args.out))
-        common.write_result(result, folder, os.path.splitext(name)[0])
+        harness.save(result, args.out)
     return result

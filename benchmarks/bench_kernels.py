@@ -42,7 +42,7 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import common  # noqa: E402  (puts the repository on sys.path)
+from benchmarks import common, harness  # noqa: E402  (puts the repository on sys.path)
 
 import torch  # noqa: E402
 
@@ -550,42 +550,25 @@ def _finish_records(records: list, roof: dict) -> None:
 # Output
 # ---------------------------------------------------------------------------------------------
 
-def _fmt(x, spec):
-    return "-" if x is None else format(x, spec)
-
-
-def _counting(roof: dict) -> str:
-    return ("bytes read + written + write-allocate reads" if roof["write_allocate"]
-            else "bytes read + written")
-
-
 def format_table(result: dict) -> str:
-    """The terminal table: one row per measurement, grouped by device, layout and dtype."""
+    """The terminal table: one row per measurement, per device."""
     lines = []
     for dev, info in result["devices"].items():
         roof = info["roof"]
-        lines.append(f"\n{info['name']}  |  roof {roof['roof_gbps']:.1f} GB/s "
-                     f"({roof['roof_kernel']}), copy {roof['copy_gbps']:.1f} GB/s, "
-                     f"{_counting(roof)}  |  "
-                     f"lr_mode {result['settings']['lr_mode']}  |  {result['settings']['mode']} run")
-        head = (f"{'layout':>16} {'numel':>10} {'tensors':>7} {'dtype':>5} {'op':<15} {'backend':<9} "
-                f"{'time ms':>10} {'GB/s':>8} {'%roof':>6} {'x ref':>7} {'x foreach':>9} {'launches':>8}")
-        lines += [head, "-" * len(head)]
-        last = None
-        for r in (r for r in result["records"] if r["device"] == dev):
-            group = (r["layout"], r["numel"], r["dtype"])
-            if last is not None and group != last:
-                lines.append("")
-            last = group
-            lines.append(
-                f"{r['layout']:>16} {r['numel']:>10} {r['n_tensors']:>7} {r['dtype']:>5} "
-                f"{r['op']:<15} {r['backend']:<9} {r['time_ms']:>10.4f} {r['gbps']:>8.2f} "
-                f"{100 * r['ratio_to_roof']:>5.1f}% {_fmt(r['speedup_vs_reference'], '>7.2f')} "
-                f"{_fmt(r['speedup_vs_foreach'], '>9.2f')} {_fmt(r['launches'], '>8d')}")
-        for name, why in info["skipped_backends"].items():
-            lines.append(f"not timed: {name}: {why}")
-        for note in info["notes"]:
-            lines.append(f"note: {note}")
+        counting = ("bytes read + written + write-allocate reads" if roof["write_allocate"]
+                    else "bytes read + written")
+        rows = [(r["layout"], r["numel"], r["n_tensors"], r["dtype"], r["op"], r["backend"],
+                 r["time_ms"], r["gbps"], f"{100 * r['ratio_to_roof']:.1f}%",
+                 r["speedup_vs_reference"], r["speedup_vs_foreach"], r["launches"])
+                for r in result["records"] if r["device"] == dev]
+        lines.append(harness.table(
+            ("layout", "numel", "tensors", "dtype", "op", "backend", "time ms", "GB/s", "roof",
+             "x ref", "x foreach", "launches"), rows,
+            title=f"\n{info['name']}  |  roof {roof['roof_gbps']:.1f} GB/s ({roof['roof_kernel']}), "
+                  f"copy {roof['copy_gbps']:.1f} GB/s, {counting}  |  lr_mode "
+                  f"{result['settings']['lr_mode']}  |  {result['settings']['mode']} run"))
+        lines += [f"not timed: {name}: {why}" for name, why in info["skipped_backends"].items()]
+        lines += [f"note: {note}" for note in info["notes"]]
     return "\n".join(lines)
 
 
@@ -652,12 +635,9 @@ def plot(result: dict, device: str, path: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks kernels",
-        description="Time every available EMCL backend on the same inputs (SPEC section 5).")
-    p.add_argument("--quick", action="store_true", help="small sizes, few repeats (< 1 min on 2 cores)")
-    p.add_argument("--device", nargs="+", default=["auto"], choices=["auto", "cpu", "cuda"],
-                   help="devices to time (auto: the GPU when there is one, else the CPU)")
+    p = harness.parser("kernels", __doc__, "device", "threads", "out", "name", "note", "quick",
+                       "plot", "quiet", devices=True,
+                       quick="small sizes, few repeats (< 1 min on 2 cores)")
     p.add_argument("--backends", nargs="+", default=None,
                    help="only these backends (default: every one available on the device)")
     p.add_argument("--ops", nargs="+", default=list(common.OPS), choices=common.OPS)
@@ -679,7 +659,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--roof-mb", type=float, default=None,
                    help="MiB of each tensor of the roof's streaming kernels (default: the larger "
                         "of 256 MiB and the last-level cache, 1 GiB on a GPU; quick: 64 MiB)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--cpu-triton", action="store_true",
                    help="also time Triton on CPU tensors through its interpreter (very slow; "
                         "sets TRITON_INTERPRET=1, so not with --device cuda)")
@@ -687,26 +666,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time the steps with the library's non-finite gradient check (its "
                         "default; off here so that the kernels are timed alone)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default=common.RESULTS_DIR)
-    p.add_argument("--name", default=None, help="file stem (default kernels_<UTC stamp>_<devices>)")
-    p.add_argument("--note", default=None,
-                   help="free text stored with the results (e.g. 'machine shared with other jobs')")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--quiet", action="store_true", help="no per-measurement lines")
     return p
-
-
-def _devices(names) -> list:
-    out = []
-    for name in names:
-        if name == "auto":
-            name = "cuda" if torch.cuda.is_available() else "cpu"
-        if name == "cuda" and not torch.cuda.is_available():
-            raise SystemExit("--device cuda: torch sees no CUDA device here")
-        dev = torch.device(name)
-        if dev not in out:
-            out.append(dev)
-    return out
 
 
 def main(argv: Optional[list] = None) -> dict:
@@ -738,25 +698,16 @@ def main(argv: Optional[list] = None) -> dict:
         settings.rotate_bytes = max(1, int(args.rotate_mb * 2 ** 20))
     if args.roof_mb is not None:
         settings.roof_numel = max(1, int(args.roof_mb * 2 ** 20) // 4)
-    threads_before = torch.get_num_threads()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    try:
+    with harness.threads(args.threads):
         return _main(args, argv, settings)
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 def _main(args, argv, settings: Settings) -> dict:
     log = (lambda *_: None) if args.quiet else (lambda msg: print(msg, flush=True))
 
     started = time.perf_counter()
-    result = {
-        "schema": "emcl-kernels/bench_kernels/1",
-        "created_utc": common.utc_now(),
-        "command": common.command_line(["python -m benchmarks kernels", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": common.machine_info(),
-        "note": args.note,
+    result = harness.head("kernels", argv, schema="emcl-kernels/bench_kernels/1", note=args.note)
+    result.update({
         "settings": {"mode": settings.mode, "lr_mode": args.lr_mode,
                      "hyperparameters": {op: common.hyperparameters(op, args.lr_mode) for op in args.ops},
                      **{k: v for k, v in settings.__dict__.items() if k != "mode"}},
@@ -764,8 +715,8 @@ def _main(args, argv, settings: Settings) -> dict:
                        for op in args.ops for d in args.dtypes},
         "devices": {},
         "records": [],
-    }
-    for device in _devices(args.device):
+    })
+    for device in dict.fromkeys(harness.device_of(d) for d in args.device):
         run = run_device(device, args, settings, log)
         roof = run.roof
         result["devices"][device.type] = {
@@ -778,18 +729,13 @@ def _main(args, argv, settings: Settings) -> dict:
         }
         result["records"].extend(run.records)
     result["wall_time_s"] = time.perf_counter() - started
-
     base = args.name or f"kernels_{common.utc_stamp()}"
-    common.write_result(result, args.out_dir,
-                        args.name or f"{base}_{'-'.join(result['devices'])}")
-    no_plot = None if args.no_plot else common.plotting_unavailable()
-    if no_plot:
-        print(f"no plot: {no_plot}")
-    if not args.no_plot and not no_plot:
-        for dev in result["devices"]:
-            png = os.path.join(args.out_dir, f"{base}_{dev}.png")
-            plot(result, dev, png)
-            result["paths"][f"png_{dev}"] = png
-    print(format_table(result))
-    print(f"\nwall time {result['wall_time_s']:.1f} s; wrote " + ", ".join(result["paths"].values()))
-    return result
+
+    def plots(result: dict, _png: str) -> dict:
+        """One .png per device, ``<base>_<device>.png``."""
+        out = {f"png_{dev}": os.path.join(args.out, f"{base}_{dev}.png") for dev in result["devices"]}
+        for key, png in out.items():
+            plot(result, key[4:], png)
+        return out
+    return harness.finish(result, args.out, args.name or f"{base}_{'-'.join(result['devices'])}",
+                          plot=plots, no_plot=args.no_plot, table=format_table)

@@ -50,7 +50,7 @@ from typing import Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import common  # noqa: E402  (puts the repository on sys.path)
+from benchmarks import common, harness  # noqa: E402  (puts the repository on sys.path)
 
 import torch  # noqa: E402
 
@@ -74,15 +74,6 @@ PARAM_SCALE, GRAD_SCALE = 0.1, 1e-3   # θ ~ 0.1·N(0,1), g ~ 1e-3·N(0,1): fini
 # ---------------------------------------------------------------------------------------------
 # Layouts: parameter shapes, nothing downloaded
 # ---------------------------------------------------------------------------------------------
-
-def mlp_shapes() -> list:
-    """The paper's MNIST MLP, 784-100-100-10 (weights and biases): 89,610 elements."""
-    dims = (784, 100, 100, 10)
-    out = []
-    for fan_in, fan_out in zip(dims, dims[1:]):
-        out += [(fan_out, fan_in), (fan_out,)]
-    return out
-
 
 def resnet18_shapes_by_hand() -> list:
     """torchvision's ``resnet18()`` parameter shapes in its parameter order, written out from
@@ -129,7 +120,7 @@ def gpt2_shapes(n_layer: int = 12, d: int = 768, vocab: int = 50257, ctx: int = 
 def layout_shapes(choice: str) -> tuple:
     """(name, shapes, where the shapes come from) of a ``--layouts`` choice."""
     if choice == "mlp":
-        return LAYOUT_NAMES[choice], mlp_shapes(), "784-100-100-10"
+        return LAYOUT_NAMES[choice], common.mlp_shapes(), "784-100-100-10"
     if choice == "resnet18":
         shapes, source = resnet18_shapes()
         return LAYOUT_NAMES[choice], shapes, source
@@ -141,13 +132,7 @@ def layout_shapes(choice: str) -> tuple:
 
 
 def numel_of(shapes) -> int:
-    total = 0
-    for shape in shapes:
-        n = 1
-        for d in shape:
-            n *= int(d)
-        total += n
-    return total
+    return sum(torch.Size(shape).numel() for shape in shapes)
 
 
 def make_params(shapes, dtype: torch.dtype, device: torch.device, gen) -> list:
@@ -782,26 +767,13 @@ def _peer_text(r: dict) -> str:
     return f", {r['ratio_to_peer']:.2f}x {r['peer']} (goal {r['goal']}: {r['verdict']}{extra})"
 
 
-def _devices(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch sees no CUDA device here")
-    return torch.device(name)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks step",
-        description="FusedEMCLOptimizer.step() against torch's Adam (fused, foreach) and SGD "
-                    "(foreach, momentum) on the same tensors, interleaved.")
-    p.add_argument("--quick", action="store_true", help="fewer rounds and warm-up steps")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p = harness.parser("step", __doc__, "device", "threads", "out", "name", "note", "quick",
+                       "plot", "quiet", many_threads=True,
+                       threads_default="on CPU: 1 2; on a GPU: torch's",
+                       quick="fewer rounds and warm-up steps")
     p.add_argument("--layouts", nargs="+", default=list(LAYOUT_CHOICES), choices=LAYOUT_CHOICES)
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    p.add_argument("--threads", nargs="+", type=int, default=None,
-                   help="torch CPU thread counts, each timed in turn (default on CPU: 1 2; on a "
-                        "GPU: torch's)")
     p.add_argument("--backends", nargs="+", default=None,
                    help="EMCL backends (default: every one available on the device)")
     p.add_argument("--reference-cap", type=int, default=None, metavar="LOG2",
@@ -819,15 +791,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "last-level cache)")
     p.add_argument("--no-roof", action="store_true", help="skip the roof measurement")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", "--out-dir", dest="out", default=common.RESULTS_DIR)
     p.add_argument("--tag", default=None,
                    help="word in the file name: step_<tag>_<stamp>_<device> (e.g. before)")
-    p.add_argument("--name", default=None, help="file stem (default step[_<tag>]_<stamp>_<device>)")
-    p.add_argument("--note", default=None, help="free text stored with the results")
-    p.add_argument("--no-plot", action="store_true")
     p.add_argument("--replot", default=None, metavar="JSON",
                    help="only redraw the .png beside an existing results file, and exit")
-    p.add_argument("--quiet", action="store_true")
     return p
 
 
@@ -852,12 +819,8 @@ def main(argv: Optional[list] = None) -> dict:
         settings.warmup = args.warmup
     if args.reference_cap is not None:
         settings.reference_cap = 2 ** args.reference_cap
-    device = _devices(args.device)
-    threads_before = torch.get_num_threads()
-    try:
-        return _main(args, argv, settings, device)
-    finally:
-        torch.set_num_threads(threads_before)
+    with harness.threads(None):
+        return _main(args, argv, settings, harness.device_of(args.device))
 
 
 def _main(args, argv, settings: Settings, device: torch.device) -> dict:
@@ -871,31 +834,21 @@ def _main(args, argv, settings: Settings, device: torch.device) -> dict:
     if not emcl_backends:
         raise SystemExit(f"no EMCL backend to time on {device}: " +
                          "; ".join(f"{k}: {v}" for k, v in skipped.items()))
-    result = {
-        "schema": SCHEMA, "created_utc": common.utc_now(),
-        "command": common.command_line(["python -m benchmarks step",
-                                         *(argv if argv is not None else sys.argv[1:])]),
-        "machine": common.machine_info(), "note": args.note,
-        "device": device.type, "device_name": common.device_name(device),
+    result = harness.head("step", argv, device, schema=SCHEMA, note=args.note)
+    result.update({
         "settings": {**settings.__dict__, "param_scale": PARAM_SCALE, "grad_scale": GRAD_SCALE,
                      "thread_counts": [t or torch.get_num_threads() for t in thread_counts]},
         "emcl_backends": emcl_backends, "skipped_backends": skipped,
         "byte_model": {f"{k}/{d}": bytes_per_element(k, common.DTYPE_NAMES[d])
                        for k in ("emcl_step", "emcl_inner", "adam", "sgd", "inner_reads")
                        for d in args.dtypes},
-        "roofs": [], "records": [], "notes": [],
-    }
+        "roofs": [], "records": []})
     log(f"== {result['device_name']}: EMCL backends {', '.join(emcl_backends)}; "
         f"{settings.mode} run; load average {common.load_average()}")
     for name, why in skipped.items():
         log(f"   not timed: emcl[{name}]: {why}")
-    load = common.load_average()
-    if load and load[0] > (os.cpu_count() or 1) - 0.5:
-        result["notes"].append(
-            f"the machine was busy: load average {load[0]:.1f} on {os.cpu_count()} cores at the "
-            "start (every group records its own); absolute times are slower and noisier than on "
-            "a quiet machine, the ratios of one interleaved run less so")
-        log(f"   warning: {result['notes'][-1]}")
+    for note in result["notes"]:
+        log(f"   warning: {note}")
     roofs = {}
     if not args.no_roof:
         for threads in thread_counts:
@@ -904,7 +857,6 @@ def _main(args, argv, settings: Settings, device: torch.device) -> dict:
             roof = measure_roof(device, args, emcl_backends, settings, log)
             roofs[roof["threads"]] = roof
             result["roofs"].append(roof)
-    os.makedirs(args.out, exist_ok=True)
     stem = args.name or "_".join(["step"] + ([args.tag] if args.tag else []) +
                                  [common.utc_stamp(), device.type])
     path = os.path.join(args.out, stem + ".json")
@@ -915,7 +867,7 @@ def _main(args, argv, settings: Settings, device: torch.device) -> dict:
                                             thread_counts, emcl_backends, args, settings,
                                             roofs, log)
             add_ratios(result["records"])
-            save(result, path)   # after every group: a run cut short keeps what it measured
+            harness.save(result, path)   # after every group: a run cut short keeps its groups
     bad = [r for r in result["records"] if r.get("finite") is False]
     if bad:
         result["notes"].append(f"{len(bad)} record(s) ended with non-finite parameters or "
@@ -930,34 +882,13 @@ def _main(args, argv, settings: Settings, device: torch.device) -> dict:
                                "last-level cache ran above the memory roof: find why")
     result["wall_time_s"] = time.perf_counter() - started
     result["complete"] = True
-    save(result, path)
-    result["paths"] = {"json": path}
-    no_plot = None if args.no_plot else common.plotting_unavailable()
-    if no_plot:
-        print(f"no plot: {no_plot}")
-    if not args.no_plot and not no_plot:
-        png = os.path.join(args.out, stem + ".png")
-        plot(result, png)
-        result["paths"]["png"] = png
-    print(format_table(result))
-    for note in result["notes"]:
-        print(f"note: {note}")
-    print(f"\nwall time {result['wall_time_s']:.1f} s; wrote " + ", ".join(result["paths"].values()))
-    return result
+    return harness.finish(result, args.out, stem, plot=plot, no_plot=args.no_plot,
+                          table=format_table)
 
 
 # ---------------------------------------------------------------------------------------------
 # Output
 # ---------------------------------------------------------------------------------------------
-
-def save(result: dict, path: str) -> None:
-    """Write ``result`` as JSON to ``path`` (through a temporary file, so the file is always
-    whole); ``complete`` is False until the run has finished."""
-    tmp = path + ".part"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, path)
-
 
 def contender_order(records: list) -> list:
     """The contenders in a stable order: the baselines, then EMCL per backend."""

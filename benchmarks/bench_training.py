@@ -64,7 +64,7 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import common  # noqa: E402  (puts the repository on sys.path)
+from benchmarks import common, harness  # noqa: E402  (puts the repository on sys.path)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -552,19 +552,14 @@ def format_table(result: dict) -> str:
                          f"{ss['n_tasks']} tasks x {ss['samples_per_task']} samples, batch "
                          f"{s['batch_size']}, seeds {s['seeds']}, "
                          f"{result['machine']['torch_threads']} torch thread(s)")
-            head = (f"{'method (backend)':<26} {'train s':>9} {'+-':>6} {'ms/batch':>9} "
-                    f"{'steady':>8} {'ACC':>6} {'BWT':>7}")
-            lines += [head, "-" * len(head)]
-            for r in rows:
-                lines.append(f"{r['label']:<26} {r['train_time_s']:>9.2f} {r['train_time_s_std']:>6.2f} "
-                             f"{r['ms_per_batch']:>9.2f} {_fmt(r.get('ms_per_batch_steady')):>8} "
-                             f"{_fmt(r['acc']):>6} {_fmt(r['bwt']):>7}")
+            lines.append(harness.table(
+                ("method (backend)", "train s", "+-", "ms/batch", "steady", "ACC", "BWT"),
+                [(r["label"], r["train_time_s"], r["train_time_s_std"], r["ms_per_batch"],
+                  r.get("ms_per_batch_steady"), r["acc"], r["bwt"]) for r in rows]))
     for name, why in result["skipped_methods"].items():
         lines.append(f"not run: {name}: {why}")
     for name, why in result["skipped_backends"].items():
         lines.append(f"emcl backend not run: {name}: {why}")
-    for note in result.get("notes", []):
-        lines.append(f"note: {note}")
     return "\n".join(lines)
 
 
@@ -742,10 +737,6 @@ def heldout_rows(folder: str, names=None) -> list:
     return out
 
 
-def _load() -> Optional[list]:
-    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
-
-
 def run_heldout(args, argv, train, get_method, make_stream) -> dict:
     """Every row of :func:`heldout_rows` on each stream's first tasks (``--heldout-samples``
     incoming samples, whole tasks), seed = the stream's first report seed, on the CPU:
@@ -760,9 +751,10 @@ def run_heldout(args, argv, train, get_method, make_stream) -> dict:
     if args.device != "cpu":
         raise SystemExit("--heldout times the CPU (--device cpu): the held-out sweeps ran there")
     device = torch.device("cpu")
-    machine = common.machine_info()
-    machine["nice"] = os.nice(0)
-    load_before = _load()
+    result = harness.head("training", argv, schema="emcl-kernels/bench_training/heldout/1",
+                          note=args.note)
+    result["machine"]["nice"] = os.nice(0)
+    load_before = common.load_average()
     started = time.perf_counter()
     plan, streams, per_stream = [], {}, {}
     for name in args.streams:
@@ -807,7 +799,7 @@ def run_heldout(args, argv, train, get_method, make_stream) -> dict:
             rec = {"stream": name, "row": row["name"], "method": row["method"], "round": rnd, "position": pos,
                    "train_time_s": r["train_time_s"], "cpu_time_s": r["cpu_time_s"],
                    "incoming_samples": r["incoming_samples"],
-                   "load_average": _load()}
+                   "load_average": common.load_average()}
             records.append(rec)
             print(f"round {rnd + 1}/{args.rounds} {name:<18} {row['name']:<18} "
                   f"{r['train_time_s']:.2f} s, cpu {r['cpu_time_s']:.2f} s (load {rec['load_average'][0] if rec['load_average'] else '?'})",
@@ -827,25 +819,21 @@ def run_heldout(args, argv, train, get_method, make_stream) -> dict:
                         "cpu_time_s_median": statistics.median(cpus), "cpu_times_s": cpus,
                         "ms_per_sample": 1e3 * med / n, "cpu_ms_per_sample": 1e3 * statistics.median(cpus) / n,
                         "counts": counts[(name, row["name"])]})
-    result = {
-        "schema": "emcl-kernels/bench_training/heldout/1",
-        "created_utc": common.utc_now(),
-        "command": common.command_line(["python -m benchmarks training", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": dict(machine, load_average_before=load_before, load_average_after=_load()),
+    result["machine"].update(load_average_before=load_before,
+                             load_average_after=common.load_average())
+    result.update({
         "settings": {"heldout": args.heldout, "streams": list(args.streams), "rounds": args.rounds,
                      "incoming_samples": args.heldout_samples, "batch_size": args.batch_size,
                      "threads": torch.get_num_threads(), "device": "cpu", "per_stream": per_stream,
                      "order": "every (stream, row) once per round; odd rounds reversed",
                      "counted": "one pass per row before the timed rounds (CostCounter), not timed"},
-        "note": args.note,
         "records": records,
         "summary": summary,
         "wall_time_s": time.perf_counter() - started,
-    }
-    path = common.write_result(result, args.out_dir,
-                               args.name or f"heldout_{common.utc_stamp()}_cpu")
-    print(f"\nwall time {result['wall_time_s']:.1f} s; load {load_before} -> "
-          f"{result['machine']['load_average_after']}; wrote {path}")
+    })
+    harness.finish(result, args.out, args.name or f"heldout_{common.utc_stamp()}_cpu")
+    print(f"wall time {result['wall_time_s']:.1f} s; load {load_before} -> "
+          f"{result['machine']['load_average_after']}")
     return result
 
 
@@ -854,10 +842,9 @@ def run_heldout(args, argv, train, get_method, make_stream) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks training",
-                                description="Training time of EMCL per backend and of the baselines, "
-                                            "on the CPU and the GPU.")
-    p.add_argument("--quick", action="store_true", help="2 tasks x 50 samples; 3 image batches")
+    p = harness.parser("training", __doc__, "threads", "out", "name", "note", "quick", "plot",
+                       threads=1, quick="2 tasks x 50 samples; 3 image batches")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto (the CPU, and the GPU if any)")
     p.add_argument("--streams", "--stream", dest="streams", nargs="+", default=["permuted-mnist"],
                    help="streams to time (default permuted-mnist)")
     p.add_argument("--n-tasks", type=int, default=None, help="permutation streams: default 5 (quick 2)")
@@ -877,16 +864,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--emcl-graph", choices=("on", "off", "both"), default="both",
                    help="on a GPU: EMCL's glances from CUDA graphs (on), eagerly (off) or both")
     p.add_argument("--cpu-triton", action="store_true", help="also time interpreted Triton on CPU")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto (the CPU, and the GPU if any)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (default 1, as training runs on a shared machine)")
     p.add_argument("--data-root", default=None,
                    help="data sets on disk (see emcl_continual); without it the image streams' "
                         "files are generated (random pixels)")
-    p.add_argument("--out-dir", default=common.RESULTS_DIR)
-    p.add_argument("--name", default=None, help="file stem (default training_<UTC stamp>_<devices>)")
-    p.add_argument("--note", default=None, help="free text stored with the results")
-    p.add_argument("--no-plot", action="store_true")
     p.add_argument("--heldout", metavar="DIR", default=None,
                    help="time the held-out report rows of DIR/STREAM/plan.json (e.g. results/heldout) "
                         "like for like: counted pass, then interleaved rounds (see run_heldout)")
@@ -900,16 +880,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _shown_path(path: str) -> str:
-    """A results file as the tables name it: relative to the repository when it lies inside
-    it, else as given."""
-    if os.path.isabs(path):
-        rel = os.path.relpath(path, common.REPO)
-        if not rel.startswith(".."):
-            return rel
-    return path
-
-
 def main(argv: Optional[list] = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.table:
@@ -917,7 +887,7 @@ def main(argv: Optional[list] = None) -> dict:
         for path in args.table:
             with open(path) as f:
                 res = json.load(f)
-            res["_path"] = _shown_path(path)
+            res["_path"] = common.relative(path)
             results.append(res)
         text = readme_tables(results)
         print(text)
@@ -934,23 +904,12 @@ def main(argv: Optional[list] = None) -> dict:
     if args.heldout:
         if args.rounds < 1 or args.heldout_samples < 1:
             raise SystemExit("--rounds and --heldout-samples must be >= 1")
-        threads_before = torch.get_num_threads()
-        torch.set_num_threads(args.threads)
-        try:
+        with harness.threads(args.threads):
             return run_heldout(args, argv, train, get_method, make_stream)
-        finally:
-            torch.set_num_threads(threads_before)
-    if args.emcl_graph not in ("on", "off", "both"):
-        raise SystemExit("--emcl-graph must be on, off or both")
     if device_note:
         print(device_note, flush=True)
-    threads_before = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
+    with harness.threads(args.threads or None):
         return _main(args, argv, train, METHODS, get_method, make_stream, devices, device_note)
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 def _methods(args, METHODS, get_method) -> tuple[list, dict]:
@@ -993,7 +952,8 @@ def _main(args, argv, train, METHODS, get_method, make_stream, devices, device_n
         plans[device.type] = backends
 
     tmp = None
-    machine = common.machine_info()  # before the runs: its load average is the one at the start
+    # the head before the runs: its machine's load average is the one at the start
+    result = harness.head("training", argv, schema="emcl-kernels/bench_training/2", note=args.note)
     started = time.perf_counter()
     records, per_stream = [], {}
     try:
@@ -1040,16 +1000,11 @@ def _main(args, argv, train, METHODS, get_method, make_stream, devices, device_n
 
     first = args.streams[0]
     device_names = {d.type: common.device_name(d) for d in devices}
-    result = {
-        "schema": "emcl-kernels/bench_training/2",
-        "created_utc": common.utc_now(),
-        "command": common.command_line(["python -m benchmarks training", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": dict(machine, load_average_at_end=[round(x, 2) for x in os.getloadavg()]
-                        if hasattr(os, "getloadavg") else None),
+    result["machine"]["load_average_at_end"] = common.load_average()
+    result.update({
         "device_name": device_names[devices[0].type],
         "device_names": device_names,
         "auto_backend": {d.type: auto_backend(d) for d in devices},
-        "note": args.note,
         "notes": notes,
         "settings": {"stream": first, "streams": list(args.streams),
                      "n_tasks": per_stream[first]["n_tasks"],
@@ -1064,16 +1019,10 @@ def _main(args, argv, train, METHODS, get_method, make_stream, devices, device_n
         "records": records,
         "summary": summarize(records),
         "wall_time_s": time.perf_counter() - started,
-    }
+    })
     stem = args.name or f"training_{common.utc_stamp()}_{'-'.join(d.type for d in devices)}"
-    common.write_result(result, args.out_dir, stem)
-    if not args.no_plot:
-        png = os.path.join(args.out_dir, stem + ".png")
-        plot(result, png)
-        result["paths"]["png"] = png
-    print(format_table(result))
-    print(f"\nwall time {result['wall_time_s']:.1f} s; wrote " + ", ".join(result["paths"].values()))
-    return result
+    return harness.finish(result, args.out, stem, plot=plot, no_plot=args.no_plot,
+                          table=format_table)
 
 
 def _one_run(train, get_method, method, backend, graph, stream, warm, seed, device, args, n_batches,

@@ -36,6 +36,8 @@ import time
 
 import torch  # noqa: E402
 
+from benchmarks import common, timing  # noqa: E402
+
 from emcl_kernels.backends import triton as TB  # noqa: E402
 from emcl_kernels.interface import (COUNTER_FIELDS, HYPER_FIELDS, IMPORTANCE,  # noqa: E402
                                     LR_MODE, OP)
@@ -43,12 +45,6 @@ from emcl_kernels.interface import (COUNTER_FIELDS, HYPER_FIELDS, IMPORTANCE,  #
 HYPER = dict(inner_lr=0.05, meta_lr=0.2, reg=1.5, gamma=0.3, decay=0.8, lr_scale=0.6,
              lr_min=0.0, lr_max=50.0, eps=1e-8)
 OPS = ("inner", "meta", "inner_meta")
-
-
-def bytes_per_element(op, dtype):
-    """SPEC section 5 (lr_mode "inverse": no stored α)."""
-    p = torch.empty((), dtype=dtype).element_size()
-    return 3 * p + (2 if op == "inner" else 4) * 4
 
 
 class Group:
@@ -77,21 +73,10 @@ class Group:
 
 
 def median_seconds(fn, device, reps):
-    fn()                                                  # compile / build the tables
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    """Median seconds of ``reps`` calls of ``fn`` (CUDA events on a GPU), after one untimed
+    call that compiles the kernels and builds the tables."""
+    fn()
+    return statistics.median(timing.time_calls([fn] * reps, device))
 
 
 def wall_per_call(fn, device, calls):
@@ -160,7 +145,7 @@ def _run(args, out):
                 TB.BLOCK_SIZE, TB.NUM_WARPS = block, warps
                 for op in OPS:
                     s = median_seconds(lambda: group.step(op), device, args.reps)
-                    gbps = bytes_per_element(op, dtype) * args.numel / s / 1e9
+                    gbps = common.bytes_per_element(f"{op}_step", dtype) * args.numel / s / 1e9
                     out({"bandwidth": op, "dtype": str(dtype)[6:], "numel": args.numel,
                          "block": block, "warps": warps, "us": round(s * 1e6, 1),
                          "gbps": round(gbps, 1), "of_copy": round(gbps / copy_gbps, 3)})

@@ -11,12 +11,10 @@ and a description of the machine for the results files.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 import subprocess
 import sys
-import time
 from typing import Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -395,6 +393,15 @@ def emcl_kernel_calls(device: torch.device, numel: int, backends: Sequence[str])
     return out
 
 
+def mlp_shapes() -> list:
+    """The paper's MNIST MLP, 784-100-100-10 (weights and biases): 89,610 elements."""
+    dims = (784, 100, 100, 10)
+    out = []
+    for fan_in, fan_out in zip(dims, dims[1:]):
+        out += [(fan_out, fan_in), (fan_out,)]
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Inputs that share no memory
 # ---------------------------------------------------------------------------------------------
@@ -453,20 +460,8 @@ def last_level_cache_bytes(device: torch.device) -> int:
     return best or 32 << 20
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cpu_ids() -> Optional[str]:
-    """"vendor family F model M stepping S" from /proc/cpuinfo: the model name alone ("AMD
-    EPYC") does not tell a processor generation from another."""
+def _cpuinfo() -> dict:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
     fields = {}
     try:
         with open("/proc/cpuinfo") as f:
@@ -474,13 +469,24 @@ def _cpu_ids() -> Optional[str]:
                 if not line.strip():
                     break                         # the first processor is enough
                 key, _, value = line.partition(":")
-                fields[key.strip()] = value.strip()
+                fields[key.strip().lower()] = value.strip()
     except OSError:
+        pass
+    return fields
+
+
+def _cpu_model() -> str:
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
+
+
+def _cpu_ids() -> Optional[str]:
+    """"vendor family F model M stepping S" from /proc/cpuinfo: the model name alone ("AMD
+    EPYC") does not tell a processor generation from another."""
+    f = _cpuinfo()
+    if "cpu family" not in f:
         return None
-    if "cpu family" not in fields:
-        return None
-    return (f"{fields.get('vendor_id', '?')} family {fields['cpu family']} model "
-            f"{fields.get('model', '?')} stepping {fields.get('stepping', '?')}")
+    return (f"{f.get('vendor_id', '?')} family {f['cpu family']} model {f.get('model', '?')} "
+            f"stepping {f.get('stepping', '?')}")
 
 
 def emcl_cpu_kernel() -> Optional[str]:
@@ -528,11 +534,7 @@ def machine_info() -> dict:
         triton_version = triton.__version__
     except Exception:  # noqa: BLE001 - optional
         triton_version = None
-    cpu = f"{os.cpu_count()}-core {platform.machine()} CPU ({_cpu_model()})"
-    summary = cpu + (", " + ", ".join(gpus) if gpus else ", no GPU")
-    load = None
-    if hasattr(os, "getloadavg"):
-        load = [round(x, 2) for x in os.getloadavg()]
+    summary = device_name(torch.device("cpu")) + (", " + ", ".join(gpus) if gpus else ", no GPU")
     return {
         "summary": summary,
         "cpu": _cpu_model(),
@@ -550,7 +552,7 @@ def machine_info() -> dict:
         "cuda": torch.version.cuda,
         "triton": triton_version,
         "git_commit": git_commit(),
-        "load_average_at_start": load,
+        "load_average_at_start": load_average(),
     }
 
 
@@ -578,17 +580,6 @@ def plotting_unavailable() -> Optional[str]:
     except Exception as exc:  # noqa: BLE001 - any failure means: no plot here
         return f"matplotlib is not importable ({type(exc).__name__}: {exc})"
     return None
-
-
-def write_result(result: dict, out_dir: str, stem: str) -> str:
-    """Write a benchmark's ``result`` as ``OUT_DIR/STEM.json`` (the folder made if needed), record
-    the path in ``result["paths"]["json"]`` and return it."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, stem + ".json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    result["paths"] = {"json": relative(path)}
-    return path
 
 
 def command_line(argv: Sequence[str]) -> str:

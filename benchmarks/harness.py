@@ -1,0 +1,211 @@
+"""What every benchmark of the suite does the same way: its common options, the head of its
+results file, writing that file (JSON, and a PNG beside it), the interleaved timing loop and
+its summary, and the terminal table.
+
+    from benchmarks import harness
+    p = harness.parser("arrays", __doc__, "device", "threads", "out", "quick", "plot")
+    p.add_argument("--runs", ...)                        # the benchmark's own options
+    args = p.parse_args(argv)
+    device = harness.device_of(args.device)
+    result = harness.head("arrays", argv, device, schema=SCHEMA)
+    with harness.threads(1):
+        secs = harness.interleaved({"a": fa, "b": fb}, device, rounds=5)
+    result["records"] = [{"contender": k, **harness.summary(v)} for k, v in secs.items()]
+    harness.finish(result, args.out, "arrays_cpu", plot=plot, no_plot=args.no_plot)
+
+A results file's head names the benchmark's ``schema``, when it was made (``created_utc``), the
+command (``python -m benchmarks NAME ARGS``, paths inside the repository relative to it), the
+machine (:func:`benchmarks.common.machine_info`), the device, a free ``note`` and the
+``notes`` the run adds, the first of which says when the machine was busy at the start.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from benchmarks import common, timing
+
+_OPTIONS = ("device", "threads", "out", "name", "note", "quick", "plot", "quiet")
+
+
+def parser(name: str, doc: str, *options: str, device: str = "auto",
+           devices: bool = False, threads=None, many_threads: bool = False,
+           threads_default: Optional[str] = None, quick: str = "a short run",
+           out: Optional[str] = common.RESULTS_DIR) -> argparse.ArgumentParser:
+    """The parser of ``python -m benchmarks NAME`` (its description the first paragraph of
+    ``doc``) with the common ``options`` asked for, each with one meaning across the suite:
+
+    * ``device``: ``--device``, default ``device`` (auto: the GPU when there is one);
+      ``devices=True`` takes several;
+    * ``threads``: ``--threads``, torch CPU threads, default ``threads`` (``threads_default``
+      describes it when that is not the whole story); ``many_threads=True`` takes several,
+      each timed in turn;
+    * ``out``: ``--out``/``--out-dir``, the results folder (default ``out``);
+    * ``name``: ``--name``, the file stem; ``note``: ``--note``, free text kept in the file;
+    * ``quick``: ``--quick``, a short run (``quick`` says what it cuts);
+    * ``plot``: ``--no-plot``; ``quiet``: ``--quiet``."""
+    unknown = set(options) - set(_OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown common option(s) {sorted(unknown)}; known: {_OPTIONS}")
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks {name}",
+                                description=(doc or "").strip().split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    if "device" in options:
+        p.add_argument("--device", nargs="+" if devices else None,
+                       default=[device] if devices else device,
+                       help="cpu, cuda, or auto (the GPU when there is one)")
+    if "threads" in options:
+        shown = " ".join(map(str, threads)) if isinstance(threads, (list, tuple)) else str(threads)
+        p.add_argument("--threads", type=int, nargs="+" if many_threads else None,
+                       default=threads, help="torch CPU threads" +
+                       (", each timed in turn" if many_threads else "") + " (default " +
+                       (threads_default or (shown if threads is not None else "torch's")) + ")")
+    if "out" in options:
+        p.add_argument("--out", "--out-dir", dest="out", default=out,
+                       help="folder of the results file")
+    if "name" in options:
+        p.add_argument("--name", default=None, help="file stem of the results")
+    if "note" in options:
+        p.add_argument("--note", default=None, help="free text stored with the results")
+    if "quick" in options:
+        p.add_argument("--quick", action="store_true", help=quick)
+    if "plot" in options:
+        p.add_argument("--no-plot", action="store_true", help="no .png")
+    if "quiet" in options:
+        p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def device_of(name: str) -> torch.device:
+    """``auto`` -> the GPU when torch sees one, else the CPU; ``cuda`` without one: an error."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda"):
+        raise SystemExit(f"--device: cpu, cuda or auto, got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device here")
+    return torch.device(name)
+
+
+@contextlib.contextmanager
+def threads(count: Optional[int]):
+    """Run the block with ``count`` torch CPU threads (None: unchanged), restored after."""
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def head(name: str, argv: Optional[Sequence[str]], device: Optional[torch.device] = None, *,
+         schema: Optional[str] = None, note: Optional[str] = None) -> dict:
+    """The head of a results file (see the module's docstring). ``argv``: the benchmark's own
+    arguments (None: ``sys.argv[1:]``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    result = {"schema": schema, "created_utc": common.utc_now(),
+              "command": common.command_line([f"python -m benchmarks {name}", *argv]),
+              "machine": common.machine_info(), "note": note, "notes": []}
+    if device is not None:
+        result.update(device=device.type, device_name=common.device_name(device))
+        busy = common.busy_warning(device)
+        result["busy_warning"] = busy
+        if busy:
+            result["notes"].append(busy)
+    return result
+
+
+def save(result: dict, path: str) -> None:
+    """Write ``result`` as JSON to ``path`` through a temporary file, so that the file is
+    always whole (a benchmark that saves after every group keeps what it measured when cut
+    short)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".part"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
+
+
+def finish(result: dict, out: str, stem: str, *, plot: Optional[Callable] = None,
+           no_plot: bool = False, table: Optional[Callable] = None,
+           log: Callable = print) -> dict:
+    """Write ``OUT/STEM.json`` and, with ``plot(result, png_path)`` and matplotlib importable
+    (unless ``no_plot``), ``OUT/STEM.png`` (a plot that writes other files instead returns
+    them, key -> path); then print ``table(result)``, the notes and the
+    paths written. The paths (relative to the repository when inside it) are kept in
+    ``result["paths"]``, which is returned."""
+    path = os.path.join(out, stem + ".json")
+    save(result, path)
+    result["paths"] = {"json": common.relative(path)}
+    if plot is not None and not no_plot:
+        why_not = common.plotting_unavailable()
+        if why_not:
+            log(f"no plot: {why_not}")
+        else:
+            png = os.path.join(out, stem + ".png")
+            written = plot(result, png) or {"png": png}
+            result["paths"].update({k: common.relative(v) for k, v in written.items()})
+    if table is not None:
+        log(table(result))
+    for note in result.get("notes") or ():
+        log(f"note: {note}")
+    log("wrote " + ", ".join(result["paths"].values()))
+    return result
+
+
+def interleaved(fns: dict, device: torch.device, rounds: int, *, calls: int = 1,
+                warmup: int = 1) -> dict:
+    """Seconds per call of each function of ``fns`` (name -> callable): ``warmup`` untimed
+    calls of each, then ``rounds`` rounds, each running ``calls`` calls of every function in
+    turn (so a slow spell of the machine hits them all alike). Returns name -> [seconds per
+    call, one per round]; on a GPU each round is timed with CUDA events."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    out = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            out[name].append(sum(timing.time_calls([fn] * calls, device)) / calls)
+    return out
+
+
+def summary(seconds: Sequence[float]) -> dict:
+    """``median_ms``, ``q25_ms``, ``q75_ms``, ``min_ms`` and ``rounds`` of the samples."""
+    st = timing.Stats.of(seconds)
+    return {"median_ms": st.median_ms, "q25_ms": st.q25_ms, "q75_ms": st.q75_ms,
+            "min_ms": st.min_ms, "rounds": st.repeats}
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence], title: Optional[str] = None) -> str:
+    """A plain-text table: every column as wide as its widest cell, numbers right-aligned
+    (floats to 4 significant digits), None as ``-``."""
+    def cell(v):
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+    body = [[cell(v) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in body]) for i, h in enumerate(headers)]
+    numeric = [all(_is_number(r[i]) for r in body) and body for i in range(len(headers))]
+    def line(cells):
+        return "  ".join(c.rjust(w) if num else c.ljust(w)
+                         for c, w, num in zip(cells, widths, numeric)).rstrip()
+    out = [title] if title else []
+    out += [line(headers), line(["-" * w for w in widths])] + [line(r) for r in body]
+    return "\n".join(out)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text.rstrip("x%"))
+        return True
+    except ValueError:
+        return text == "-"
