@@ -107,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-tasks", type=int, default=None, help="use only the first N tasks")
     p.add_argument("--samples-per-task", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=BATCH_SIZE)
+    p.add_argument("--eval-every", default=None, metavar="K|preset",
+                   help="anytime evaluation (off by default): every K incoming samples and at each task boundary, "
+                        "evaluate every seen task on a fixed subset of its evaluation images, and count each "
+                        "incoming batch's accuracy before training on it; adds AAA, min-ACC, WC-Acc, the stability "
+                        "gap and online accuracy to the results, anytime_accuracy.png and stability_gap.png to "
+                        "--out. 'preset': the stream's K and subset (MNIST streams)")
+    p.add_argument("--eval-subset", type=int, default=None, metavar="N",
+                   help="with --eval-every: images per task of the anytime evaluation (default: the stream's "
+                        "preset, else 200)")
     for key, typ in NAMED.items():
         p.add_argument("--" + key.replace("_", "-"), dest=key, type=typ, default=None,
                        help=f"override {key} (see --show-config)")
@@ -174,12 +183,41 @@ def _check_numbers(args) -> None:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} {v}: must be >= 1")
+    if args.eval_subset is not None and args.eval_every is None:
+        raise UsageError("--eval-subset is used only with --eval-every")
+    if args.eval_subset is not None and args.eval_subset < 1:
+        raise UsageError(f"--eval-subset {args.eval_subset}: must be >= 1")
     if args.threads < 0:
         raise UsageError(f"--threads {args.threads}: must be >= 0 (0: torch's choice)")
     if args.download:
         check_request(args.stream, args.data_root, args.task_file, args.download_mirror)
     elif args.download_mirror is not None:
         raise UsageError("--download-mirror is used only with --download")
+
+
+def anytime_settings(stream: str, every, subset) -> dict | None:
+    """``{"every", "subset"}`` of ``--eval-every`` / ``--eval-subset`` (None when off): ``every`` a
+    positive number of samples or ``"preset"`` (:data:`.presets.ANYTIME`). Raises
+    :class:`UsageError` naming the bad value."""
+    if every is None:
+        return None
+    from .presets import ANYTIME, ANYTIME_SUBSET, anytime_preset
+    if str(every) == "preset":
+        try:
+            out = anytime_preset(stream)
+        except ValueError as exc:
+            raise UsageError(f"--eval-every preset: {exc}") from None
+    else:
+        try:
+            k = int(str(every))
+        except ValueError:
+            raise UsageError(f"--eval-every {every}: give a number of incoming samples (>= 1) or 'preset'") from None
+        if k < 1:
+            raise UsageError(f"--eval-every {every}: must be >= 1 incoming samples")
+        out = {"every": k, "subset": ANYTIME.get(stream, {}).get("subset", ANYTIME_SUBSET)}
+    if subset is not None:
+        out["subset"] = int(subset)
+    return out
 
 
 def _abs(path):
@@ -191,6 +229,8 @@ def _main(argv: list) -> int:
     _check_numbers(args)
     seeds = check_seeds(args.seeds)
     methods, run_all = _methods(args.method)
+    anytime = anytime_settings(args.stream, args.eval_every, args.eval_subset)
+    args.anytime = anytime
     overrides, origins = _overrides(args, argv)
     per_method, notes = split_overrides(methods, args.stream, overrides, origins)
     configs = {}
@@ -221,7 +261,8 @@ def _main(argv: list) -> int:
     identity = {"stream": args.stream, "configs": configs,
                 "data": {"data_root": _abs(args.data_root), "task_file": _abs(args.task_file),
                          "n_tasks": args.n_tasks, "samples_per_task": args.samples_per_task,
-                         "batch_size": args.batch_size}}
+                         "batch_size": args.batch_size,
+                         **({"eval_every": anytime["every"], "eval_subset": anytime["subset"]} if anytime else {})}}
     out = None
     started_out = False
     new_runs: list = []
@@ -283,6 +324,7 @@ def _main(argv: list) -> int:
         print(comparison_table(runs, args.stream))
     if out is not None:
         files = ["runs.jsonl", "results.json", "results.csv", "avg_accuracy.png", "acc_bwt.png"]
+        files += ["anytime_accuracy.png", "stability_gap.png"] if any("anytime" in r for r in runs) else []
         files += ["comparison.md", "training_time.png"] if run_all else []
         print(f"wrote {args.out}/{{{', '.join(f for f in files if f not in out.stale)}}} "
               f"in {time.perf_counter() - started:.0f}s")
@@ -335,8 +377,10 @@ def _first_stream(args, seed: int, methods: list, per_method: dict, device):
 
 def _train(args, method: str, stream, seed: int, overrides: dict, device) -> dict:
     try:
+        anytime = getattr(args, "anytime", None) or {}
         return run(method, stream, seed, overrides=overrides, batch_size=args.batch_size, device=device,
-                   progress=not args.quiet, log=print if args.verbose else None)
+                   progress=not args.quiet, log=print if args.verbose else None,
+                   eval_every=anytime.get("every"), eval_subset=anytime.get("subset"))
     except Interrupted:
         raise
     except Exception as exc:
@@ -348,5 +392,12 @@ def _report_run(args, r: dict) -> None:
         print(f"warning: {r['method']} seed {r['seed']}: {w['category']} x{w['count']}: {w['message']}",
               file=sys.stderr, flush=True)
     if not args.quiet:
-        print(f"{r['method']} seed {r['seed']}: ACC {r['acc']:.2f}  BWT {r['bwt']:.2f}  "
-              f"train {r['train_time_s']:.1f}s  eval {r['eval_time_s']:.1f}s", flush=True)
+        line = (f"{r['method']} seed {r['seed']}: ACC {r['acc']:.2f}  BWT {r['bwt']:.2f}  "
+                f"train {r['train_time_s']:.1f}s  eval {r['eval_time_s']:.1f}s")
+        m = r.get("anytime_metrics")
+        if m:
+            line += "  " + "  ".join(f"{label} {m[k]:.2f}" for k, label in (("aaa", "AAA"), ("wc_acc", "WC-Acc"),
+                                                                            ("online_acc", "online"))
+                                     if m.get(k) is not None)
+            line += f"  anytime eval {r['anytime_eval_time_s']:.1f}s"
+        print(line, flush=True)
