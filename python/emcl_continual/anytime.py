@@ -40,7 +40,7 @@ import time
 
 import torch
 
-__all__ = ["AnytimeEvaluator", "subset_indices", "SUBSET_SEED", "check_every"]
+__all__ = ["AnytimeEvaluator", "subset_indices", "SUBSET_SEED", "check_every", "settings"]
 
 #: the seed of the generator that picks each task's evaluation subset (independent of the run's seed)
 SUBSET_SEED = 20231
@@ -54,6 +54,37 @@ def check_every(every, subset) -> tuple[int, int | None]:
     if subset is not None and (isinstance(subset, bool) or not isinstance(subset, int) or subset < 1):
         raise ValueError(f"eval_subset must be a positive number of images per task (or None: all), got {subset!r}")
     return every, subset
+
+
+def settings(stream: str, every, subset=None) -> dict | None:
+    """``{"every", "subset"}`` of a command's ``--eval-every`` / ``--eval-subset`` (None when
+    ``every`` is None): ``every`` a positive number of incoming samples or ``"preset"`` (the
+    stream's :data:`~emcl_continual.presets.ANYTIME`); ``subset`` images per task (default: the
+    stream's preset, else :data:`~emcl_continual.presets.ANYTIME_SUBSET`). Raises ``ValueError``
+    naming the option and the bad value."""
+    from .presets import ANYTIME, ANYTIME_SUBSET, anytime_preset
+    if every is None:
+        if subset is not None:
+            raise ValueError("--eval-subset is used only with --eval-every")
+        return None
+    if str(every) == "preset":
+        try:
+            out = anytime_preset(stream)
+        except ValueError as exc:
+            raise ValueError(f"--eval-every preset: {exc}") from None
+    else:
+        try:
+            k = int(str(every))
+        except ValueError:
+            raise ValueError(f"--eval-every {every}: give a number of incoming samples (>= 1) or 'preset'") from None
+        if k < 1:
+            raise ValueError(f"--eval-every {every}: must be >= 1 incoming samples")
+        out = {"every": k, "subset": ANYTIME.get(stream, {}).get("subset", ANYTIME_SUBSET)}
+    if subset is not None:
+        if isinstance(subset, bool) or int(subset) != subset or subset < 1:
+            raise ValueError(f"--eval-subset {subset}: must be >= 1 images per task")
+        out["subset"] = int(subset)
+    return out
 
 
 def subset_indices(n: int, size: int | None) -> torch.Tensor:

@@ -38,6 +38,7 @@ import time
 import torch
 
 from . import report
+from .anytime import settings
 from .command import guarded, make_parser, one_line
 from .compare import ALL_METHODS, comparison_table, write_comparison
 from .config import (ConfigError, build_config, check_seeds, parse_overrides as _parse_overrides, resolve_device,
@@ -183,10 +184,6 @@ def _check_numbers(args) -> None:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} {v}: must be >= 1")
-    if args.eval_subset is not None and args.eval_every is None:
-        raise UsageError("--eval-subset is used only with --eval-every")
-    if args.eval_subset is not None and args.eval_subset < 1:
-        raise UsageError(f"--eval-subset {args.eval_subset}: must be >= 1")
     if args.threads < 0:
         raise UsageError(f"--threads {args.threads}: must be >= 0 (0: torch's choice)")
     if args.download:
@@ -196,28 +193,12 @@ def _check_numbers(args) -> None:
 
 
 def anytime_settings(stream: str, every, subset) -> dict | None:
-    """``{"every", "subset"}`` of ``--eval-every`` / ``--eval-subset`` (None when off): ``every`` a
-    positive number of samples or ``"preset"`` (:data:`.presets.ANYTIME`). Raises
-    :class:`UsageError` naming the bad value."""
-    if every is None:
-        return None
-    from .presets import ANYTIME, ANYTIME_SUBSET, anytime_preset
-    if str(every) == "preset":
-        try:
-            out = anytime_preset(stream)
-        except ValueError as exc:
-            raise UsageError(f"--eval-every preset: {exc}") from None
-    else:
-        try:
-            k = int(str(every))
-        except ValueError:
-            raise UsageError(f"--eval-every {every}: give a number of incoming samples (>= 1) or 'preset'") from None
-        if k < 1:
-            raise UsageError(f"--eval-every {every}: must be >= 1 incoming samples")
-        out = {"every": k, "subset": ANYTIME.get(stream, {}).get("subset", ANYTIME_SUBSET)}
-    if subset is not None:
-        out["subset"] = int(subset)
-    return out
+    """:func:`.anytime.settings` of ``--eval-every`` / ``--eval-subset``, its refusals as
+    :class:`UsageError`."""
+    try:
+        return settings(stream, every, subset)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _abs(path):
