@@ -198,15 +198,32 @@ def test_min_acc_and_wc_acc_by_hand():
 
 def test_stability_gap_by_hand():
     gaps = M.stability_gap(RECORD)
+    # tasks of 4 samples: the window is the first sample after the switch, so the first point
     # switch into task 1: before = 80 (task 0 at 4); during task 1: 40 at 6, 70 at 8 -> gap 40 at 2 samples;
-    # half the drop regained (>= 60) at 8: 4 samples after the switch
-    assert gaps[0] == {"task": 1, "before": 80.0, "min": 40.0, "gap": 40.0, "at": 2, "recover": 4}
+    # half the drop regained (>= 60) at 8: 4 samples after the switch; at the end 70: end drop 10
+    assert gaps[0] == {"task": 1, "before": 80.0, "min": 40.0, "gap": 40.0, "at": 2, "recover": 4,
+                       "end": 70.0, "end_drop": 10.0}
     # switch into task 2: before = mean(70, 90) = 80; during: mean(50, 30) = 40 at 10, mean(60, 70) = 65 at 12
-    # gap 40 at 2 samples; 65 >= 40 + 20 at 12: recovered 4 samples after the switch
-    assert gaps[1] == {"task": 2, "before": 80.0, "min": 40.0, "gap": 40.0, "at": 2, "recover": 4}
+    # gap 40 at 2 samples; 65 >= 40 + 20 at 12: recovered 4 samples after the switch; end drop 15
+    assert gaps[1] == {"task": 2, "before": 80.0, "min": 40.0, "gap": 40.0, "at": 2, "recover": 4,
+                       "end": 65.0, "end_drop": 15.0}
     m = M.anytime_metrics(RECORD)
     assert m["gap_mean"] == 40.0 and m["gap_min_mean"] == 40.0 and m["recover_mean"] == 4.0
+    assert m["end_drop_mean"] == 12.5
     assert m["not_recovered"] == 0
+
+
+def test_stability_gap_window():
+    """The minimum is looked for in the first quarter of the task only: a late fall is forgetting,
+    counted in end_drop, not a gap."""
+    rec = {"samples": [0, 8, 10, 12, 14, 16], "task": [0, 0, 1, 1, 1, 1],
+           "acc": [[0], [90], [70, 5], [80, 5], [85, 5], [20, 5]]}
+    g = M.stability_gap(rec)[0]  # task 1: 8 samples, window 2: the point at 10 only
+    assert (g["min"], g["gap"], g["at"], g["recover"], g["end_drop"]) == (70.0, 20.0, 2, 4, 70.0)
+    g = M.stability_gap(rec, window=8)[0]  # the whole task
+    assert (g["min"], g["gap"], g["at"], g["recover"]) == (20.0, 70.0, 8, None)
+    with pytest.raises(ValueError, match="window"):
+        M.stability_gap(rec, window=0)
 
 
 def test_stability_gap_without_recovery_or_drop():

@@ -46,13 +46,17 @@ boundary (labelled with the task that just ended).
 ``wc_acc``          WC-Acc = 1/T · a_last[T−1] + (1 − 1/T) · min-ACC (De Lange et al. 2023): the
                     final accuracy on the last task and the worst case of every earlier one.
 ``gap``             the stability gap per switch into task k ≥ 1 (De Lange et al. 2023, section
-                    5): with m_e = mean_{j<k} a_e[j], ``before`` = m at the boundary point,
-                    ``min`` = min of m over the points during task k, ``gap`` = before − min,
-                    ``at`` = samples after the switch where the minimum was, ``recover`` = samples
-                    after the switch until m first regains half the drop (m ≥ min + gap/2 at a
-                    point after the minimum; 0 when there is no drop; None when it does not within
-                    the task). ``gap_mean``, ``gap_min_mean`` (mean of ``min``), ``recover_mean``
-                    (over the switches that recovered) and ``not_recovered`` sum it up.
+                    5: the drop of earlier tasks' accuracy right after a switch, and its recovery):
+                    with m_e = mean_{j<k} a_e[j], ``before`` = m at the boundary point, ``min`` =
+                    min of m over the points in the first quarter of task k (rounded up; at least
+                    the first point after the switch), ``gap`` = before − min, ``at`` = samples
+                    after the switch where that minimum was, ``recover`` = samples after the
+                    switch until m first regains half the drop (m ≥ min + gap/2 at a later point
+                    of task k; 0 when there is no drop; None when it does not within the task),
+                    ``end_drop`` = before − m at the end of task k (what the task cost the earlier
+                    ones; a gap larger than it is a drop that was recovered). ``gap_mean``,
+                    ``gap_min_mean`` (mean of ``min``), ``end_drop_mean``, ``recover_mean`` (over
+                    the switches that recovered) and ``not_recovered`` sum it up.
 ``online_acc``      online accuracy: the share (%) of incoming samples predicted right by the
                     model before it trains on them (Cai et al., ICCV 2021, CLOC, section 3); it
                     rewards fitting the near past and can be gamed by label correlation between
@@ -224,10 +228,14 @@ def wc_acc(record: dict) -> float | None:
     return None if low is None else last / T + (1 - 1 / T) * low
 
 
-def stability_gap(record: dict) -> list:
-    """Per switch into task k ≥ 1: ``{"task", "before", "min", "gap", "at", "recover"}`` (module
-    docstring). A switch with no point during its task is left out."""
+def stability_gap(record: dict, window: int | None = None) -> list:
+    """Per switch into task k ≥ 1: ``{"task", "before", "min", "gap", "at", "recover", "end",
+    "end_drop"}`` (module docstring). ``window``: the samples after the switch the minimum is
+    looked for in (default: a quarter of the task, rounded up; the first point after the switch
+    always counts). A switch with no point during its task is left out."""
     s, k, a = _check_record(record)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive number of samples, got {window!r}")
     out = []
     for task in range(1, k[-1] + 1):
         prior = [e for e in range(len(k)) if k[e] == task - 1]
@@ -236,9 +244,11 @@ def stability_gap(record: dict) -> list:
             continue
         b = prior[-1]
         start = s[b]
+        w = window if window is not None else -(-(s[during[-1]] - start) // 4)
         before = sum(a[b][:task]) / task
         curve = [sum(a[e][:task]) / task for e in during]
-        i_min = min(range(len(curve)), key=lambda i: curve[i])  # the first point of the minimum
+        n_win = max(1, sum(s[e] - start <= w for e in during))
+        i_min = min(range(n_win), key=lambda i: curve[i])  # the first point of the minimum
         low = curve[i_min]
         gap = before - low
         recover = None
@@ -250,7 +260,7 @@ def stability_gap(record: dict) -> list:
                     recover = s[during[i]] - start
                     break
         out.append({"task": task, "before": before, "min": low, "gap": gap, "at": s[during[i_min]] - start,
-                    "recover": recover})
+                    "recover": recover, "end": curve[-1], "end_drop": before - curve[-1]})
     return out
 
 
@@ -266,7 +276,7 @@ def online_acc(record: dict) -> float | None:
 def anytime_metrics(record: dict) -> dict:
     """Every anytime metric of one run's record: ``aaa``, ``min_acc``, ``wc_acc``, ``online_acc``,
     ``online_acc_per_task``, ``gap`` (per switch, :func:`stability_gap`), ``gap_mean``,
-    ``gap_min_mean``, ``recover_mean`` and ``not_recovered`` (None where there is no switch)."""
+    ``gap_min_mean``, ``end_drop_mean``, ``recover_mean`` and ``not_recovered`` (None where there is no switch)."""
     gaps = stability_gap(record)
     recovered = [g["recover"] for g in gaps if g["recover"] is not None]
     seen = record.get("online_seen", [])
@@ -280,6 +290,7 @@ def anytime_metrics(record: dict) -> dict:
         "gap": gaps,
         "gap_mean": sum(g["gap"] for g in gaps) / len(gaps) if gaps else None,
         "gap_min_mean": sum(g["min"] for g in gaps) / len(gaps) if gaps else None,
+        "end_drop_mean": sum(g["end_drop"] for g in gaps) / len(gaps) if gaps else None,
         "recover_mean": sum(recovered) / len(recovered) if recovered else None,
         "not_recovered": len(gaps) - len(recovered) if gaps else None,
     }
