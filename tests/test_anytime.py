@@ -275,3 +275,51 @@ def test_metrics_of_a_real_record_are_consistent():
     assert m["min_acc"] <= sum(rec["acc"][-1][:2]) / 2 + 1e-9
     assert m["wc_acc"] == pytest.approx(rec["acc"][-1][2] / 3 + 2 / 3 * m["min_acc"])
     assert len(m["gap"]) == 2
+
+
+# --------------------------------------------------------------------------- the tables
+def test_tables_carry_the_anytime_runs(tmp_path, monkeypatch):
+    """The report rows run again with anytime evaluation (results/online/STREAM/report.jsonl):
+    the headline gains AAA, WC-Acc and online accuracy, the online block every metric and EMCL's
+    paired differences, the figures are drawn, and the runs end where the committed ones did."""
+    import json
+    import os
+
+    from emcl_continual import presets, selection, tables
+
+    monkeypatch.setattr(presets, "VALIDATION_SEEDS", (100,))
+    monkeypatch.setattr(presets, "REPORT_SEEDS", (10, 11))
+    monkeypatch.setattr(presets, "EMCL_VARIANTS", {k: v for k, v in presets.EMCL_VARIANTS.items()
+                                                   if k in ("importance-off", "algorithm-1")})
+    monkeypatch.setattr(presets, "IMPORTANCE_SEARCH", [{"importance_norm": "global", "gamma": 1e-3}])
+    monkeypatch.setattr(presets, "ALGORITHM_1_GRID", [{"lr_scale": 1e-4, "lr_max": 1e2}])
+    real = selection.report_rows
+    monkeypatch.setattr(selection, "report_rows",
+                        lambda *a, **k: [r for r in real(*a, **k) if r["name"] in ("emcl", "er", "sgd")])
+    small = ["--n-tasks", "2", "--samples-per-task", "20", "--allow-dirty"]
+    heldout = str(tmp_path / "heldout" / "permuted-mnist")
+    assert selection.main(["--out", heldout, "--methods", "sgd", "er", "emcl", "--stages", "validate-a", "report"]
+                          + small) == 0
+    plan = json.load(open(os.path.join(heldout, "plan.json")))
+    rows = [selection.Row(**r) for r in plan["rows"] if r["role"] == "report"]
+    online = str(tmp_path / "online" / "permuted-mnist")
+    selection.run_rows(rows, os.path.join(online, "report.jsonl"), "permuted-mnist", "test", n_tasks=2,
+                       samples_per_task=20, eval_every=10, eval_subset=20, log=lambda line: None)
+    runs = selection.load_runs(os.path.join(online, "report.jsonl"))
+    assert len(runs) == 6 and all(r["anytime"]["every"] == 10 for r in runs)
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- tables:permuted-mnist/headline -->\n<!-- /tables:permuted-mnist/headline -->\n"
+                      "<!-- tables:permuted-mnist/online -->\n<!-- /tables:permuted-mnist/online -->\n")
+    tables.write_all(str(tmp_path), str(readme))
+    text = readme.read_text()
+    assert "AAA | WC-Acc | online acc" in text
+    assert "| **emcl** | 2 of 2 |" in text and "| er | " in text
+    assert "6 of 6 runs end with the accuracy matrix of the committed run" in text
+    sr = tables.StreamResults(heldout)
+    emcl, er = sr.online_runs("emcl"), sr.online_runs("er")
+    expected = M.paired({r["seed"]: r["anytime_metrics"]["aaa"] for r in emcl},
+                        {r["seed"]: r["anytime_metrics"]["aaa"] for r in er})
+    assert f"{expected['mean']:+.2f} ± {expected['std']:.2f}" in text
+    for f in ("anytime_accuracy.png", "stability_gap.png"):
+        assert os.path.getsize(os.path.join(online, f)) > 1000
+    assert tables.write_all(str(tmp_path), str(readme), check=True) == []
