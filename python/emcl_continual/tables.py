@@ -291,9 +291,9 @@ def online(sr: StreamResults) -> str:
             if r["seed"] in committed:
                 total += 1
                 same += r["acc_matrix"] == committed[r["seed"]]["acc_matrix"]
-    commits = sorted({r.get("provenance", {}).get("git_commit", "?")[:7] for n in names for r in sr.online_runs(n)})
-    caps = sorted({(r.get("provenance", {}).get("processor") or {}).get("torch_cpu_capability", "?")
-                   for n in names for r in sr.online_runs(n)})
+    commits = sorted({str(r.get("provenance", {}).get("commit", "?"))[:7] for n in names for r in sr.online_runs(n)})
+    caps = sorted({str((r.get("processor") or r.get("provenance", {}).get("processor") or {})
+                       .get("torch_cpu_capability", "?")) for n in names for r in sr.online_runs(n)})
     lines += ["", f"Runs: commit {', '.join(commits)}, torch {', '.join(caps)} kernels; {same} of {total} runs "
                   "end with the accuracy matrix of the committed run of the same row and seed, bit for bit."]
     return "\n".join(lines)
