@@ -39,6 +39,7 @@ import torch
 
 from . import report
 from .anytime import settings
+from .trackers import Trackers, parse_log
 from .command import guarded, make_parser, one_line
 from .compare import ALL_METHODS, comparison_table, write_comparison
 from .config import (ConfigError, build_config, check_seeds, parse_overrides as _parse_overrides, resolve_device,
@@ -114,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "incoming batch's accuracy before training on it; adds AAA, min-ACC, WC-Acc, the stability "
                         "gap and online accuracy to the results, anytime_accuracy.png and stability_gap.png to "
                         "--out. 'preset': the stream's K and subset (MNIST streams)")
+    p.add_argument("--log", default=None, metavar="TRACKERS",
+                   help="experiment trackers, any of tensorboard,wandb,csv (comma-separated): one tracker run per "
+                        "run in --out (W&B offline unless WANDB_MODE says otherwise); tensorboard and wandb need "
+                        "make setup-trackers")
     p.add_argument("--eval-subset", type=int, default=None, metavar="N",
                    help="with --eval-every: images per task of the anytime evaluation (default: the stream's "
                         "preset, else 200)")
@@ -212,6 +217,12 @@ def _main(argv: list) -> int:
     methods, run_all = _methods(args.method)
     anytime = anytime_settings(args.stream, args.eval_every, args.eval_subset)
     args.anytime = anytime
+    try:
+        log_names = parse_log(args.log)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if log_names and not args.out:
+        raise UsageError(f"--log {args.log} needs --out (the trackers write there)")
     overrides, origins = _overrides(args, argv)
     per_method, notes = split_overrides(methods, args.stream, overrides, origins)
     configs = {}
@@ -249,9 +260,17 @@ def _main(argv: list) -> int:
     new_runs: list = []
     started = time.perf_counter()
 
+    trackers = Trackers(log_names, args.out) if log_names else None
+
     def on_run(r):
         new_runs.append(r)
         _report_run(args, r)
+        if trackers:
+            try:
+                trackers.log_run(r)
+            except Exception as exc:  # the run is saved; a tracker that fails must not lose the others
+                raise RunFailed(f"{r['method']} seed {r['seed']}: writing --log {args.log} failed: "
+                                f"{type(exc).__name__}: {one_line(exc)}") from exc
 
     try:
         with interrupts():
