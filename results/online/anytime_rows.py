@@ -38,8 +38,11 @@ def main(argv: list) -> int:
     out = os.path.join(HERE, stream)
     os.makedirs(out, exist_ok=True)
     anytime = presets.anytime_preset(stream)
-    with open(os.path.join(out, "plan.json"), "w") as fh:
-        json.dump(dict(plan, rows=[dict(r) for r in rows], anytime=anytime), fh, indent=1, sort_keys=True)
+    ppath = os.path.join(out, "plan.json")
+    kept = json.load(open(ppath))["rows"] if os.path.exists(ppath) else []
+    merged = [r for r in kept if r["name"] not in {x["name"] for x in rows}] + [dict(r) for r in rows]
+    with open(ppath, "w") as fh:  # every row run into this folder so far, as it was run
+        json.dump(dict(plan, rows=merged, anytime=anytime), fh, indent=1, sort_keys=True)
     selection.run_rows(rows, os.path.join(out, "report.jsonl"), stream, "test", jobs=int(os.environ.get("JOBS", 1)),
                        threads=1, data_root=plan.get("data_root"), eval_every=anytime["every"],
                        eval_subset=anytime["subset"])
