@@ -229,3 +229,13 @@ def test_selection_logs_each_new_run(tmp_path):
     for r in recs:
         final = dict(csv.reader(open(os.path.join(out, "csv", trackers.run_name(r, True), "final.csv"))))
         assert float(final["acc"]) == r["acc"]
+
+
+def test_force_replaces_the_tracker_runs_and_resume_adds_to_them(tmp_path):
+    out = str(tmp_path / "out")
+    base = ["--method", "sgd", "--n-tasks", "2", "--samples-per-task", "20", "--quiet", "--out", out, "--log", "csv"]
+    assert cli.main(base + ["--seeds", "1"]) == 0
+    assert cli.main(base + ["--seeds", "1", "2", "--resume"]) == 0
+    assert sorted(os.listdir(os.path.join(out, "csv"))) == ["sgd-seed1", "sgd-seed2"]
+    assert cli.main(base + ["--seeds", "3", "--force"]) == 0
+    assert sorted(os.listdir(os.path.join(out, "csv"))) == ["sgd-seed3"]
