@@ -5,7 +5,9 @@
 
     PYTHONPATH=$PWD:$PWD/python python results/online/anytime_rows.py permuted-mnist [ROW ...]
 
-``SEEDS="10 11"`` runs only those of each row's report seeds (to run rows seed by seed).
+``SEEDS="10 11"`` runs only those of each row's report seeds; ``ORDER=seed`` queues the runs seed
+by seed (every row's seed 10, then every row's seed 11, ...) instead of row by row, so that two
+slow rows finish the same seeds first.
 Rows default to the headline's methods in the order the stability-gap comparison needs them
 (EMCL, then ER, La-MAML and MER, then the rest). Finished runs are skipped, so the same command
 continues a stopped one. The training of each run is the one the committed record holds (the
@@ -39,12 +41,16 @@ def main(argv: list) -> int:
     if os.environ.get("SEEDS"):
         only = {int(s) for s in os.environ["SEEDS"].split()}
         rows = [selection.Row(**dict(r, seeds=[s for s in r["seeds"] if s in only])) for r in rows]
+    if os.environ.get("ORDER") == "seed":
+        rows = [selection.Row(**dict(r, seeds=[s])) for s in sorted({s for r in rows for s in r["seeds"]})
+                for r in rows if s in r["seeds"]]
     out = os.path.join(HERE, stream)
     os.makedirs(out, exist_ok=True)
     anytime = presets.anytime_preset(stream)
     ppath = os.path.join(out, "plan.json")
     kept = json.load(open(ppath))["rows"] if os.path.exists(ppath) else []
-    merged = [r for r in kept if r["name"] not in {x["name"] for x in rows}] + [dict(by_name[r["name"]]) for r in rows]
+    names_run = list(dict.fromkeys(r["name"] for r in rows))
+    merged = [r for r in kept if r["name"] not in names_run] + [dict(by_name[n]) for n in names_run]
     with open(ppath, "w") as fh:  # every row run into this folder so far, as it was run
         json.dump(dict(plan, rows=merged, anytime=anytime), fh, indent=1, sort_keys=True)
     selection.run_rows(rows, os.path.join(out, "report.jsonl"), stream, "test", jobs=int(os.environ.get("JOBS", 1)),
