@@ -9,6 +9,9 @@
 #                   (requirements-frameworks.txt: transformers, accelerate, lightning, timm) into
 #                   .venv under requirements.txt's pins as constraints, then pip check:
 #                   tests/test_frameworks.py runs with them (skipped without)
+#   make setup-trackers  setup, then TensorBoard and Weights & Biases (requirements-trackers.txt)
+#                   into .venv under requirements.txt's pins as constraints, then pip check:
+#                   --log tensorboard,wandb and tests/test_trackers.py's round trips (skipped without)
 #   make setup-ray  setup, then Ray (requirements-ray.txt) into .venv under requirements.txt's pins
 #                   as constraints, then pip check: the selection's --executor ray
 #   make test-ray   setup-ray, then the Ray executor's test (a local two-node Ray cluster against the
@@ -47,7 +50,7 @@ GPU_CHECK_ARGS ?=
 OUT ?= build/gpu-check/out
 GPU_JOBS ?= 16
 
-.PHONY: setup setup-avalanche setup-frameworks setup-ray test-ray demo test bench gpu-check gpu-check-1 gpu-check-2 gpu-check-12 gpu-validate-a clean
+.PHONY: setup setup-avalanche setup-frameworks setup-trackers setup-ray test-ray demo test bench gpu-check gpu-check-1 gpu-check-2 gpu-check-12 gpu-validate-a clean
 
 setup: $(VENV)/.installed
 
@@ -72,6 +75,13 @@ setup-frameworks: $(VENV)/.frameworks
 
 $(VENV)/.frameworks: $(VENV)/.installed requirements-frameworks.txt
 	$(PY) -m pip install -q -r requirements-frameworks.txt -c requirements.txt
+	$(PY) -m pip check
+	touch $@
+
+setup-trackers: $(VENV)/.trackers
+
+$(VENV)/.trackers: $(VENV)/.installed requirements-trackers.txt
+	$(PY) -m pip install -q -r requirements-trackers.txt -c requirements.txt
 	$(PY) -m pip check
 	touch $@
 

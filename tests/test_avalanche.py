@@ -111,6 +111,37 @@ def test_avalanche_metrics_match_this_projects_acc(stream, one_torch_thread):
     assert abs(100.0 * last[stream_key] - metrics.acc(matrix)) <= 1e-9
 
 
+@needs_avalanche
+def test_avalanches_own_loggers_are_kept(stream, tmp_path, one_torch_thread):
+    """EMCLStrategy keeps the evaluator's loggers: Avalanche's TensorboardLogger writes every metric
+    of every evaluation, read back with TensorBoard's event reader and equal to what eval returned."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (make setup-trackers)")
+    from avalanche.logging import TensorboardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = TensorboardLogger(tb_log_dir=str(tmp_path))
+    evaluator = EvaluationPlugin(accuracy_metrics(experience=True, stream=True), loggers=[tb])
+    torch.manual_seed(0)
+    strategy = EMCLStrategy(model=build_model(stream.info), evaluator=evaluator, seed=0, **MNIST)
+    assert any(lg is tb for lg in strategy.evaluator.loggers)
+    bench = avalanche_benchmark(stream)
+    returned = []
+    for exp in bench.train_stream:
+        strategy.train(exp, shuffle=False, eval_streams=[])
+        returned.append(strategy.eval(bench.test_stream))
+    tb.writer.flush()
+    ea = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    ea.Reload()
+    tags = set(ea.Tags()["scalars"])
+    stream_key = next(k for k in returned[-1] if k.startswith("Top1_Acc_Stream/eval_phase/test_stream"))
+    assert stream_key in tags, sorted(tags)
+    logged = [e.value for e in ea.Scalars(stream_key)]
+    assert logged == pytest.approx([r[stream_key] for r in returned], abs=1e-6)
+    for j in range(N_TASKS):
+        key = f"Top1_Acc_Exp/eval_phase/test_stream/Task{j:03d}/Exp{j:03d}"
+        assert ea.Scalars(key)[-1].value == pytest.approx(returned[-1][key], abs=1e-6)
+
+
 class MultiHeadMLP(MultiTaskModule):
     """A trunk and Avalanche's MultiHeadClassifier: a new head per new task label."""
 

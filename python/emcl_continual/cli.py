@@ -38,6 +38,8 @@ import time
 import torch
 
 from . import report
+from .anytime import settings
+from .trackers import Trackers, parse_log
 from .command import guarded, make_parser, one_line
 from .compare import ALL_METHODS, comparison_table, write_comparison
 from .config import (ConfigError, build_config, check_seeds, parse_overrides as _parse_overrides, resolve_device,
@@ -107,6 +109,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-tasks", type=int, default=None, help="use only the first N tasks")
     p.add_argument("--samples-per-task", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=BATCH_SIZE)
+    p.add_argument("--eval-every", default=None, metavar="K|preset",
+                   help="anytime evaluation (off by default): every K incoming samples and at each task boundary, "
+                        "evaluate every seen task on a fixed subset of its evaluation images, and count each "
+                        "incoming batch's accuracy before training on it; adds AAA, min-ACC, WC-Acc, the stability "
+                        "gap and online accuracy to the results, anytime_accuracy.png and stability_gap.png to "
+                        "--out. 'preset': the stream's K and subset (MNIST streams)")
+    p.add_argument("--log", default=None, metavar="TRACKERS",
+                   help="experiment trackers, any of tensorboard,wandb,csv (comma-separated): one tracker run per "
+                        "run in --out (W&B offline unless WANDB_MODE says otherwise); tensorboard and wandb need "
+                        "make setup-trackers")
+    p.add_argument("--eval-subset", type=int, default=None, metavar="N",
+                   help="with --eval-every: images per task of the anytime evaluation (default: the stream's "
+                        "preset, else 200)")
     for key, typ in NAMED.items():
         p.add_argument("--" + key.replace("_", "-"), dest=key, type=typ, default=None,
                        help=f"override {key} (see --show-config)")
@@ -182,6 +197,15 @@ def _check_numbers(args) -> None:
         raise UsageError("--download-mirror is used only with --download")
 
 
+def anytime_settings(stream: str, every, subset) -> dict | None:
+    """:func:`.anytime.settings` of ``--eval-every`` / ``--eval-subset``, its refusals as
+    :class:`UsageError`."""
+    try:
+        return settings(stream, every, subset)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _abs(path):
     return None if path is None else os.path.abspath(path)
 
@@ -191,6 +215,14 @@ def _main(argv: list) -> int:
     _check_numbers(args)
     seeds = check_seeds(args.seeds)
     methods, run_all = _methods(args.method)
+    anytime = anytime_settings(args.stream, args.eval_every, args.eval_subset)
+    args.anytime = anytime
+    try:
+        log_names = parse_log(args.log)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if log_names and not args.out:
+        raise UsageError(f"--log {args.log} needs --out (the trackers write there)")
     overrides, origins = _overrides(args, argv)
     per_method, notes = split_overrides(methods, args.stream, overrides, origins)
     configs = {}
@@ -221,15 +253,24 @@ def _main(argv: list) -> int:
     identity = {"stream": args.stream, "configs": configs,
                 "data": {"data_root": _abs(args.data_root), "task_file": _abs(args.task_file),
                          "n_tasks": args.n_tasks, "samples_per_task": args.samples_per_task,
-                         "batch_size": args.batch_size}}
+                         "batch_size": args.batch_size,
+                         **({"eval_every": anytime["every"], "eval_subset": anytime["subset"]} if anytime else {})}}
     out = None
     started_out = False
     new_runs: list = []
     started = time.perf_counter()
 
+    trackers = Trackers(log_names, args.out) if log_names else None
+
     def on_run(r):
         new_runs.append(r)
         _report_run(args, r)
+        if trackers:
+            try:
+                trackers.log_run(r)
+            except Exception as exc:  # the run is saved; a tracker that fails must not lose the others
+                raise RunFailed(f"{r['method']} seed {r['seed']}: writing --log {args.log} failed: "
+                                f"{type(exc).__name__}: {one_line(exc)}") from exc
 
     try:
         with interrupts():
@@ -283,6 +324,7 @@ def _main(argv: list) -> int:
         print(comparison_table(runs, args.stream))
     if out is not None:
         files = ["runs.jsonl", "results.json", "results.csv", "avg_accuracy.png", "acc_bwt.png"]
+        files += ["anytime_accuracy.png", "stability_gap.png"] if any("anytime" in r for r in runs) else []
         files += ["comparison.md", "training_time.png"] if run_all else []
         print(f"wrote {args.out}/{{{', '.join(f for f in files if f not in out.stale)}}} "
               f"in {time.perf_counter() - started:.0f}s")
@@ -335,8 +377,10 @@ def _first_stream(args, seed: int, methods: list, per_method: dict, device):
 
 def _train(args, method: str, stream, seed: int, overrides: dict, device) -> dict:
     try:
+        anytime = getattr(args, "anytime", None) or {}
         return run(method, stream, seed, overrides=overrides, batch_size=args.batch_size, device=device,
-                   progress=not args.quiet, log=print if args.verbose else None)
+                   progress=not args.quiet, log=print if args.verbose else None,
+                   eval_every=anytime.get("every"), eval_subset=anytime.get("subset"))
     except Interrupted:
         raise
     except Exception as exc:
@@ -348,5 +392,12 @@ def _report_run(args, r: dict) -> None:
         print(f"warning: {r['method']} seed {r['seed']}: {w['category']} x{w['count']}: {w['message']}",
               file=sys.stderr, flush=True)
     if not args.quiet:
-        print(f"{r['method']} seed {r['seed']}: ACC {r['acc']:.2f}  BWT {r['bwt']:.2f}  "
-              f"train {r['train_time_s']:.1f}s  eval {r['eval_time_s']:.1f}s", flush=True)
+        line = (f"{r['method']} seed {r['seed']}: ACC {r['acc']:.2f}  BWT {r['bwt']:.2f}  "
+                f"train {r['train_time_s']:.1f}s  eval {r['eval_time_s']:.1f}s")
+        m = r.get("anytime_metrics")
+        if m:
+            line += "  " + "  ".join(f"{label} {m[k]:.2f}" for k, label in (("aaa", "AAA"), ("wc_acc", "WC-Acc"),
+                                                                            ("online_acc", "online"))
+                                     if m.get(k) is not None)
+            line += f"  anytime eval {r['anytime_eval_time_s']:.1f}s"
+        print(line, flush=True)

@@ -27,6 +27,43 @@ initialisation): the evaluation row that :func:`emcl_continual.train.run` record
 ==================  ==========================================================================
 
 For a single task the transfer and forgetting metrics are 0 (nothing to transfer to or forget).
+
+**Anytime metrics** (:func:`anytime_metrics`), from the record of
+:class:`emcl_continual.anytime.AnytimeEvaluator`: points ``e`` at ``s_e`` samples seen, while task
+``k_e`` was being trained, with ``a_e[j]`` the accuracy on task ``j ≤ k_e`` (on the fixed
+evaluation subset); the last point is the end of the stream, and there is a point at every task
+boundary (labelled with the task that just ended).
+
+==================  ==========================================================================
+``aaa``             average anytime accuracy AAA = 1/|E| · Σ_{e∈E} (1/(k_e+1) · Σ_{j≤k_e} a_e[j]),
+                    E the points after the first sample (Caccia et al., ICLR 2022, "New insights on
+                    reducing abrupt representation change in online continual learning", eq. of
+                    AAA; the mean accuracy over the tasks seen so far, averaged over the stream).
+``min_acc``         min-ACC = 1/(T−1) · Σ_{j<T−1} min_{e: k_e>j} a_e[j]: each earlier task's lowest
+                    accuracy at any point after its training ended (De Lange et al., ICLR 2023,
+                    "Continual evaluation for lifelong learning: identifying the stability gap",
+                    section 3), taken at the end of the stream.
+``wc_acc``          WC-Acc = 1/T · a_last[T−1] + (1 − 1/T) · min-ACC (De Lange et al. 2023): the
+                    final accuracy on the last task and the worst case of every earlier one.
+``gap``             the stability gap per switch into task k ≥ 1 (De Lange et al. 2023, section
+                    5: the drop of earlier tasks' accuracy right after a switch, and its recovery):
+                    with m_e = mean_{j<k} a_e[j], ``before`` = m at the boundary point, ``min`` =
+                    min of m over the points in the first quarter of task k (rounded up; at least
+                    the first point after the switch), ``gap`` = before − min, ``at`` = samples
+                    after the switch where that minimum was, ``recover`` = samples after the
+                    switch until m first regains half the drop (m ≥ min + gap/2 at a later point
+                    of task k; 0 when there is no drop; None when it does not within the task),
+                    ``end_drop`` = before − m at the end of task k (what the task cost the earlier
+                    ones; a gap larger than it is a drop that was recovered). ``gap_mean``,
+                    ``gap_min_mean`` (mean of ``min``), ``end_drop_mean``, ``recover_mean`` (over
+                    the switches that recovered) and ``not_recovered`` sum it up.
+``online_acc``      online accuracy: the share (%) of incoming samples predicted right by the
+                    model before it trains on them (Cai et al., ICCV 2021, CLOC, section 3); it
+                    rewards fitting the near past and can be gamed by label correlation between
+                    consecutive batches (Hammoud et al., ICCV 2023, "Rapid adaptation in online
+                    continual learning: are we evaluating it right?"); here batches are drawn
+                    i.i.d. within a task, which leaves little correlation to exploit.
+==================  ==========================================================================
 """
 from __future__ import annotations
 
@@ -35,7 +72,8 @@ import math
 import torch
 
 __all__ = ["acc", "bwt", "bwt_over_t", "learning_acc", "forgetting", "fwt", "fwt_over_t", "all_metrics",
-           "METRIC_NAMES", "evaluate", "mean_std", "paired", "accuracy"]
+           "METRIC_NAMES", "ANYTIME_NAMES", "anytime_metrics", "aaa", "min_acc", "wc_acc", "stability_gap",
+           "online_acc", "evaluate", "mean_std", "paired", "accuracy"]
 
 # Every metric :func:`all_metrics` returns, in table order, with a short label.
 METRIC_NAMES = {
@@ -129,6 +167,133 @@ def all_metrics(matrix, before=None) -> dict:
         out["fwt"] = fwt(matrix, before)
         out["fwt_over_t"] = fwt_over_t(matrix, before)
     return out
+
+
+# Every summary :func:`anytime_metrics` returns that a table shows, with a short label.
+ANYTIME_NAMES = {
+    "aaa": "AAA",
+    "wc_acc": "WC-Acc",
+    "min_acc": "min-ACC",
+    "online_acc": "online acc",
+    "gap_mean": "stability gap",
+}
+
+
+def _check_record(record: dict) -> tuple:
+    s, k, a = record.get("samples"), record.get("task"), record.get("acc")
+    if not s or s is None or k is None or a is None or not (len(s) == len(k) == len(a)):
+        raise ValueError("an anytime record needs samples, task and acc of the same non-zero length")
+    for e, (kk, row) in enumerate(zip(k, a)):
+        if len(row) != kk + 1:
+            raise ValueError(f"anytime record point {e}: task {kk} needs {kk + 1} accuracies, has {len(row)}")
+    if any(b < a_ for a_, b in zip(s, s[1:])):
+        raise ValueError("anytime record: samples must not decrease")
+    return [int(v) for v in s], [int(v) for v in k], [[float(v) for v in row] for row in a]
+
+
+def aaa(record: dict) -> float:
+    """Average anytime accuracy (Caccia et al. 2022) over the points after the first sample."""
+    s, k, a = _check_record(record)
+    means = [sum(row) / len(row) for se, row in zip(s, a) if se > 0]
+    if not means:
+        raise ValueError("anytime record: no point after the first sample")
+    return sum(means) / len(means)
+
+
+def min_acc(record: dict) -> float | None:
+    """min-ACC (De Lange et al. 2023) at the end of the stream; None for a single task, or when
+    an earlier task has no point after its end."""
+    s, k, a = _check_record(record)
+    T = k[-1] + 1
+    if T == 1:
+        return None
+    lows = []
+    for j in range(T - 1):
+        after = [a[e][j] for e in range(len(k)) if k[e] > j]
+        if not after:
+            return None
+        lows.append(min(after))
+    return sum(lows) / len(lows)
+
+
+def wc_acc(record: dict) -> float | None:
+    """WC-Acc (De Lange et al. 2023) at the end of the stream: 1/T · the last task's final
+    accuracy + (1 − 1/T) · min-ACC (the last task's accuracy alone for one task)."""
+    s, k, a = _check_record(record)
+    T = k[-1] + 1
+    last = a[-1][T - 1]
+    if T == 1:
+        return last
+    low = min_acc(record)
+    return None if low is None else last / T + (1 - 1 / T) * low
+
+
+def stability_gap(record: dict, window: int | None = None) -> list:
+    """Per switch into task k ≥ 1: ``{"task", "before", "min", "gap", "at", "recover", "end",
+    "end_drop"}`` (module docstring). ``window``: the samples after the switch the minimum is
+    looked for in (default: a quarter of the task, rounded up; the first point after the switch
+    always counts). A switch with no point during its task is left out."""
+    s, k, a = _check_record(record)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive number of samples, got {window!r}")
+    out = []
+    for task in range(1, k[-1] + 1):
+        prior = [e for e in range(len(k)) if k[e] == task - 1]
+        during = [e for e in range(len(k)) if k[e] == task]
+        if not prior or not during:
+            continue
+        b = prior[-1]
+        start = s[b]
+        w = window if window is not None else -(-(s[during[-1]] - start) // 4)
+        before = sum(a[b][:task]) / task
+        curve = [sum(a[e][:task]) / task for e in during]
+        n_win = max(1, sum(s[e] - start <= w for e in during))
+        i_min = min(range(n_win), key=lambda i: curve[i])  # the first point of the minimum
+        low = curve[i_min]
+        gap = before - low
+        recover = None
+        if gap <= 0:
+            recover = 0
+        else:
+            for i in range(i_min + 1, len(curve)):
+                if curve[i] >= low + gap / 2:
+                    recover = s[during[i]] - start
+                    break
+        out.append({"task": task, "before": before, "min": low, "gap": gap, "at": s[during[i_min]] - start,
+                    "recover": recover, "end": curve[-1], "end_drop": before - curve[-1]})
+    return out
+
+
+def online_acc(record: dict) -> float | None:
+    """Online accuracy (Cai et al. 2021): % of incoming samples predicted right before training on
+    them; None when the record counted none."""
+    seen = sum(int(v) for v in record.get("online_seen", []))
+    if seen == 0:
+        return None
+    return 100.0 * sum(int(v) for v in record["online_correct"]) / seen
+
+
+def anytime_metrics(record: dict) -> dict:
+    """Every anytime metric of one run's record: ``aaa``, ``min_acc``, ``wc_acc``, ``online_acc``,
+    ``online_acc_per_task``, ``gap`` (per switch, :func:`stability_gap`), ``gap_mean``,
+    ``gap_min_mean``, ``end_drop_mean``, ``recover_mean`` and ``not_recovered`` (None where there is no switch)."""
+    gaps = stability_gap(record)
+    recovered = [g["recover"] for g in gaps if g["recover"] is not None]
+    seen = record.get("online_seen", [])
+    return {
+        "aaa": aaa(record),
+        "min_acc": min_acc(record),
+        "wc_acc": wc_acc(record),
+        "online_acc": online_acc(record),
+        "online_acc_per_task": [100.0 * int(c) / int(n) if int(n) else None
+                                for c, n in zip(record.get("online_correct", []), seen)],
+        "gap": gaps,
+        "gap_mean": sum(g["gap"] for g in gaps) / len(gaps) if gaps else None,
+        "gap_min_mean": sum(g["min"] for g in gaps) / len(gaps) if gaps else None,
+        "end_drop_mean": sum(g["end_drop"] for g in gaps) / len(gaps) if gaps else None,
+        "recover_mean": sum(recovered) / len(recovered) if recovered else None,
+        "not_recovered": len(gaps) - len(recovered) if gaps else None,
+    }
 
 
 def mean_std(values) -> tuple[float, float]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __all__ = ["MEMORY", "BATCH_SIZE", "VALIDATION_SEEDS",
            "REPORT_SEEDS", "GRIDS", "grid", "EMCL_VARIANTS", "ALGORITHM_1_GRID", "IMPORTANCE_SEARCH",
-           "STREAM_NAMES"]
+           "STREAM_NAMES", "ANYTIME", "ANYTIME_SUBSET", "anytime_preset"]
 
 STREAM_NAMES = ("permuted-mnist", "rotated-mnist", "many-permutations", "split-cifar100", "split-miniimagenet")
 
@@ -19,6 +19,31 @@ STREAM_NAMES = ("permuted-mnist", "rotated-mnist", "many-permutations", "split-c
 MEMORY = {"permuted-mnist": 200, "rotated-mnist": 200, "many-permutations": 500, "split-cifar100": 200,
           "split-miniimagenet": 200}
 BATCH_SIZE = 10
+
+# --------------------------------------------------------------------------- anytime evaluation
+# Images per task of the fixed evaluation subset (emcl_continual.anytime) when nothing else is said.
+ANYTIME_SUBSET = 200
+# The streams where evaluation during the stream is cheap next to training (an MLP's forward pass on
+# a few hundred images per seen task): evaluate every `every` incoming samples on `subset` images of
+# each seen task. Permuted / Rotated MNIST: 20 points per 1,000-sample task, 200 of the 1,000
+# evaluation images (about as many forward passes as the end-of-task evaluation of every task).
+# Many Permutations: 10 points per 200-sample task and 100 images, since up to 100 tasks are seen.
+# The CIFAR-100 / miniImageNet ResNets are left out: there the same record would cost as much as training.
+ANYTIME = {
+    "permuted-mnist": {"every": 50, "subset": 200},
+    "rotated-mnist": {"every": 50, "subset": 200},
+    "many-permutations": {"every": 20, "subset": 100},
+}
+
+
+def anytime_preset(stream: str) -> dict:
+    """``{"every", "subset"}`` of :data:`ANYTIME` for ``stream`` (a copy); ``ValueError`` for a stream
+    with none."""
+    if stream not in ANYTIME:
+        raise ValueError(f"no anytime-evaluation preset for stream {stream!r} (presets: {', '.join(ANYTIME)}); "
+                         f"give the number of samples, e.g. --eval-every 50")
+    return dict(ANYTIME[stream])
+
 
 # --------------------------------------------------------------------------- selection protocol
 # Hyper-parameters are chosen on VALIDATION_SEEDS with the validation split (images held out of

@@ -17,12 +17,17 @@ from .metrics import mean_std
 
 __all__ = ["summarize", "write_results", "format_table", "write_atomic", "PLOT_FILES"]
 
-# The plots write_results draws, by file name.
-PLOT_FILES = ("avg_accuracy.png", "acc_bwt.png")
+# The plots write_results draws, by file name (those of runs with anytime evaluation included).
+PLOT_FILES = ("avg_accuracy.png", "acc_bwt.png", "anytime_accuracy.png", "stability_gap.png")
+
+
+# The anytime metrics summarised over seeds, when every run of a group has them (--eval-every).
+ANYTIME_COLUMNS = ("aaa", "wc_acc", "min_acc", "online_acc", "gap_mean", "end_drop_mean")
 
 
 def summarize(runs: list) -> list:
-    """One row per (method, stream): mean and std (ddof=1) over seeds of ACC, BWT and times."""
+    """One row per (method, stream): mean and std (ddof=1) over seeds of ACC, BWT and times, and
+    of :data:`ANYTIME_COLUMNS` and the anytime evaluation's time when every run has them."""
     groups: dict = {}
     for r in runs:
         groups.setdefault((r["method"], r["stream"]), []).append(r)
@@ -32,17 +37,30 @@ def summarize(runs: list) -> list:
         for key in ("acc", "bwt", "train_time_s", "eval_time_s"):
             mu, sd = mean_std([r[key] for r in rs])
             row[f"{key}_mean"], row[f"{key}_std"] = mu, sd
+        if all(r.get("anytime_metrics") for r in rs):
+            for key in ANYTIME_COLUMNS:
+                values = [r["anytime_metrics"].get(key) for r in rs]
+                if all(v is not None for v in values):
+                    row[f"{key}_mean"], row[f"{key}_std"] = mean_std(values)
+            row["anytime_eval_time_s_mean"] = mean_std([r["anytime_eval_time_s"] for r in rs])[0]
         rows.append(row)
     return rows
 
 
 def format_table(summary: list) -> str:
-    """A markdown table of ACC +- std, BWT +- std and training time per method and stream."""
-    lines = ["| method | stream | seeds | ACC (%) | BWT (%) | train time (s) | eval time (s) |",
-             "|---|---|---|---|---|---|---|"]
+    """A markdown table of ACC +- std, BWT +- std and training time per method and stream, with
+    AAA, WC-Acc and online accuracy (+- std) when a row has them."""
+    anytime = any("aaa_mean" in s for s in summary)
+    extra = " AAA (%) | WC-Acc (%) | online acc (%) |" if anytime else ""
+    lines = ["| method | stream | seeds | ACC (%) | BWT (%) |" + extra + " train time (s) | eval time (s) |",
+             "|---|---|---|---|---|" + ("---|" * 3 if anytime else "") + "---|---|"]
     for s in summary:
+        cells = ""
+        if anytime:
+            cells = "".join(f" {s[k + '_mean']:.2f} ± {s[k + '_std']:.2f} |" if k + "_mean" in s else " – |"
+                            for k in ("aaa", "wc_acc", "online_acc"))
         lines.append(f"| {s['method']} | {s['stream']} | {s['n_seeds']} | {s['acc_mean']:.2f} ± {s['acc_std']:.2f} "
-                     f"| {s['bwt_mean']:.2f} ± {s['bwt_std']:.2f} | {s['train_time_s_mean']:.1f} ± "
+                     f"| {s['bwt_mean']:.2f} ± {s['bwt_std']:.2f} |{cells} {s['train_time_s_mean']:.1f} ± "
                      f"{s['train_time_s_std']:.1f} | {s['eval_time_s_mean']:.1f} |")
     return "\n".join(lines)
 
@@ -50,11 +68,16 @@ def format_table(summary: list) -> str:
 def _csv_text(runs: list) -> str:
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(["method", "stream", "seed", "acc", "bwt", "train_time_s", "eval_time_s", "final_accuracies"])
+    anytime = any(r.get("anytime_metrics") for r in runs)
+    w.writerow(["method", "stream", "seed", "acc", "bwt", "train_time_s", "eval_time_s", "final_accuracies"]
+               + (list(ANYTIME_COLUMNS) + ["anytime_eval_time_s"] if anytime else []))
     for r in runs:
+        m = r.get("anytime_metrics") or {}
         w.writerow([r["method"], r["stream"], r["seed"], f"{r['acc']:.4f}", f"{r['bwt']:.4f}",
                     f"{r['train_time_s']:.3f}", f"{r['eval_time_s']:.3f}",
-                    " ".join(f"{a:.2f}" for a in r["acc_matrix"][-1])])
+                    " ".join(f"{a:.2f}" for a in r["acc_matrix"][-1])]
+                   + ([("" if m.get(k) is None else f"{m[k]:.4f}") for k in ANYTIME_COLUMNS]
+                      + [f"{r['anytime_eval_time_s']:.3f}" if m else ""] if anytime else []))
     return buf.getvalue()
 
 

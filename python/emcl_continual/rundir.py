@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -43,13 +44,15 @@ from .errors import Interrupted, OutputError
 from .fileio import append_line, write_atomic
 
 __all__ = ["OutputError", "Interrupted", "RunDir", "execute", "interrupts", "deferred_interrupts", "load_runs",
-           "RESULT_FILES", "COMPARISON_FILES", "LOCK_FILE"]
+           "RESULT_FILES", "COMPARISON_FILES", "LOCK_FILE", "TRACKER_DIRS"]
 
 # The files the commands write into --out (--force deletes them): the results, the plots, and
 # the comparison of --method all.
 COMPARISON_FILES = ("comparison.md", "training_time.png")
 RESULT_FILES = ("results.json", "results.csv", "runs.jsonl") + report.PLOT_FILES + COMPARISON_FILES
 LOCK_FILE = ".lock"
+# The folders --log's trackers write into --out (--force deletes them with the results).
+TRACKER_DIRS = ("tensorboard", "wandb", "csv")
 
 
 # --------------------------------------------------------------------------- signals
@@ -349,6 +352,11 @@ class RunDir:
             if ours and os.path.isfile(p):
                 try:
                     os.unlink(p)
+                except OSError as exc:
+                    raise OutputError(f"--force: cannot delete {p} ({exc.strerror or exc})") from None
+            elif name in TRACKER_DIRS and os.path.isdir(p) and not os.path.islink(p):
+                try:
+                    shutil.rmtree(p)
                 except OSError as exc:
                     raise OutputError(f"--force: cannot delete {p} ({exc.strerror or exc})") from None
 

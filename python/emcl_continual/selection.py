@@ -338,7 +338,8 @@ def _duration(seconds: float) -> str:
 def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None = 1, threads: int = 1,
              data_root: str | None = None, n_tasks: int | None = None, samples_per_task: int | None = None,
              devices: dict | None = None, executor: str = "local", ray_address: str | None = None,
-             gpu_memory_mib: float = 1024, runs_per_gpu: int | None = None, log=_log) -> list:
+             gpu_memory_mib: float = 1024, runs_per_gpu: int | None = None, eval_every: int | None = None,
+             eval_subset: int | None = None, trackers=None, log=_log) -> list:
     """Run every (row, seed) not in ``path`` yet through the executor (:mod:`emcl_continual.sweep`:
     ``local``, ``jobs`` at a time, or ``ray``), each on the device its method's ``devices`` word
     gives (default cpu), appending each record to ``path`` as it finishes (flushed and synced).
@@ -346,7 +347,10 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None
     then :class:`RunsFailed` is raised. SIGINT or SIGTERM (a ``timeout`` around the command) stops
     the runs in flight, still writes the stage's timing line (``interrupted``, ``done``) and raises
     :class:`~emcl_continual.errors.CommandInterrupted`; the records written are kept and the same
-    command runs the rest. Returns every record of ``path``."""
+    command runs the rest. ``eval_every`` / ``eval_subset``: each run with anytime evaluation
+    (:class:`~emcl_continual.anytime.AnytimeEvaluator`; the run key is the same, since the training
+    is). ``trackers``: a :class:`~emcl_continual.trackers.Trackers` that logs each new record.
+    Returns every record of ``path``."""
     from . import sweep
     from .errors import CommandInterrupted, Interrupted
     from .provenance import code_version, command_line
@@ -365,7 +369,7 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None
             tasks.append({"key": key, "method": row["method"], "overrides": row["overrides"], "seed": seed,
                           "split": split, "stream": stream, "data_root": data_root, "role": row["role"],
                           "row": row["name"], "n_tasks": n_tasks, "samples_per_task": samples_per_task,
-                          "command": command})
+                          "command": command, "eval_every": eval_every, "eval_subset": eval_subset})
     if not tasks:
         return load_runs(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -412,6 +416,12 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None
             log(f"  {time.strftime('%H:%M:%S')} {progress()} {rec['method']:7s} seed {rec['seed']:3d} "
                 f"{json.dumps(rec['overrides'], sort_keys=True)[:90]}: ACC {rec['acc']:.2f} "
                 f"(train {rec['train_time_s']:.0f}s, wall {rec['wall_time_s']:.0f}s, {rec['device']})")
+        if trackers:
+            try:
+                trackers.log_run(rec)
+            except Exception as exc:  # the record is kept; the tracker's failure is said, not fatal
+                log(f"  note: the trackers could not log {rec['method']} seed {rec['seed']}: "
+                    f"{type(exc).__name__}: {' '.join(str(exc).split())}")
 
     failed_path = os.path.join(os.path.dirname(os.path.abspath(path)), FAILED_FILE)
 
@@ -548,6 +558,14 @@ def main(argv: list | None = None) -> int:
                    help="with --download: a server with the same files (and checksums) as torchvision's URLs")
     p.add_argument("--n-tasks", type=int, default=None, help="shrink the stream (tests and screens only)")
     p.add_argument("--samples-per-task", type=int, default=None)
+    p.add_argument("--eval-every", default=None, metavar="K|preset",
+                   help="anytime evaluation in every run (python -m emcl_continual --help): every K incoming "
+                        "samples, or the stream's preset; off by default")
+    p.add_argument("--eval-subset", type=int, default=None, metavar="N",
+                   help="with --eval-every: images per task of the anytime evaluation")
+    p.add_argument("--log", default=None, metavar="TRACKERS",
+                   help="experiment trackers, any of tensorboard,wandb,csv: one tracker run per new run, in the "
+                        "stream's folder (python -m emcl_continual --help)")
     p.add_argument("--plan", action="store_true", help="print every row and how many of its runs are done, then exit")
     p.add_argument("--allow-dirty", action="store_true", help="run on a working tree that differs from its commit")
     p.add_argument("--allow-mixed-versions", action="store_true",
@@ -573,6 +591,13 @@ def main(argv: list | None = None) -> int:
         p.error(f"--gpu-memory-mib must be positive, got {args.gpu_memory_mib:g}")
     if args.download or args.download_mirror is not None:
         _download(p, args)
+    from .anytime import settings
+    from .trackers import parse_log
+    try:
+        args.anytime = settings(args.stream, args.eval_every, args.eval_subset)
+        args.log_names = parse_log(args.log)
+    except ValueError as exc:
+        p.error(str(exc))
     from .errors import CommandInterrupted
 
     try:
@@ -598,7 +623,11 @@ def _main(args) -> int:
     common = dict(jobs=args.jobs if args.executor == "ray" else (args.jobs or 1), threads=args.threads,
                   data_root=args.data_root, n_tasks=args.n_tasks, samples_per_task=args.samples_per_task,
                   devices=sweep.parse_devices(args.device, args.methods), executor=args.executor,
-                  ray_address=args.ray_address, gpu_memory_mib=args.gpu_memory_mib, runs_per_gpu=args.runs_per_gpu)
+                  ray_address=args.ray_address, gpu_memory_mib=args.gpu_memory_mib, runs_per_gpu=args.runs_per_gpu,
+                  eval_every=(args.anytime or {}).get("every"), eval_subset=(args.anytime or {}).get("subset"))
+    if getattr(args, "log_names", None):
+        from .trackers import Trackers
+        common["trackers"] = Trackers(args.log_names, out, with_config=True)
     plan = {"stream": args.stream, "data_root": args.data_root, "n_tasks": args.n_tasks,
             "samples_per_task": args.samples_per_task, "validation_seeds": list(presets.VALIDATION_SEEDS),
             "report_seeds": list(presets.REPORT_SEEDS), "rows": []}

@@ -241,7 +241,8 @@ def run_task(task: dict) -> dict:
     stream = make_stream(task["stream"], task["seed"], data_root=task["data_root"], split=task["split"],
                          n_tasks=task.get("n_tasks"), samples_per_task=task.get("samples_per_task"))
     try:
-        r = run(task["method"], stream, task["seed"], overrides=task["overrides"], device=device, progress=False)
+        r = run(task["method"], stream, task["seed"], overrides=task["overrides"], device=device, progress=False,
+                eval_every=task.get("eval_every"), eval_subset=task.get("eval_subset"))
     finally:
         if str(device).startswith("cuda"):
             torch.cuda.empty_cache()  # give the run's cached blocks back before the next run is placed

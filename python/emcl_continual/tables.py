@@ -17,6 +17,13 @@ Numbers are mean ± sample standard deviation (ddof = 1) over seeds; a compariso
 the paired difference over the seeds both ran (mean ± std, Student-t 95 % interval, and on how many
 seeds the first row was ahead). A row that lacks some of its seeds is marked *partial*.
 
+With anytime-evaluation runs of the same rows (``results/online/STREAM/report.jsonl``, written by
+``results/online/anytime_rows.py``: the same configurations and seeds, whose training the anytime
+evaluation leaves unchanged), the headline table carries AAA, WC-Acc and online accuracy, and the
+block ``STREAM/online`` holds every anytime metric with the paired differences of EMCL against ER,
+La-MAML and MER; the figures ``results/online/STREAM/{anytime_accuracy,stability_gap}.png`` are
+drawn from them.
+
 With the controlled benchmark's file ``results/efficiency/controlled_cpu.json`` there is also the
 block ``STREAM/efficiency`` (:mod:`emcl_continual.efficiency`, which also writes
 ``results/efficiency/README.md`` and its figures), and the time columns give that benchmark's
@@ -40,6 +47,8 @@ __all__ = ["build_stream_blocks", "legacy_table", "write_figures", "write_all", 
 
 METRIC_COLS = ("acc", "bwt", "bwt_over_t", "learning_acc", "forgetting", "fwt")
 METRIC_HEAD = "ACC | BWT ÷(T−1) | BWT ÷T | LA | forgetting | FWT"
+ANYTIME_COLS = ("aaa", "wc_acc", "online_acc")
+ANYTIME_HEAD = "AAA | WC-Acc | online acc"
 
 
 def _fmt(mu, sd, digits=2) -> str:
@@ -92,6 +101,10 @@ class StreamResults:
         self._by_key = {r["key"]: r for r in self.validation + self.report}
         # the controlled timings (results/efficiency/, beside results/heldout/), or None
         self.controlled = load_controlled(results_dir_of(folder))
+        # the same rows run again with anytime evaluation (results/online/STREAM/), by run key
+        self.online_folder = os.path.join(results_dir_of(folder), "online", self.stream)
+        online = load_runs(os.path.join(self.online_folder, "report.jsonl"))
+        self._online_by_key = {r["key"]: r for r in online if r.get("anytime")}
 
     def runs(self, name: str) -> list:
         row = self.rows.get(name)
@@ -104,6 +117,14 @@ class StreamResults:
             if r is not None:
                 out.append(r)
         return out
+
+    def online_runs(self, name: str) -> list:
+        """The anytime-evaluation runs of row ``name`` (results/online), in seed order."""
+        row = self.rows.get(name)
+        if row is None or row["role"] != "report":
+            return []
+        keys = [run_key(row["method"], row["overrides"], s, "test", self.data_root) for s in row["seeds"]]
+        return [self._online_by_key[k] for k in keys if k in self._online_by_key]
 
     # what emcl_continual.efficiency reads of a row through the StreamResults it is handed (it
     # does not import this module, which imports it)
@@ -166,9 +187,10 @@ def headline(sr: StreamResults) -> str:
     from .compare import PAPER_NAMES, PAPER_TABLE_III
 
     paper = PAPER_TABLE_III.get(sr.stream, {})
+    anytime = bool(sr._online_by_key)
     lines = [f"| method | configuration (change of its defaults) | visits per sample | seeds | {METRIC_HEAD} | "
-             f"ACC paper | BWT paper | {_time_head(sr)} |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             + (f"{ANYTIME_HEAD} | " if anytime else "") + f"ACC paper | BWT paper | {_time_head(sr)} |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" * 3 if anytime else "")]
     order = ["sgd", "ewc", "agem", "er", "gem", "mer", "lamaml/own-script", "lamaml", "emcl"]
     for name in order:
         if name not in sr.rows or not sr.runs(name):
@@ -190,10 +212,103 @@ def headline(sr: StreamResults) -> str:
         else:
             p_acc = p_bwt = "–"
         cells = " | ".join(_fmt(*st[c]) for c in METRIC_COLS)
+        if anytime:
+            cells += " | " + _anytime_cells(sr, name, ANYTIME_COLS)
         bold = "**" if method == "emcl" else ""
         lines.append(f"| {bold}{label}{bold} | {_config_cell(row['overrides'])} | {_visits(rs[0])} | "
                      f"{sr.seeds_cell(name)} | {cells} | {p_acc} | {p_bwt} | {_time_cell(sr, name, st)} |")
     return "\n".join(lines)
+
+
+def _anytime_value(run: dict, name: str):
+    """An anytime metric of one run, recomputed from its record (:func:`metrics.anytime_metrics`)."""
+    return M.anytime_metrics(run["anytime"]).get(name)
+
+
+def _anytime_cells(sr: StreamResults, name: str, cols) -> str:
+    """``mean ± std`` of each of ``cols`` over the row's anytime runs (with the seed count when
+    some are missing), or dashes."""
+    rs = sr.online_runs(name)
+    cells = []
+    for c in cols:
+        vals = [v for v in (_anytime_value(r, c) for r in rs) if v is not None]
+        cell = _fmt(*M.mean_std(vals)) if vals else "–"
+        if vals and len(rs) < len(sr.rows[name]["seeds"]):
+            cell += f" ({len(rs)} seeds)"
+        cells.append(cell)
+    return " | ".join(cells)
+
+
+ONLINE_ROWS = ("sgd", "ewc", "agem", "er", "gem", "mer", "lamaml/own-script", "lamaml", "emcl")
+ONLINE_COLS = ("aaa", "min_acc", "wc_acc", "online_acc", "gap_mean", "end_drop_mean", "recover_mean")
+# EMCL is compared with these rows (paired over the seeds both ran), on these metrics
+ONLINE_AGAINST = ("er", "lamaml/own-script", "lamaml", "mer")
+ONLINE_PAIRED = ("gap_mean", "end_drop_mean", "aaa", "wc_acc", "online_acc")
+
+
+def online(sr: StreamResults) -> str:
+    """Every anytime metric per headline row (results/online), then EMCL's paired differences
+    against ER, La-MAML and MER, then whether the runs trained what the committed ones did."""
+    names = [n for n in ONLINE_ROWS if n in sr.rows and sr.online_runs(n)]
+    if not names:
+        return ""
+    rec0 = sr.online_runs(names[0])[0]["anytime"]
+    lines = [f"Anytime evaluation every {rec0['every']} incoming samples and at each task boundary, on "
+             f"{rec0['subset_sizes'][0]} fixed images per task ({len(rec0['samples'])} points per run); "
+             "metrics as defined in docs/results.md, mean ± std over seeds. Stability gap: the drop of the "
+             "earlier tasks' mean accuracy in the first quarter of a task after a switch (pp, mean over the "
+             "switches); end drop: the same mean at the task's end; recover: samples after a switch until half "
+             "the drop is regained (mean over the switches that regained it; \"not\": switch × seed pairs that "
+             "did not within the task).", "",
+             "| row | seeds | AAA | min-ACC | WC-Acc | online acc | stability gap (pp) | end drop (pp) | "
+             "recover (samples) | not |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for n in names:
+        rs = sr.online_runs(n)
+        cells = _anytime_cells(sr, n, ONLINE_COLS)
+        nr = sum(_anytime_value(r, "not_recovered") or 0 for r in rs)
+        bold = "**" if n == "emcl" else ""
+        lines.append(f"| {bold}{n}{bold} | {len(rs)} of {len(sr.rows[n]['seeds'])} | {cells} | {nr} |")
+    base = sr.online_runs("emcl")
+    pairs = [n for n in ONLINE_AGAINST if n in names and n != "emcl"]
+    if base and pairs:
+        lines += ["", "EMCL minus the row, paired over the seeds both ran: mean ± std [Student-t 95 % interval] "
+                      "(seeds where EMCL's value is larger / seeds). A negative stability-gap difference is a "
+                      "smaller gap for EMCL.", "",
+                  "| EMCL − | " + " | ".join(M.ANYTIME_NAMES.get(c, c.replace("_mean", "").replace("_", " "))
+                                           for c in ONLINE_PAIRED) + " |",
+                  "|---|" + "---|" * len(ONLINE_PAIRED)]
+        for n in pairs:
+            other = sr.online_runs(n)
+            cells = [_fmt_paired(M.paired({r["seed"]: _anytime_value(r, c) for r in base},
+                                          {r["seed"]: _anytime_value(r, c) for r in other}))
+                     for c in ONLINE_PAIRED]
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    same, total = 0, 0
+    for n in names:
+        committed = {r["seed"]: r for r in sr.runs(n)}
+        for r in sr.online_runs(n):
+            if r["seed"] in committed:
+                total += 1
+                same += r["acc_matrix"] == committed[r["seed"]]["acc_matrix"]
+    commits = sorted({str(r.get("provenance", {}).get("commit", "?"))[:7] for n in names for r in sr.online_runs(n)})
+    caps = sorted({str((r.get("processor") or r.get("provenance", {}).get("processor") or {})
+                       .get("torch_cpu_capability", "?")) for n in names for r in sr.online_runs(n)})
+    lines += ["", f"Runs: commit {', '.join(commits)}, torch {', '.join(caps)} kernels; {same} of {total} runs "
+                  "end with the accuracy matrix of the committed run of the same row and seed, bit for bit."]
+    return "\n".join(lines)
+
+
+def write_online_figures(sr: StreamResults) -> list:
+    """``anytime_accuracy.png`` and ``stability_gap.png`` of the headline rows' anytime runs, in
+    ``results/online/STREAM/``; returns the paths written."""
+    from .plots import plot_anytime_accuracy, plot_stability_gap
+
+    runs = [dict(r, method=n) for n in ONLINE_ROWS if n in sr.rows for r in sr.online_runs(n)]
+    if not runs:
+        return []
+    return [plot_anytime_accuracy(runs, os.path.join(sr.online_folder, "anytime_accuracy.png")),
+            plot_stability_gap(runs, os.path.join(sr.online_folder, "stability_gap.png"))]
 
 
 def controls(sr: StreamResults) -> str:
@@ -419,7 +534,7 @@ def build_stream_blocks(folder: str) -> dict:
     blocks = {f"{s}/headline": headline(sr), f"{s}/controls": controls(sr), f"{s}/importance": importance(sr),
               f"{s}/deviations": deviations(sr),
               f"{s}/selection": selection_table(sr), f"{s}/visits": visits(sr), f"{s}/paper": paper(sr),
-              f"{s}/provenance": provenance(sr)}
+              f"{s}/provenance": provenance(sr), f"{s}/online": online(sr)}
     return blocks
 
 
@@ -436,7 +551,7 @@ def write_figures(folder: str) -> list:
         runs = [dict(r, method=n) for n in names for r in sr.runs(n)]
         if runs:
             out.append(plot(runs, os.path.join(folder, fname)))
-    return out
+    return out + write_online_figures(sr)
 
 
 def _stream_page(folder: str, blocks: dict) -> str:
@@ -446,6 +561,7 @@ def _stream_page(folder: str, blocks: dict) -> str:
               "deviations": "Deviations from the paper and their measured effect",
               "importance": "Making the Taylor importance act", "visits": "Visits per incoming sample",
               "paper": "The paper's EMCL-SI (Figure 3) and ablation (Table IV), paired against EMCL",
+              "online": "Anytime evaluation: AAA, WC-Acc, online accuracy and the stability gap (results/online)",
               "selection": "Selection on validation data", "provenance": "Where the runs come from"}
     parts = [f"# {sr_stream}: held-out selection and report", "",
              "Generated by `python -m emcl_continual.tables` from the files beside this one; do not edit.",
@@ -456,6 +572,10 @@ def _stream_page(folder: str, blocks: dict) -> str:
         parts += [f"## {title}", "", blocks[f"{sr_stream}/{key}"] or "(no runs yet)", ""]
         if key == "headline" and os.path.exists(os.path.join(folder, "avg_accuracy.png")):
             parts += ["![average accuracy as tasks are learned](avg_accuracy.png)", ""]
+        if key == "online" and blocks[f"{sr_stream}/online"]:
+            rel = f"../../online/{sr_stream}"
+            parts += [f"![anytime accuracy]({rel}/anytime_accuracy.png)", "",
+                      f"![stability gap]({rel}/stability_gap.png)", ""]
         if key == "controls" and os.path.exists(os.path.join(folder, "acc_bwt.png")):
             parts += ["![ACC and BWT of EMCL's rows](acc_bwt.png)", ""]
         if key == "visits" and blocks.get(f"{sr_stream}/efficiency"):

@@ -16,6 +16,7 @@ import time
 import torch
 
 from . import metrics
+from .anytime import AnytimeEvaluator
 from .config import RUN_DEFAULTS, build_config
 from .methods import get_method
 from .models import build_model
@@ -34,7 +35,8 @@ def _sync(device: torch.device) -> None:
 def run(method: str, stream: str | Stream, seed: int = 0, *, overrides: dict | None = None,
         data_root: str | None = None, task_file: str | None = None, n_tasks: int | None = None,
         samples_per_task: int | None = None, batch_size: int = BATCH_SIZE,
-        device: str | torch.device = "cpu", progress: bool = True, log=None) -> dict:
+        device: str | torch.device = "cpu", progress: bool = True, log=None, eval_every: int | None = None,
+        eval_subset: int | None = None, evaluator: AnytimeEvaluator | None = None) -> dict:
     """Train ``method`` on ``stream`` (a name or a built :class:`Stream`) for ``seed``.
 
     Returns a dict with method, stream, seed, acc, bwt, acc_matrix (``R[i][j]``: accuracy
@@ -53,6 +55,12 @@ def run(method: str, stream: str | Stream, seed: int = 0, *, overrides: dict | N
     info = stream.info
     cls = get_method(method)
     config = build_config(method, info.name, seed, overrides)
+    if evaluator is not None and eval_every is not None:
+        raise ValueError("give eval_every or an evaluator, not both")
+    if evaluator is None and eval_every is not None:
+        from .presets import ANYTIME_SUBSET
+        evaluator = AnytimeEvaluator(stream.test, eval_every, ANYTIME_SUBSET if eval_subset is None else eval_subset,
+                                     device)
 
     torch.manual_seed(int(seed))
     model = build_model(info, init=config.get("init", RUN_DEFAULTS["init"])).to(device)
@@ -61,6 +69,8 @@ def run(method: str, stream: str | Stream, seed: int = 0, *, overrides: dict | N
     _sync(device)
     eval_before_time = time.perf_counter() - start
     learner = cls(model, info, config, device)
+    if evaluator is not None:
+        evaluator.start(model)
     diagnose = getattr(learner, "diagnostics", None)
     diagnostics: list = []
 
@@ -83,11 +93,15 @@ def run(method: str, stream: str | Stream, seed: int = 0, *, overrides: dict | N
             learner.begin_task(t)
             train_time += time.perf_counter() - start
             for x, y in stream.batches(t, batch_size, device=device):  # one copy per task
+                if evaluator is not None:
+                    evaluator.before_batch(model, x, y, t)
                 _sync(device)
                 start = time.perf_counter()
                 loss = learner.observe(x, y, t)
                 _sync(device)
                 train_time += time.perf_counter() - start
+                if evaluator is not None:
+                    evaluator.after_batch(model, int(y.shape[0]), t)
                 task_loss += float(loss)
                 n += 1
                 if bar is not None:
@@ -97,6 +111,8 @@ def run(method: str, stream: str | Stream, seed: int = 0, *, overrides: dict | N
             learner.end_task(t)
             _sync(device)
             train_time += time.perf_counter() - start
+            if evaluator is not None:
+                evaluator.end_task(model, t)
             losses.append(task_loss / max(1, n))
             start = time.perf_counter()
             row = metrics.evaluate(model, stream.test, device)
@@ -141,4 +157,8 @@ def run(method: str, stream: str | Stream, seed: int = 0, *, overrides: dict | N
     }
     if diagnostics:
         result["diagnostics"] = diagnostics
+    if evaluator is not None:
+        result["anytime"] = evaluator.record()
+        result["anytime_metrics"] = metrics.anytime_metrics(result["anytime"])
+        result["anytime_eval_time_s"] = evaluator.time_s
     return result
