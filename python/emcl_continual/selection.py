@@ -338,10 +338,12 @@ def _duration(seconds: float) -> str:
 def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None = 1, threads: int = 1,
              data_root: str | None = None, n_tasks: int | None = None, samples_per_task: int | None = None,
              devices: dict | None = None, executor: str = "local", ray_address: str | None = None,
-             gpu_memory_mib: float = 1024, runs_per_gpu: int | None = None, log=_log) -> list:
+             gpu_memory_mib: float = 1024, runs_per_gpu: int | None = None, array="off", log=_log) -> list:
     """Run every (row, seed) not in ``path`` yet through the executor (:mod:`emcl_continual.sweep`:
     ``local``, ``jobs`` at a time, or ``ray``), each on the device its method's ``devices`` word
-    gives (default cpu), appending each record to ``path`` as it finishes (flushed and synced).
+    gives (default cpu), under ``array`` (``off``, ``auto`` or a width: runs of one method trained
+    together as one task, :func:`emcl_continual.sweep.make_arrays`), appending each record to
+    ``path`` as it finishes (flushed and synced).
     A failed run is logged and appended to ``failed.jsonl`` beside ``path``; the others go on,
     then :class:`RunsFailed` is raised. SIGINT or SIGTERM (a ``timeout`` around the command) stops
     the runs in flight, still writes the stage's timing line (``interrupted``, ``done``) and raises
@@ -386,9 +388,17 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None
     except BaseException:
         runner.close(cancel=True)
         raise
+    try:
+        units = sweep.make_arrays(tasks, array, stream, log=log)
+    except BaseException:
+        runner.close(cancel=True)
+        raise
+    arrays_made = [u for u in units if u.get("runs")]
     on_gpu = sum(t["want"] != "cpu" for t in tasks)
     log(f"{len(tasks)} run(s) to do into {path} ({executor} executor, {runner.slots} at a time"
-        + (f"; {on_gpu} on a GPU" if on_gpu else "") + ")")
+        + (f"; {on_gpu} on a GPU" if on_gpu else "")
+        + (f"; {sum(len(u['runs']) for u in arrays_made)} of them in {len(arrays_made)} array(s)" if arrays_made else "")
+        + ")")
 
     def append(file, rec):
         with deferred_interrupts(), open(file, "a") as fh:     # a line is written whole
@@ -427,7 +437,7 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None
     stopped = None
     try:
         with interrupts():
-            sweep.execute(tasks, runner, code_tree=code_version().get("code_tree"),
+            sweep.execute(units, runner, code_tree=code_version().get("code_tree"),
                           on_record=write, on_failure=failed, log=log)
     except Interrupted as exc:       # the executor has stopped its runs (sweep.execute)
         stopped = exc.name
@@ -437,7 +447,8 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None
         "runs": len(tasks), "done": len(kept), "failed": len(lost), "interrupted": stopped,
         "on_gpu": on_gpu, "wall_s": round(wall, 3),
         "started_utc": started, "finished_utc": _utc_now(), "executor": executor, "slots": slots,
-        "threads": threads, "devices": dict(devices), "gpus": gpus,
+        "threads": threads, "devices": dict(devices), "gpus": gpus, "array": array,
+        "arrays": [{"id": u["array_id"], "method": u["method"], "width": len(u["runs"])} for u in arrays_made],
         "load_average_before": load_before, "load_average_after": _load_average(),
         "host": _host(), "commit": code_version().get("commit"), "code_tree": code_version().get("code_tree"),
         "command": command})
@@ -535,6 +546,10 @@ def main(argv: list | None = None) -> int:
     p.add_argument("--runs-per-gpu", type=int, default=None,
                    help="runs sharing one GPU at most (local: default no cap but memory; ray: each GPU run asks "
                         "for 1/K of a GPU, default K=8)")
+    p.add_argument("--array", default="off", metavar="auto|N|off",
+                   help="train the runs of one method together as arrays of up to N runs (one task of the "
+                        "executor each): auto takes the width measured fastest per method and device; off (default) "
+                        "trains every run alone. Methods without an array (named when the stage starts) train alone")
     p.add_argument("--executor", default="local", choices=["local", "ray"],
                    help="local processes (default) or Ray tasks (pip install -r requirements-ray.txt)")
     p.add_argument("--ray-address", default=None,
@@ -564,6 +579,12 @@ def main(argv: list | None = None) -> int:
                 print(f"note: {note}", flush=True)
         elif args.executor == "ray":
             sweep.check_devices({m: w for m, w in devices.items() if w.startswith("cuda:")}, 1 << 30, executor="ray")
+    except ValueError as exc:
+        p.error(str(exc))
+    from .arrays import parse_array
+
+    try:
+        args.array = parse_array(args.array)
     except ValueError as exc:
         p.error(str(exc))
     for name, value in (("--jobs", args.jobs), ("--threads", args.threads), ("--runs-per-gpu", args.runs_per_gpu)):
@@ -598,7 +619,8 @@ def _main(args) -> int:
     common = dict(jobs=args.jobs if args.executor == "ray" else (args.jobs or 1), threads=args.threads,
                   data_root=args.data_root, n_tasks=args.n_tasks, samples_per_task=args.samples_per_task,
                   devices=sweep.parse_devices(args.device, args.methods), executor=args.executor,
-                  ray_address=args.ray_address, gpu_memory_mib=args.gpu_memory_mib, runs_per_gpu=args.runs_per_gpu)
+                  ray_address=args.ray_address, gpu_memory_mib=args.gpu_memory_mib, runs_per_gpu=args.runs_per_gpu,
+                  array=args.array)
     plan = {"stream": args.stream, "data_root": args.data_root, "n_tasks": args.n_tasks,
             "samples_per_task": args.samples_per_task, "validation_seeds": list(presets.VALIDATION_SEEDS),
             "report_seeds": list(presets.REPORT_SEEDS), "rows": []}

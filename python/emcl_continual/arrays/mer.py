@@ -34,34 +34,36 @@ class MERArray(ArrayLearner):
         self.per_run.append("buffer")
 
     def _sgd_step(self, x, onehot, neg_lr, lr, losses):
-        """One SGD step of every run on its one sample ``x[N, 1, D]`` (labels ``onehot[N, 1, C]``);
-        adds each run's loss into ``losses[N, 1, 1]``."""
+        """One SGD step of every run on its one sample ``x[N, D, 1]`` (a column; labels
+        ``onehot[N, C, 1]``); adds each run's loss into ``losses[N, 1, 1]``. Column vectors make
+        every product a batched ``gemv`` on the weights as stored (``[N, out, in]``) and every
+        update an in-place outer product."""
         W = self.weights
         layers = len(W) // 2
         acts = [x]
         h = x
         for i in range(layers):
-            h = torch.baddbmm(W[2 * i + 1].unsqueeze(1), h, W[2 * i].transpose(1, 2))
+            h = torch.baddbmm(W[2 * i + 1].unsqueeze(2), W[2 * i], h)
             if i < layers - 1:
                 h = h.relu_()
             acts.append(h)
-        logp = torch.log_softmax(h, dim=2)
-        losses.sub_((logp * onehot).sum(2, keepdim=True))
+        logp = torch.log_softmax(h, dim=1)
+        losses.sub_((logp * onehot).sum(1, keepdim=True))
         delta = logp.exp_().sub_(onehot)
         deltas = [None] * layers
         deltas[-1] = delta
         for i in range(layers - 1, 0, -1):
-            delta = torch.ops.aten.threshold_backward(torch.bmm(delta, W[2 * i]), acts[i], 0)
+            delta = torch.ops.aten.threshold_backward(torch.bmm(W[2 * i].transpose(1, 2), delta), acts[i], 0)
             deltas[i - 1] = delta
         scale = neg_lr
         if self.grad_clip > 0:
-            sq = sum((d * d).sum(2) * (1.0 + (a * a).sum(2)) for d, a in zip(deltas, acts[:-1]))
+            sq = sum((d * d).sum(1) * (1.0 + (a * a).sum(1)) for d, a in zip(deltas, acts[:-1]))
             norm = sq.sqrt().unsqueeze(2)
             scale = torch.where(norm > self.grad_clip, -lr * self.grad_clip / (norm + 1e-6), neg_lr)
         for i in range(layers):
             s = deltas[i] * scale
-            W[2 * i].baddbmm_(s.transpose(1, 2), acts[i])
-            W[2 * i + 1].add_(s.squeeze(1))
+            W[2 * i].addcmul_(s, acts[i].transpose(1, 2))
+            W[2 * i + 1].add_(s.squeeze(2))
 
     def observe(self, x, y, task):
         n = self.width
@@ -90,9 +92,10 @@ class MERArray(ArrayLearner):
                         by = torch.cat((yi, my), 1)
                     else:
                         bx, by = xi.reshape(n, 1, -1), yi
-                    onehot = F.one_hot(by, self.n_classes).to(bx.dtype)
+                    onehot = F.one_hot(by, self.n_classes).to(bx.dtype).unsqueeze(3)   # [N, S, C, 1]
+                    cols = bx.unsqueeze(3)                                               # [N, S, D, 1]
                     for j in range(bx.shape[1]):
-                        self._sgd_step(bx[:, j:j + 1], onehot[:, j:j + 1], neg_lr, lr, losses)
+                        self._sgd_step(cols[:, j], onehot[:, j], neg_lr, lr, losses)
                     count += bx.shape[1]
                     for w, w0 in zip(W, snap):        # within-batch Reptile
                         w.sub_(w0).mul_(run_view(beta, w.dim())).add_(w0)
