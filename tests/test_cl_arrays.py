@@ -86,7 +86,7 @@ def test_every_run_of_an_array_makes_the_draws_it_makes_alone(method, streams, m
     def init(self, model, *a, **k):
         init_alone.append([p.detach().clone() for p in model.parameters()])
         real_init(self, model, *a, **k)
-        gens_alone.append(id(self.generator))
+        gens_alone.append(self.generator)       # held: an id is unique only while its object lives
 
     def observe(self, x, y, task):
         seen_alone[-1].append(y.clone())
@@ -107,7 +107,7 @@ def test_every_run_of_an_array_makes_the_draws_it_makes_alone(method, streams, m
     def ainit(self, weights, *a, **k):
         captured["init"] = [w.detach().clone() for w in weights]
         real_ainit(self, weights, *a, **k)
-        captured["gens"] = [id(g) for g in self.generators]
+        captured["gens"] = list(self.generators)
         captured["seen"] = []
 
     def aobserve(self, x, y, task):
@@ -118,14 +118,14 @@ def test_every_run_of_an_array_makes_the_draws_it_makes_alone(method, streams, m
     records, failed = run_array(method, STREAM, runs, streams=streams)
     assert not failed and len(records) == 3
     for r in range(3):
-        mine = rec.calls.get(captured["gens"][r], [])
-        theirs = rec.calls.get(gens_alone[r], [])
+        mine = rec.calls.get(id(captured["gens"][r]), [])
+        theirs = rec.calls.get(id(gens_alone[r]), [])
         assert mine == theirs, f"run {r}: {len(mine)} draws in the array, {len(theirs)} alone"
         assert all(torch.equal(w[r], p) for w, p in zip(captured["init"], init_alone[r]))
         assert len(captured["seen"]) == len(seen_alone[r])
         assert all(torch.equal(a[r], b) for a, b in zip(captured["seen"], seen_alone[r]))
     if method in ("er", "lamaml", "mer"):   # SGD and EWC draw nothing, A-GEM only past ref_batch (below)
-        assert all(rec.calls.get(g) for g in captured["gens"])
+        assert all(rec.calls.get(id(g)) for g in captured["gens"])
     for r in range(3):        # and ends where the run alone ends, to rounding
         assert abs(records[r]["acc"] - alone[r]["acc"]) <= 2.0
         for a, b in zip(records[r]["task_losses"], alone[r]["task_losses"]):
@@ -140,7 +140,7 @@ def test_agem_draws_its_reference_batch_per_run_when_the_memory_outgrows_it(stre
 
     def init(self, *a, **k):
         real(self, *a, **k)
-        gens[len(gens)] = id(self.generator)
+        gens[len(gens)] = self.generator
     monkeypatch.setattr(Method, "__init__", init)
     for r in runs:
         _alone("agem", streams, r["seed"], r["overrides"])
@@ -150,11 +150,11 @@ def test_agem_draws_its_reference_batch_per_run_when_the_memory_outgrows_it(stre
 
     def ainit(self, *a, **k):
         real_a(self, *a, **k)
-        cap["gens"] = [id(g) for g in self.generators]
+        cap["gens"] = list(self.generators)
     monkeypatch.setattr(array_base.ArrayLearner, "__init__", ainit)
     run_array("agem", STREAM, runs, streams=streams)
     for r in range(2):
-        assert rec.calls[cap["gens"][r]] == rec.calls[gens[r]] and rec.calls[gens[r]]
+        assert rec.calls[id(cap["gens"][r])] == rec.calls[id(gens[r])] and rec.calls[id(gens[r])]
 
 
 def test_a_run_that_diverges_is_dropped_and_the_others_finish(streams):

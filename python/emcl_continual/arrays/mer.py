@@ -33,37 +33,61 @@ class MERArray(ArrayLearner):
         self.n_classes = int(info.n_classes)
         self.per_run.append("buffer")
 
-    def _sgd_step(self, x, onehot, neg_lr, lr, losses):
-        """One SGD step of every run on its one sample ``x[N, D, 1]`` (a column; labels
-        ``onehot[N, C, 1]``); adds each run's loss into ``losses[N, 1, 1]``. Column vectors make
-        every product a batched ``gemv`` on the weights as stored (``[N, out, in]``) and every
-        update an in-place outer product."""
+    def _batch(self, bx, by, neg_lr, lr, beta, losses):
+        """MER's inner loop over one batch ``bx[N, S, D]`` (labels ``by[N, S]``): one SGD step per
+        sample, in order, for every run; then the first layer's within-batch Reptile step.
+
+        [note: the first layer, deferred] The first weight ``W1`` (the largest: 784 x 100) is
+        not written at every step. Its change after ``j`` steps is ``sum_{k<j} s_k x_k^T`` (``s_k``
+        the step's scaled first-layer delta, ``x_k`` its input), so the step's product
+        ``W1_j x_j = W1 x_j + sum_{k<j} s_k (x_k . x_j)`` is read from one product of ``W1`` with
+        the whole batch (``P``) and the batch's Gram matrix ``G``; the Reptile step
+        ``W1 <- W1 + beta (W1_S - W1)`` is then one rank-``S`` update. The same arithmetic as a
+        write per step, in another order (to rounding), with ``W1`` read once and written once per
+        batch instead of twice per sample: ``W1`` of every run of a wide array no longer fits a
+        core's cache, and these passes were most of a step. Returns nothing; every layer after
+        the first is stepped as it goes (the caller interpolates them)."""
         W = self.weights
         layers = len(W) // 2
-        acts = [x]
-        h = x
-        for i in range(layers):
-            h = torch.baddbmm(W[2 * i + 1].unsqueeze(2), W[2 * i], h)
-            if i < layers - 1:
-                h = h.relu_()
-            acts.append(h)
-        logp = torch.log_softmax(h, dim=1)
-        losses.sub_((logp * onehot).sum(1, keepdim=True))
-        delta = logp.exp_().sub_(onehot)
-        deltas = [None] * layers
-        deltas[-1] = delta
-        for i in range(layers - 1, 0, -1):
-            delta = torch.ops.aten.threshold_backward(torch.bmm(W[2 * i].transpose(1, 2), delta), acts[i], 0)
-            deltas[i - 1] = delta
-        scale = neg_lr
-        if self.grad_clip > 0:
-            sq = sum((d * d).sum(1) * (1.0 + (a * a).sum(1)) for d, a in zip(deltas, acts[:-1]))
-            norm = sq.sqrt().unsqueeze(2)
-            scale = torch.where(norm > self.grad_clip, -lr * self.grad_clip / (norm + 1e-6), neg_lr)
-        for i in range(layers):
-            s = deltas[i] * scale
-            W[2 * i].addcmul_(s, acts[i].transpose(1, 2))
-            W[2 * i + 1].add_(s.squeeze(2))
+        n, S, _ = bx.shape
+        cols = bx.transpose(1, 2)                                    # [N, D, S]
+        P = torch.bmm(W[0], cols)                                    # [N, H, S]
+        G = torch.bmm(bx, cols)                                      # [N, S, S]
+        steps = bx.new_zeros((n, W[0].shape[1], S))                  # s_k, one column per step
+        onehot = F.one_hot(by, self.n_classes).to(bx.dtype).unsqueeze(3)   # [N, S, C, 1]
+        b1 = W[1].unsqueeze(2)
+        for j in range(S):
+            h = torch.baddbmm(P[:, :, j:j + 1], steps, G[:, :, j:j + 1]).add_(b1).relu_()
+            acts = [None, h]
+            for i in range(1, layers):
+                h = torch.baddbmm(W[2 * i + 1].unsqueeze(2), W[2 * i], h)
+                if i < layers - 1:
+                    h = h.relu_()
+                acts.append(h)
+            logp = torch.log_softmax(h, dim=1)
+            oh = onehot[:, j]
+            losses.sub_((logp * oh).sum(1, keepdim=True))
+            delta = logp.exp_().sub_(oh)
+            deltas = [None] * layers
+            deltas[-1] = delta
+            for i in range(layers - 1, 0, -1):
+                delta = torch.ops.aten.threshold_backward(torch.bmm(W[2 * i].transpose(1, 2), delta), acts[i], 0)
+                deltas[i - 1] = delta
+            scale = neg_lr
+            if self.grad_clip > 0:
+                sq = (deltas[0] * deltas[0]).sum(1) * (1.0 + G[:, j, j].unsqueeze(1))
+                for d, a in zip(deltas[1:], acts[1:-1]):
+                    sq = sq + (d * d).sum(1) * (1.0 + (a * a).sum(1))
+                norm = sq.sqrt().unsqueeze(2)
+                scale = torch.where(norm > self.grad_clip, -lr * self.grad_clip / (norm + 1e-6), neg_lr)
+            s0 = deltas[0] * scale
+            steps[:, :, j:j + 1] = s0
+            W[1].add_(s0.squeeze(2))
+            for i in range(1, layers):
+                si = deltas[i] * scale
+                W[2 * i].addcmul_(si, acts[i].transpose(1, 2))
+                W[2 * i + 1].add_(si.squeeze(2))
+        W[0].baddbmm_(steps.mul_(run_view(beta, 3)), bx)           # W1's within-batch Reptile
 
     def observe(self, x, y, task):
         n = self.width
@@ -73,7 +97,7 @@ class MERArray(ArrayLearner):
         gamma = float(self.configs[0]["gamma"])
         use_gamma = gamma != 1.0
         W = self.weights
-        snap = [torch.empty_like(w) for w in W]
+        snap = [None] + [torch.empty_like(w) for w in W[1:]]      # W1's Reptile is _batch's own
         start = [torch.empty_like(w) for w in W] if use_gamma else None
         losses = x.new_zeros((n, 1, 1))
         count = 0
@@ -84,7 +108,7 @@ class MERArray(ArrayLearner):
                     for a0, w in zip(start, W):
                         a0.copy_(w)
                 for _ in range(self.steps):
-                    for w0, w in zip(snap, W):
+                    for w0, w in zip(snap[1:], W[1:]):
                         w0.copy_(w)
                     if len(self.buffer) > 0:
                         mx, my = self.buffer.sample(self.replay_batch)
@@ -92,12 +116,9 @@ class MERArray(ArrayLearner):
                         by = torch.cat((yi, my), 1)
                     else:
                         bx, by = xi.reshape(n, 1, -1), yi
-                    onehot = F.one_hot(by, self.n_classes).to(bx.dtype).unsqueeze(3)   # [N, S, C, 1]
-                    cols = bx.unsqueeze(3)                                               # [N, S, D, 1]
-                    for j in range(bx.shape[1]):
-                        self._sgd_step(cols[:, j], onehot[:, j], neg_lr, lr, losses)
+                    self._batch(bx.contiguous(), by, neg_lr, lr, beta, losses)
                     count += bx.shape[1]
-                    for w, w0 in zip(W, snap):        # within-batch Reptile
+                    for w, w0 in zip(W[1:], snap[1:]):        # within-batch Reptile
                         w.sub_(w0).mul_(run_view(beta, w.dim())).add_(w0)
                 if use_gamma:
                     for w, a0 in zip(W, start):       # across-batch Reptile
