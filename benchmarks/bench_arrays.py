@@ -6,14 +6,14 @@ thread (the curve ``--array auto`` reads, and where the CPU's roof is).
     python benchmarks/bench_arrays.py --plot results/arrays/throughput_cpu.json   # the figure only
 
 For each method: the run alone (the method's own ``observe``, as ``train.run`` steps it; MER with
-its NumPy stepper) and arrays of each width (:mod:`emcl_continual.arrays`), on the same
+its NumPy stepper), timed in blocks alternating with the array's, and arrays of each width (:mod:`emcl_continual.arrays`), on the same
 Permuted-MNIST batches (the embedded digits, one task), each run of an array with its own seed
 and the method's default configuration. Each measurement first trains ``--warm`` batches
 (the replay memories fill, lazy work is done), then times ``--batches`` batches of ``observe``
 in process CPU time (``time.process_time``: on a shared machine the time other processes take
 from this one is not counted, their cache and memory-bandwidth pressure still is), repeated
-``--repeats`` times, keeping the fastest. ``run_samples_per_s`` = width x samples / time;
-``speedup`` is that over the run alone's.
+``--repeats`` times, keeping the fastest of each. ``run_samples_per_s`` = width x samples / time;
+``speedup`` is that over the run alone's of the same width's blocks.
 
 Writes ``results/arrays/throughput_cpu.json`` (``--out``) and its figure ``.png`` beside it.
 """
@@ -51,40 +51,36 @@ def _data(seeds: list, batches: int, bs: int = 10):
             streams[0].info)
 
 
-def _time(step, n_batches: int, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.process_time()
-        for b in range(n_batches):
-            step(b)
-        best = min(best, time.process_time() - t0)
-    return best
+def _block(step, n_batches: int) -> float:
+    t0 = time.process_time()
+    for b in range(n_batches):
+        step(b)
+    return time.process_time() - t0
 
 
 def measure(method: str, widths: list, warm: int, batches: int, repeats: int, bs: int = 10) -> dict:
-    """The run alone and arrays of ``widths`` for ``method``: seconds per timed block and run-samples per second."""
-    total = warm + batches * repeats
-    rows = []
-    x1, y1, info = _data([0], total, bs)
+    """The run alone and arrays of ``widths`` for ``method``. For each width the run alone's block
+    and the array's block alternate ``repeats`` times and the fastest of each is kept (on a shared
+    machine the load changes between widths: each speedup is against the run alone timed beside
+    it)."""
+    total = warm + batches * repeats * (len(widths) + 1)
     cls = get_method(method)
+    lcls = arrays.get_learner(method)
+    x1, y1, info = _data([0], total, bs)
     torch.manual_seed(0)
-    model = build_model(info)
-    learner = cls(model, info, build_config(method, STREAM, 0, {}), "cpu")
+    learner = cls(build_model(info), info, build_config(method, STREAM, 0, {}), "cpu")
     for b in range(warm):
         learner.observe(x1[0, b * bs:(b + 1) * bs], y1[0, b * bs:(b + 1) * bs], 0)
-    pos = [warm]
+    apos = [warm]
 
     def alone_step(_):
-        b = pos[0]
+        b = apos[0]
         learner.observe(x1[0, b * bs:(b + 1) * bs], y1[0, b * bs:(b + 1) * bs], 0)
-        pos[0] += 1
-    t = _time(alone_step, batches, repeats)
-    base = bs * batches / t
-    rows.append({"width": 1, "kind": "alone", "seconds": t, "run_samples_per_s": base, "speedup": 1.0})
-    print(f"{method:7s} alone     {base:9.1f} run-samples/s", flush=True)
-    lcls = arrays.get_learner(method)
+        apos[0] += 1
+    rows = []
     for w in widths:
-        xs, ys, _ = _data(list(range(w)), total, bs)
+        n = warm + batches * repeats
+        xs, ys, _ = _data(list(range(w)), n, bs)
         models = []
         for s in range(w):
             torch.manual_seed(s)
@@ -100,10 +96,15 @@ def measure(method: str, widths: list, warm: int, batches: int, repeats: int, bs
             b = pos[0]
             arr.observe(xs[:, b * bs:(b + 1) * bs], ys[:, b * bs:(b + 1) * bs], 0)
             pos[0] += 1
-        t = _time(array_step, batches, repeats)
-        rate = w * bs * batches / t
-        rows.append({"width": w, "kind": "array", "seconds": t, "run_samples_per_s": rate, "speedup": rate / base})
-        print(f"{method:7s} width {w:3d} {rate:9.1f} run-samples/s  x{rate / base:.2f}", flush=True)
+        t_alone, t_array = float("inf"), float("inf")
+        for _ in range(repeats):
+            t_alone = min(t_alone, _block(alone_step, batches))
+            t_array = min(t_array, _block(array_step, batches))
+        base = bs * batches / t_alone
+        rate = w * bs * batches / t_array
+        rows.append({"width": w, "alone_seconds": t_alone, "array_seconds": t_array,
+                     "alone_run_samples_per_s": base, "run_samples_per_s": rate, "speedup": rate / base})
+        print(f"{method:7s} width {w:3d} {rate:9.1f} run-samples/s, alone {base:9.1f}: x{rate / base:.2f}", flush=True)
     return {"method": method, "batches": batches, "warm": warm, "repeats": repeats, "rows": rows}
 
 
@@ -117,11 +118,11 @@ def plot(path: str) -> str:
     data = json.load(open(path))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for res in data["methods"]:
-        arr = [r for r in res["rows"] if r["kind"] == "array"]
-        alone = [r for r in res["rows"] if r["kind"] == "alone"][0]
+        arr = res["rows"]
         line, = axes[0].plot([r["width"] for r in arr], [r["run_samples_per_s"] for r in arr], "o-",
                              label=res["method"])
-        axes[0].axhline(alone["run_samples_per_s"], color=line.get_color(), ls="--", lw=0.8)
+        axes[0].plot([r["width"] for r in arr], [r["alone_run_samples_per_s"] for r in arr], "--",
+                     color=line.get_color(), lw=0.8)
         axes[1].plot([r["width"] for r in arr], [r["speedup"] for r in arr], "o-", label=res["method"])
     for ax in axes:
         ax.set_xscale("log", base=2)

@@ -44,10 +44,11 @@ def mlp_forward(weights: Sequence[Tensor], x: Tensor) -> Tensor:
     n = x.shape[0]
     h = x.reshape(n, x.shape[1], -1)
     layers = len(weights) // 2
-    if n == 1:       # [note: an array of one]
-        h = h[0]
+    if n == 1:       # [note: an array of one]; views, not selects (a select's backward writes a whole zero tensor)
+        h = h.reshape(h.shape[1:])
         for i in range(layers):
-            h = F.linear(h, weights[2 * i][0], weights[2 * i + 1][0])
+            h = F.linear(h, weights[2 * i].reshape(weights[2 * i].shape[1:]),
+                         weights[2 * i + 1].reshape(weights[2 * i + 1].shape[1:]))
             if i < layers - 1:
                 h = F.relu(h)
         return h.unsqueeze(0)
@@ -62,7 +63,7 @@ def ce_per_run(logits: Tensor, y: Tensor) -> Tensor:
     """Mean cross-entropy of each run's batch: ``[N]`` from logits ``[N, B, C]`` and labels ``[N, B]``."""
     n, b, c = logits.shape
     if n == 1:
-        return F.cross_entropy(logits[0], y[0]).reshape(1)
+        return F.cross_entropy(logits.reshape(b, c), y.reshape(b)).reshape(1)
     return F.cross_entropy(logits.reshape(n * b, c), y.reshape(n * b), reduction="none").view(n, b).mean(1)
 
 
