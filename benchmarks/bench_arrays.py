@@ -63,7 +63,7 @@ def measure(method: str, widths: list, warm: int, batches: int, repeats: int, bs
     and the array's block alternate ``repeats`` times and the fastest of each is kept (on a shared
     machine the load changes between widths: each speedup is against the run alone timed beside
     it)."""
-    total = warm + batches * repeats * (len(widths) + 1)
+    total = warm + batches * repeats        # batches of data; the run alone goes round them again per width
     cls = get_method(method)
     lcls = arrays.get_learner(method)
     x1, y1, info = _data([0], total, bs)
@@ -74,7 +74,7 @@ def measure(method: str, widths: list, warm: int, batches: int, repeats: int, bs
     apos = [warm]
 
     def alone_step(_):
-        b = apos[0]
+        b = warm + (apos[0] - warm) % (batches * repeats)
         learner.observe(x1[0, b * bs:(b + 1) * bs], y1[0, b * bs:(b + 1) * bs], 0)
         apos[0] += 1
     rows = []

@@ -265,3 +265,25 @@ def test_ray_runs_an_array_as_one_task(tmp_path, two_seeds, capsys):
     for k in rl:
         assert rr[k]["acc_matrix"] == rl[k]["acc_matrix"] and rr[k]["executor"] == "ray"
         assert rr[k]["array"]["width"] == 4
+
+
+def test_the_main_command_trains_seeds_as_arrays_and_names_what_it_cannot(tmp_path, capsys):
+    from emcl_continual import cli
+
+    common = ["--stream", STREAM, "--n-tasks", "2", "--samples-per-task", "20", "--seeds", "0", "1", "2", "--quiet"]
+    assert cli.main(["--method", "sgd", "er", "--out", str(tmp_path / "off")] + common) == 0
+    assert cli.main(["--method", "sgd", "er", "--array", "2", "--out", str(tmp_path / "on")] + common) == 0
+    off = {(r["method"], r["seed"]): r for r in map(json.loads, open(tmp_path / "off" / "runs.jsonl"))}
+    on = {(r["method"], r["seed"]): r for r in map(json.loads, open(tmp_path / "on" / "runs.jsonl"))}
+    assert set(off) == set(on)
+    for k, r in on.items():
+        assert abs(r["acc"] - off[k]["acc"]) <= 1.0
+        assert r["array"]["width"] == (2 if k[1] < 2 else 1)      # seeds 0 1 together, then seed 2
+    if (on[("sgd", 2)]["array"]["width"]) == 1:
+        assert on[("sgd", 2)]["acc_matrix"] == off[("sgd", 2)]["acc_matrix"]   # an array of one: the run's bits
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--method", "sgd", "gem", "--array", "4"] + common)
+    assert exc.value.code == 2 and "gem has no run array" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--method", "sgd", "--stream", "split-cifar100", "--array", "4", "--seeds", "0"])
+    assert exc.value.code == 2 and "batch norm" in capsys.readouterr().err

@@ -31,10 +31,11 @@ ARRAY_LEARNERS = {
     "mer": "emcl_continual.arrays.mer:MERArray",
 }
 
-#: the widest array ``--array auto`` makes of each method on the CPU, from the measured
-#: throughput curves (results/arrays/throughput_cpu.json, docs/continual-learning.md); 1 where an
-#: array was not measured faster than its runs alone. Filled from the measurement.
-AUTO_WIDTH_CPU = {"sgd": 8, "ewc": 8, "agem": 8, "er": 8, "lamaml": 8, "mer": 8}
+#: the widest array ``--array auto`` makes of each method on the CPU: the width of the most
+#: run-samples per second on the measured curves (results/arrays/throughput_cpu.json, one thread,
+#: the 2-core Xeon VM shared with other jobs; docs/continual-learning.md). Past it the runs'
+#: weights leave the core's cache (ER, La-MAML, MER fall again at 32).
+AUTO_WIDTH_CPU = {"sgd": 32, "ewc": 32, "agem": 32, "er": 16, "lamaml": 8, "mer": 16}
 #: on a GPU the device is idle and a run is all launches: the width is bounded by memory only
 AUTO_WIDTH_GPU = 32
 
