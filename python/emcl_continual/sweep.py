@@ -313,7 +313,9 @@ def make_arrays(tasks: list, word, stream: str, log=None) -> list:
     arrays.array_signature`) and cut into arrays of at most the width (``auto``:
     :func:`~emcl_continual.arrays.auto_width` per method and device), each one task
     ``{"runs": [...], "array_id", ...}``; every other run stays a task of its own. A group of one
-    run stays a plain run. Order: each unit where its first run was."""
+    run stays a plain run. Order: the arrays first, the slowest method's first
+    (:data:`~emcl_continual.arrays.ALONE_RATE_CPU`: a stage's wall clock is at least its longest
+    unit's, so that one starts at once), then the runs alone in their order."""
     import hashlib
 
     from . import arrays
@@ -344,9 +346,10 @@ def make_arrays(tasks: list, word, stream: str, log=None) -> list:
     if log is not None:
         for note in sorted(notes):
             log(f"note: {note}; those runs train alone")
+    alone = []
     for kind, item in order:
         if kind == "run":
-            units.append(item)
+            alone.append(item)
             continue
         members = groups[item]
         width = word if isinstance(word, int) else arrays.auto_width(item[0], item[1])
@@ -363,7 +366,8 @@ def make_arrays(tasks: list, word, stream: str, log=None) -> list:
                           "n_tasks": first.get("n_tasks"), "samples_per_task": first.get("samples_per_task"),
                           "role": first.get("role"), "row": first.get("row"), "command": first.get("command"),
                           "want": first["want"]})
-    return units
+    units.sort(key=lambda u: (arrays.ALONE_RATE_CPU.get(u["method"], float("inf")) if u.get("runs") else float("inf")))
+    return units + alone
 
 
 def _ray_run_task(task: dict) -> dict:
