@@ -287,3 +287,18 @@ def test_the_main_command_trains_seeds_as_arrays_and_names_what_it_cannot(tmp_pa
     with pytest.raises(SystemExit) as exc:
         cli.main(["--method", "sgd", "--stream", "split-cifar100", "--array", "4", "--seeds", "0"])
     assert exc.value.code == 2 and "batch norm" in capsys.readouterr().err
+
+
+def test_arrays_start_slowest_first_and_runs_without_an_array_stay_alone():
+    tasks = []
+    for m in ("sgd", "gem", "mer"):
+        for i, seed in enumerate((100, 101)):
+            tasks.append({"key": f"{m}|{seed}", "method": m, "overrides": {}, "seed": seed, "split": "validation",
+                          "stream": STREAM, "data_root": None, "role": "validation", "row": m, "want": "cpu"})
+    units = sweep.make_arrays(tasks, "auto", STREAM)
+    assert [u["method"] for u in units] == ["mer", "sgd", "gem", "gem"]
+    assert [len(u["runs"]) for u in units[:2]] == [2, 2] and "runs" not in units[2]
+    assert sweep.make_arrays(tasks, "off", STREAM) == tasks
+    other = [dict(t, overrides={"init": "xavier"}) if t["method"] == "sgd" and t["seed"] == 101 else t
+             for t in tasks]
+    assert [u["method"] for u in sweep.make_arrays(other, 4, STREAM)] == ["mer", "sgd", "sgd", "gem", "gem"]
