@@ -238,13 +238,17 @@ def test_an_array_that_fails_whole_fails_each_of_its_runs(tmp_path, two_seeds, m
 
 
 def test_a_diverged_run_of_an_array_goes_to_failed_jsonl(tmp_path, two_seeds):
+    """A run that diverges and a run the method refuses (a configuration error): both reported in
+    failed.jsonl, the others kept."""
     path = str(tmp_path / "sel" / "validation.jsonl")
     rows = [selection.Row("sgd/a", "sgd", {"lr": 0.1}, "validation", "a", (100,)),
-            selection.Row("sgd/b", "sgd", {"lr": 1e30}, "validation", "b", (100,))]
-    with pytest.raises(selection.RunsFailed, match="1 of 2 run"):
+            selection.Row("sgd/b", "sgd", {"lr": 1e30}, "validation", "b", (100,)),
+            selection.Row("sgd/bad", "sgd", {"lr": -1.0}, "validation", "bad", (100,))]
+    with pytest.raises(selection.RunsFailed, match="2 of 3 run"):
         selection.run_rows(rows, path, STREAM, "validation", n_tasks=1, samples_per_task=30, array="auto")
-    fails = selection.load_runs(str(tmp_path / "sel" / selection.FAILED_FILE))
-    assert [f["row"] for f in fails] == ["sgd/b"] and "diverged" in fails[0]["reason"]
+    fails = {f["row"]: f for f in selection.load_runs(str(tmp_path / "sel" / selection.FAILED_FILE))}
+    assert set(fails) == {"sgd/b", "sgd/bad"} and "diverged" in fails["sgd/b"]["reason"]
+    assert "lr" in fails["sgd/bad"]["reason"]
     assert [r["overrides"] for r in selection.load_runs(path)] == [{"lr": 0.1}]
 
 

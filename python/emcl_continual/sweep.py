@@ -342,7 +342,11 @@ def make_arrays(tasks: list, word, stream: str, log=None) -> list:
             notes.add(why)
             order.append(("run", t))
             continue
-        cfg = build_config(t["method"], stream, t["seed"], t["overrides"])
+        try:
+            cfg = build_config(t["method"], stream, t["seed"], t["overrides"])
+        except ValueError:      # a configuration the method refuses: the run fails alone, as without arrays
+            order.append(("run", t))
+            continue
         gk = (t["method"], t["want"], t["split"], t.get("data_root"), t.get("n_tasks"), t.get("samples_per_task"),
               arrays.array_signature(t["method"], cfg))
         if gk not in groups:
