@@ -29,10 +29,10 @@ from emcl_continual.train import run
 
 STREAM = "permuted-mnist"
 SMALL = dict(n_tasks=2, samples_per_task=30)
-BITWISE = ["sgd", "er", "ewc", "agem", "lamaml"]
+BITWISE = ["sgd", "er", "ewc", "agem", "gem", "lamaml"]
 EVERY = BITWISE + ["mer"]
 #: a second configuration of each method (a per-run key changed)
-OTHER = {"sgd": {"lr": 0.01}, "er": {"lr": 0.03}, "ewc": {"lr": 0.03, "reg": 1.0}, "agem": {"lr": 0.1},
+OTHER = {"sgd": {"lr": 0.01}, "er": {"lr": 0.03}, "gem": {"lr": 0.1}, "ewc": {"lr": 0.03, "reg": 1.0}, "agem": {"lr": 0.1},
          "lamaml": {"alpha_init": 0.3, "eta": 0.15}, "mer": {"lr": 0.01, "beta": 0.1}}
 
 
@@ -168,9 +168,8 @@ def test_a_run_that_diverges_is_dropped_and_the_others_finish(streams):
 
 
 def test_arrays_refuse_what_they_cannot_train(streams):
-    for m in ("gem", "emcl"):
-        with pytest.raises(ValueError, match=f"{m} has no run array"):
-            arrays.get_learner(m)
+    with pytest.raises(ValueError, match="emcl has no run array"):
+        arrays.get_learner("emcl")
     assert arrays.parse_array("auto") == "auto" and arrays.parse_array("1") == "off" and arrays.parse_array(8) == 8
     for bad in ("0", "-2", "wide"):
         with pytest.raises(ValueError, match="--array"):
@@ -186,23 +185,24 @@ def test_arrays_refuse_what_they_cannot_train(streams):
 @pytest.fixture
 def two_seeds(monkeypatch):
     monkeypatch.setattr(presets, "VALIDATION_SEEDS", (100, 101))
+    monkeypatch.setattr(presets, "ALGORITHM_1_GRID", [{"lr_scale": 1e-4, "lr_max": 1e2}])
 
 
 TINY = ["--n-tasks", "2", "--samples-per-task", "20", "--allow-dirty", "--until", "select-a"]
 
 
 def test_the_selection_with_arrays_gives_the_runs_and_selection_of_runs_alone(tmp_path, two_seeds, capsys):
-    args = TINY + ["--methods", "sgd", "er", "gem"]
+    args = TINY + ["--methods", "sgd", "er", "emcl"]
     off, on = str(tmp_path / "off"), str(tmp_path / "on")
     assert selection.main(["--out", off] + args) == 0
     assert selection.main(["--out", on, "--array", "4"] + args) == 0
     out = capsys.readouterr().out
-    assert "gem has no run array" in out and "16 of them in 4 array(s)" in out
+    assert "emcl has no run array" in out and "16 of them in 4 array(s)" in out
     ro = {r["key"]: r for r in selection.load_runs(os.path.join(off, "validation.jsonl"))}
     ra = {r["key"]: r for r in selection.load_runs(os.path.join(on, "validation.jsonl"))}
-    assert set(ro) == set(ra) and len(ra) == 3 * 4 * 2
+    assert set(ro) == set(ra) and len(ra) == (2 * 4 + 4 + 1) * 2
     for k, r in ra.items():
-        if r["method"] == "gem":
+        if r["method"] == "emcl":
             assert "array" not in r
             continue
         assert r["array"]["width"] == 4 and abs(r["acc"] - ro[k]["acc"]) <= 1.0
@@ -286,8 +286,8 @@ def test_the_main_command_trains_seeds_as_arrays_and_names_what_it_cannot(tmp_pa
     if (on[("sgd", 2)]["array"]["width"]) == 1:
         assert on[("sgd", 2)]["acc_matrix"] == off[("sgd", 2)]["acc_matrix"]   # an array of one: the run's bits
     with pytest.raises(SystemExit) as exc:
-        cli.main(["--method", "sgd", "gem", "--array", "4"] + common)
-    assert exc.value.code == 2 and "gem has no run array" in capsys.readouterr().err
+        cli.main(["--method", "sgd", "emcl", "--array", "4"] + common)
+    assert exc.value.code == 2 and "emcl has no run array" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         cli.main(["--method", "sgd", "--stream", "split-cifar100", "--array", "4", "--seeds", "0"])
     assert exc.value.code == 2 and "batch norm" in capsys.readouterr().err
@@ -295,14 +295,14 @@ def test_the_main_command_trains_seeds_as_arrays_and_names_what_it_cannot(tmp_pa
 
 def test_arrays_start_slowest_first_and_runs_without_an_array_stay_alone():
     tasks = []
-    for m in ("sgd", "gem", "mer"):
+    for m in ("sgd", "emcl", "mer"):
         for i, seed in enumerate((100, 101)):
             tasks.append({"key": f"{m}|{seed}", "method": m, "overrides": {}, "seed": seed, "split": "validation",
                           "stream": STREAM, "data_root": None, "role": "validation", "row": m, "want": "cpu"})
     units = sweep.make_arrays(tasks, "auto", STREAM)
-    assert [u["method"] for u in units] == ["mer", "sgd", "gem", "gem"]
+    assert [u["method"] for u in units] == ["mer", "sgd", "emcl", "emcl"]
     assert [len(u["runs"]) for u in units[:2]] == [2, 2] and "runs" not in units[2]
     assert sweep.make_arrays(tasks, "off", STREAM) == tasks
     other = [dict(t, overrides={"init": "xavier"}) if t["method"] == "sgd" and t["seed"] == 101 else t
              for t in tasks]
-    assert [u["method"] for u in sweep.make_arrays(other, 4, STREAM)] == ["mer", "sgd", "sgd", "gem", "gem"]
+    assert [u["method"] for u in sweep.make_arrays(other, 4, STREAM)] == ["mer", "sgd", "sgd", "emcl", "emcl"]

@@ -27,6 +27,7 @@ ARRAY_LEARNERS = {
     "ewc": "emcl_continual.arrays.ewc:EWCArray",
     "agem": "emcl_continual.arrays.agem:AGEMArray",
     "er": "emcl_continual.arrays.er:ERArray",
+    "gem": "emcl_continual.arrays.gem:GEMArray",
     "lamaml": "emcl_continual.arrays.lamaml:LaMAMLArray",
     "mer": "emcl_continual.arrays.mer:MERArray",
 }
