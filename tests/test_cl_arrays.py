@@ -36,9 +36,19 @@ OTHER = {"sgd": {"lr": 0.01}, "er": {"lr": 0.03}, "gem": {"lr": 0.1}, "ewc": {"l
          "lamaml": {"alpha_init": 0.3, "eta": 0.15}, "mer": {"lr": 0.01, "beta": 0.1}}
 
 
+MLP_STREAMS = ("permuted-mnist", "rotated-mnist", "many-permutations")
+_BUILT: dict = {}
+
+
+def _streams(name):
+    if name not in _BUILT:
+        _BUILT[name] = {s: make_stream(name, s, **SMALL) for s in (0, 1)}
+    return _BUILT[name]
+
+
 @pytest.fixture(scope="module")
 def streams():
-    return {s: make_stream(STREAM, s, **SMALL) for s in (0, 1)}
+    return _streams(STREAM)
 
 
 def _alone(method, streams, seed, overrides):
@@ -73,10 +83,13 @@ class _Recorder:
             monkeypatch.setattr(torch, name, wrapped)
 
 
+@pytest.mark.parametrize("stream", MLP_STREAMS)
 @pytest.mark.parametrize("method", EVERY)
-def test_every_run_of_an_array_makes_the_draws_it_makes_alone(method, streams, monkeypatch):
+def test_every_run_of_an_array_makes_the_draws_it_makes_alone(method, stream, monkeypatch):
     """Runs (seed 0, default), (seed 1, default), (seed 0, another configuration): each one's
-    generator calls, initial weights and batches, recorded alone and in the array of three."""
+    generator calls, initial weights and batches, recorded alone and in the array of three, on
+    each MLP stream."""
+    streams = _streams(stream)
     runs = [{"seed": 0, "overrides": {}}, {"seed": 1, "overrides": {}}, {"seed": 0, "overrides": OTHER[method]}]
     rec = _Recorder(monkeypatch)
     seen_alone, gens_alone, init_alone = [], [], []
@@ -115,7 +128,7 @@ def test_every_run_of_an_array_makes_the_draws_it_makes_alone(method, streams, m
         return real_aobserve(self, x, y, task)
     monkeypatch.setattr(learner_cls, "__init__", ainit)
     monkeypatch.setattr(learner_cls, "observe", aobserve)
-    records, failed = run_array(method, STREAM, runs, streams=streams)
+    records, failed = run_array(method, stream, runs, streams=streams)
     assert not failed and len(records) == 3
     for r in range(3):
         mine = rec.calls.get(id(captured["gens"][r]), [])
