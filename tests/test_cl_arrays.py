@@ -319,3 +319,45 @@ def test_arrays_start_slowest_first_and_runs_without_an_array_stay_alone():
     other = [dict(t, overrides={"init": "xavier"}) if t["method"] == "sgd" and t["seed"] == 101 else t
              for t in tasks]
     assert [u["method"] for u in sweep.make_arrays(other, 4, STREAM)] == ["mer", "sgd", "sgd", "emcl", "emcl"]
+
+
+@pytest.mark.parametrize("method", EVERY)
+def test_dropping_a_run_keeps_every_other_runs_state(method, streams):
+    """An array of three that drops its middle run after a task trains runs 0 and 2 as an array
+    of those two trained from the start does (every per-run state sliced alike: weights, memories,
+    generators, Fisher terms, learning rates)."""
+    from emcl_continual.config import build_config
+
+    info = streams[0].info
+    seeds = [0, 1, 0]
+    cfgs = [build_config(method, STREAM, s, ov) for s, ov in zip(seeds, ({}, {}, OTHER[method]))]
+
+    def learner(idx):
+        models = []
+        for i in idx:
+            torch.manual_seed(seeds[i])
+            models.append(build_model(info))
+        weights = [torch.stack([p.detach() for p in ps]).requires_grad_(True)
+                   for ps in zip(*[list(m.parameters()) for m in models])]
+        return arrays.get_learner(method)(weights, info, [cfgs[i] for i in idx], "cpu")
+
+    def batches(idx, t):
+        x = torch.stack([streams[seeds[i]].train[t].x for i in idx])
+        y = torch.stack([streams[seeds[i]].train[t].y for i in idx])
+        return [(x[:, b:b + 10], y[:, b:b + 10]) for b in range(0, y.shape[1], 10)]
+
+    three, two = learner([0, 1, 2]), learner([0, 2])
+    for lrn, idx in ((three, [0, 1, 2]), (two, [0, 2])):
+        lrn.begin_task(0)
+        for x, y in batches(idx, 0):
+            lrn.observe(x, y, 0)
+        lrn.end_task(0)
+    three.keep([0, 2])
+    assert three.width == 2
+    for lrn in (three, two):
+        lrn.begin_task(1)
+    for (x, y) in batches([0, 2], 1):
+        a, b = three.observe(x, y, 1), two.observe(x, y, 1)
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), (a, b)
+    for wa, wb in zip(three.weights, two.weights):
+        assert torch.allclose(wa, wb, rtol=1e-4, atol=1e-5)
