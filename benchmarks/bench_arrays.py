@@ -1,25 +1,27 @@
 """Run arrays' throughput: run-samples per second against the array width, per method, on one
 thread (the curve ``--array auto`` reads, and where the CPU's roof is).
 
-    python benchmarks/bench_arrays.py                                   # every array method, widths 1..32
-    python benchmarks/bench_arrays.py --methods mer lamaml --widths 1 2 4 8
-    python benchmarks/bench_arrays.py --plot results/arrays/throughput_cpu.json   # the figure only
+    python -m benchmarks arrays                                         # every array method, widths 1..32
+    python -m benchmarks arrays --methods mer lamaml --widths 1 2 4 8
+    python -m benchmarks arrays --plot results/arrays/throughput_cpu.json   # the figure only
 
 For each method: the run alone (the method's own ``observe``, as ``train.run`` steps it; MER with
-its NumPy stepper), timed in blocks alternating with the array's, and arrays of each width (:mod:`emcl_continual.arrays`), on the same
-Permuted-MNIST batches (the embedded digits, one task), each run of an array with its own seed
-and the method's default configuration. Each measurement first trains ``--warm`` batches
-(the replay memories fill, lazy work is done), then times ``--batches`` batches of ``observe``
-in process CPU time (``time.process_time``: on a shared machine the time other processes take
-from this one is not counted, their cache and memory-bandwidth pressure still is), repeated
-``--repeats`` times, keeping the fastest of each. ``run_samples_per_s`` = width x samples / time;
-``speedup`` is that over the run alone's of the same width's blocks.
+its NumPy stepper) and arrays of each width (:mod:`emcl_continual.arrays`), each run of an array
+with its own seed and the method's default configuration, on Permuted-MNIST batches (the
+embedded digits). Each first trains ``--warm`` batches of the first task (the memories fill,
+lazy work is done, the task is consolidated: EWC's penalty, A-GEM's reference gradient and GEM's
+projection are in the timed steps), then batches of the second task are timed in process CPU
+time (``time.process_time``: on a shared machine the time other processes take from this one is
+not counted; their cache and memory-bandwidth pressure still is), the run alone's block and the
+array's alternating ``--repeats`` times, the fastest of each kept. ``run_samples_per_s`` =
+width x samples / time; ``speedup`` is that over the run alone timed beside it.
 
 Writes ``results/arrays/throughput_cpu.json`` (``--out``) and its figure ``.png`` beside it.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -40,15 +42,19 @@ from emcl_continual.streams import make_stream  # noqa: E402
 
 STREAM = "permuted-mnist"
 #: batches timed per method (the slow methods take ~100 one-sample steps per incoming sample)
-BATCHES = {"sgd": 40, "ewc": 40, "agem": 40, "er": 40, "lamaml": 3, "mer": 3}
+BATCHES = {"sgd": 40, "ewc": 40, "agem": 40, "er": 40, "gem": 20, "lamaml": 3, "mer": 3}
 
 
-def _data(seeds: list, batches: int, bs: int = 10):
-    """The first task's first ``batches * bs`` samples of each seed's stream, stacked ``[N, n, 784]``."""
-    n = batches * bs
-    streams = [make_stream(STREAM, s, n_tasks=1, samples_per_task=max(n, 20)) for s in seeds]
-    return (torch.stack([st.train[0].x[:n] for st in streams]), torch.stack([st.train[0].y[:n] for st in streams]),
-            streams[0].info)
+def _data(seeds: list, warm: int, batches: int, bs: int = 10):
+    """Each seed's first ``warm`` batches of task 0 and first ``batches`` batches of task 1, stacked
+    (``[N, n, 784]``), and the stream's info with Permuted MNIST's 20 tasks (the per-task memories
+    of A-GEM and GEM are sized by it)."""
+    streams = [make_stream(STREAM, s, n_tasks=2, samples_per_task=max(warm, batches) * bs) for s in seeds]
+    w, n = warm * bs, batches * bs
+    info = dataclasses.replace(streams[0].info, n_tasks=20)
+    return ((torch.stack([st.train[0].x[:w] for st in streams]), torch.stack([st.train[0].y[:w] for st in streams])),
+            (torch.stack([st.train[1].x[:n] for st in streams]), torch.stack([st.train[1].y[:n] for st in streams])),
+            info)
 
 
 def _block(step, n_batches: int) -> float:
@@ -59,28 +65,30 @@ def _block(step, n_batches: int) -> float:
 
 
 def measure(method: str, widths: list, warm: int, batches: int, repeats: int, bs: int = 10) -> dict:
-    """The run alone and arrays of ``widths`` for ``method``. For each width the run alone's block
-    and the array's block alternate ``repeats`` times and the fastest of each is kept (on a shared
-    machine the load changes between widths: each speedup is against the run alone timed beside
-    it)."""
-    total = warm + batches * repeats        # batches of data; the run alone goes round them again per width
+    """The run alone and arrays of ``widths`` for ``method``, trained ``warm`` batches on task 0
+    (then ``end_task(0)``), timed on task 1 (so that EWC's penalty, A-GEM's reference gradient
+    and GEM's projection are in the step). For each width the run alone's block and the array's
+    block alternate ``repeats`` times and the fastest of each is kept (on a shared machine the
+    load changes between widths: each speedup is against the run alone timed beside it)."""
     cls = get_method(method)
     lcls = arrays.get_learner(method)
-    x1, y1, info = _data([0], total, bs)
+    (w0x, w0y), (t1x, t1y), info = _data([0], warm, batches * repeats, bs)
     torch.manual_seed(0)
     learner = cls(build_model(info), info, build_config(method, STREAM, 0, {}), "cpu")
+    learner.begin_task(0)
     for b in range(warm):
-        learner.observe(x1[0, b * bs:(b + 1) * bs], y1[0, b * bs:(b + 1) * bs], 0)
-    apos = [warm]
+        learner.observe(w0x[0, b * bs:(b + 1) * bs], w0y[0, b * bs:(b + 1) * bs], 0)
+    learner.end_task(0)
+    learner.begin_task(1)
+    apos = [0]
 
     def alone_step(_):
-        b = warm + (apos[0] - warm) % (batches * repeats)
-        learner.observe(x1[0, b * bs:(b + 1) * bs], y1[0, b * bs:(b + 1) * bs], 0)
+        b = apos[0] % (batches * repeats)
+        learner.observe(t1x[0, b * bs:(b + 1) * bs], t1y[0, b * bs:(b + 1) * bs], 1)
         apos[0] += 1
     rows = []
     for w in widths:
-        n = warm + batches * repeats
-        xs, ys, _ = _data(list(range(w)), n, bs)
+        (wx, wy), (xs, ys), _ = _data(list(range(w)), warm, batches * repeats, bs)
         models = []
         for s in range(w):
             torch.manual_seed(s)
@@ -88,13 +96,16 @@ def measure(method: str, widths: list, warm: int, batches: int, repeats: int, bs
         weights = [torch.stack([p.detach() for p in ps]).requires_grad_(True)
                    for ps in zip(*[list(m.parameters()) for m in models])]
         arr = lcls(weights, info, [build_config(method, STREAM, s, {}) for s in range(w)], "cpu")
+        arr.begin_task(0)
         for b in range(warm):
-            arr.observe(xs[:, b * bs:(b + 1) * bs], ys[:, b * bs:(b + 1) * bs], 0)
-        pos = [warm]
+            arr.observe(wx[:, b * bs:(b + 1) * bs], wy[:, b * bs:(b + 1) * bs], 0)
+        arr.end_task(0)
+        arr.begin_task(1)
+        pos = [0]
 
         def array_step(_):
             b = pos[0]
-            arr.observe(xs[:, b * bs:(b + 1) * bs], ys[:, b * bs:(b + 1) * bs], 0)
+            arr.observe(xs[:, b * bs:(b + 1) * bs], ys[:, b * bs:(b + 1) * bs], 1)
             pos[0] += 1
         t_alone, t_array = float("inf"), float("inf")
         for _ in range(repeats):

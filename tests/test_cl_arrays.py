@@ -29,16 +29,26 @@ from emcl_continual.train import run
 
 STREAM = "permuted-mnist"
 SMALL = dict(n_tasks=2, samples_per_task=30)
-BITWISE = ["sgd", "er", "ewc", "agem", "lamaml"]
+BITWISE = ["sgd", "er", "ewc", "agem", "gem", "lamaml"]
 EVERY = BITWISE + ["mer"]
 #: a second configuration of each method (a per-run key changed)
-OTHER = {"sgd": {"lr": 0.01}, "er": {"lr": 0.03}, "ewc": {"lr": 0.03, "reg": 1.0}, "agem": {"lr": 0.1},
+OTHER = {"sgd": {"lr": 0.01}, "er": {"lr": 0.03}, "gem": {"lr": 0.1}, "ewc": {"lr": 0.03, "reg": 1.0}, "agem": {"lr": 0.1},
          "lamaml": {"alpha_init": 0.3, "eta": 0.15}, "mer": {"lr": 0.01, "beta": 0.1}}
+
+
+MLP_STREAMS = ("permuted-mnist", "rotated-mnist", "many-permutations")
+_BUILT: dict = {}
+
+
+def _streams(name):
+    if name not in _BUILT:
+        _BUILT[name] = {s: make_stream(name, s, **SMALL) for s in (0, 1)}
+    return _BUILT[name]
 
 
 @pytest.fixture(scope="module")
 def streams():
-    return {s: make_stream(STREAM, s, **SMALL) for s in (0, 1)}
+    return _streams(STREAM)
 
 
 def _alone(method, streams, seed, overrides):
@@ -73,10 +83,13 @@ class _Recorder:
             monkeypatch.setattr(torch, name, wrapped)
 
 
+@pytest.mark.parametrize("stream", MLP_STREAMS)
 @pytest.mark.parametrize("method", EVERY)
-def test_every_run_of_an_array_makes_the_draws_it_makes_alone(method, streams, monkeypatch):
+def test_every_run_of_an_array_makes_the_draws_it_makes_alone(method, stream, monkeypatch):
     """Runs (seed 0, default), (seed 1, default), (seed 0, another configuration): each one's
-    generator calls, initial weights and batches, recorded alone and in the array of three."""
+    generator calls, initial weights and batches, recorded alone and in the array of three, on
+    each MLP stream."""
+    streams = _streams(stream)
     runs = [{"seed": 0, "overrides": {}}, {"seed": 1, "overrides": {}}, {"seed": 0, "overrides": OTHER[method]}]
     rec = _Recorder(monkeypatch)
     seen_alone, gens_alone, init_alone = [], [], []
@@ -115,7 +128,7 @@ def test_every_run_of_an_array_makes_the_draws_it_makes_alone(method, streams, m
         return real_aobserve(self, x, y, task)
     monkeypatch.setattr(learner_cls, "__init__", ainit)
     monkeypatch.setattr(learner_cls, "observe", aobserve)
-    records, failed = run_array(method, STREAM, runs, streams=streams)
+    records, failed = run_array(method, stream, runs, streams=streams)
     assert not failed and len(records) == 3
     for r in range(3):
         mine = rec.calls.get(id(captured["gens"][r]), [])
@@ -168,9 +181,8 @@ def test_a_run_that_diverges_is_dropped_and_the_others_finish(streams):
 
 
 def test_arrays_refuse_what_they_cannot_train(streams):
-    for m in ("gem", "emcl"):
-        with pytest.raises(ValueError, match=f"{m} has no run array"):
-            arrays.get_learner(m)
+    with pytest.raises(ValueError, match="emcl has no run array"):
+        arrays.get_learner("emcl")
     assert arrays.parse_array("auto") == "auto" and arrays.parse_array("1") == "off" and arrays.parse_array(8) == 8
     for bad in ("0", "-2", "wide"):
         with pytest.raises(ValueError, match="--array"):
@@ -186,23 +198,24 @@ def test_arrays_refuse_what_they_cannot_train(streams):
 @pytest.fixture
 def two_seeds(monkeypatch):
     monkeypatch.setattr(presets, "VALIDATION_SEEDS", (100, 101))
+    monkeypatch.setattr(presets, "ALGORITHM_1_GRID", [{"lr_scale": 1e-4, "lr_max": 1e2}])
 
 
 TINY = ["--n-tasks", "2", "--samples-per-task", "20", "--allow-dirty", "--until", "select-a"]
 
 
 def test_the_selection_with_arrays_gives_the_runs_and_selection_of_runs_alone(tmp_path, two_seeds, capsys):
-    args = TINY + ["--methods", "sgd", "er", "gem"]
+    args = TINY + ["--methods", "sgd", "er", "emcl"]
     off, on = str(tmp_path / "off"), str(tmp_path / "on")
     assert selection.main(["--out", off] + args) == 0
     assert selection.main(["--out", on, "--array", "4"] + args) == 0
     out = capsys.readouterr().out
-    assert "gem has no run array" in out and "16 of them in 4 array(s)" in out
+    assert "emcl has no run array" in out and "16 of them in 4 array(s)" in out
     ro = {r["key"]: r for r in selection.load_runs(os.path.join(off, "validation.jsonl"))}
     ra = {r["key"]: r for r in selection.load_runs(os.path.join(on, "validation.jsonl"))}
-    assert set(ro) == set(ra) and len(ra) == 3 * 4 * 2
+    assert set(ro) == set(ra) and len(ra) == (2 * 4 + 4 + 1) * 2
     for k, r in ra.items():
-        if r["method"] == "gem":
+        if r["method"] == "emcl":
             assert "array" not in r
             continue
         assert r["array"]["width"] == 4 and abs(r["acc"] - ro[k]["acc"]) <= 1.0
@@ -238,13 +251,17 @@ def test_an_array_that_fails_whole_fails_each_of_its_runs(tmp_path, two_seeds, m
 
 
 def test_a_diverged_run_of_an_array_goes_to_failed_jsonl(tmp_path, two_seeds):
+    """A run that diverges and a run the method refuses (a configuration error): both reported in
+    failed.jsonl, the others kept."""
     path = str(tmp_path / "sel" / "validation.jsonl")
     rows = [selection.Row("sgd/a", "sgd", {"lr": 0.1}, "validation", "a", (100,)),
-            selection.Row("sgd/b", "sgd", {"lr": 1e30}, "validation", "b", (100,))]
-    with pytest.raises(selection.RunsFailed, match="1 of 2 run"):
+            selection.Row("sgd/b", "sgd", {"lr": 1e30}, "validation", "b", (100,)),
+            selection.Row("sgd/bad", "sgd", {"lr": -1.0}, "validation", "bad", (100,))]
+    with pytest.raises(selection.RunsFailed, match="2 of 3 run"):
         selection.run_rows(rows, path, STREAM, "validation", n_tasks=1, samples_per_task=30, array="auto")
-    fails = selection.load_runs(str(tmp_path / "sel" / selection.FAILED_FILE))
-    assert [f["row"] for f in fails] == ["sgd/b"] and "diverged" in fails[0]["reason"]
+    fails = {f["row"]: f for f in selection.load_runs(str(tmp_path / "sel" / selection.FAILED_FILE))}
+    assert set(fails) == {"sgd/b", "sgd/bad"} and "diverged" in fails["sgd/b"]["reason"]
+    assert "lr" in fails["sgd/bad"]["reason"]
     assert [r["overrides"] for r in selection.load_runs(path)] == [{"lr": 0.1}]
 
 
@@ -282,8 +299,65 @@ def test_the_main_command_trains_seeds_as_arrays_and_names_what_it_cannot(tmp_pa
     if (on[("sgd", 2)]["array"]["width"]) == 1:
         assert on[("sgd", 2)]["acc_matrix"] == off[("sgd", 2)]["acc_matrix"]   # an array of one: the run's bits
     with pytest.raises(SystemExit) as exc:
-        cli.main(["--method", "sgd", "gem", "--array", "4"] + common)
-    assert exc.value.code == 2 and "gem has no run array" in capsys.readouterr().err
+        cli.main(["--method", "sgd", "emcl", "--array", "4"] + common)
+    assert exc.value.code == 2 and "emcl has no run array" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         cli.main(["--method", "sgd", "--stream", "split-cifar100", "--array", "4", "--seeds", "0"])
     assert exc.value.code == 2 and "batch norm" in capsys.readouterr().err
+
+
+def test_arrays_start_slowest_first_and_runs_without_an_array_stay_alone():
+    tasks = []
+    for m in ("sgd", "emcl", "mer"):
+        for i, seed in enumerate((100, 101)):
+            tasks.append({"key": f"{m}|{seed}", "method": m, "overrides": {}, "seed": seed, "split": "validation",
+                          "stream": STREAM, "data_root": None, "role": "validation", "row": m, "want": "cpu"})
+    units = sweep.make_arrays(tasks, "auto", STREAM)
+    assert [u["method"] for u in units] == ["mer", "sgd", "emcl", "emcl"]
+    assert [len(u["runs"]) for u in units[:2]] == [2, 2] and "runs" not in units[2]
+    assert sweep.make_arrays(tasks, "off", STREAM) == tasks
+    other = [dict(t, overrides={"init": "xavier"}) if t["method"] == "sgd" and t["seed"] == 101 else t
+             for t in tasks]
+    assert [u["method"] for u in sweep.make_arrays(other, 4, STREAM)] == ["mer", "sgd", "sgd", "emcl", "emcl"]
+
+
+@pytest.mark.parametrize("method", EVERY)
+def test_dropping_a_run_keeps_every_other_runs_state(method, streams):
+    """An array of three that drops its middle run after a task trains runs 0 and 2 as an array
+    of those two trained from the start does (every per-run state sliced alike: weights, memories,
+    generators, Fisher terms, learning rates)."""
+    from emcl_continual.config import build_config
+
+    info = streams[0].info
+    seeds = [0, 1, 0]
+    cfgs = [build_config(method, STREAM, s, ov) for s, ov in zip(seeds, ({}, {}, OTHER[method]))]
+
+    def learner(idx):
+        models = []
+        for i in idx:
+            torch.manual_seed(seeds[i])
+            models.append(build_model(info))
+        weights = [torch.stack([p.detach() for p in ps]).requires_grad_(True)
+                   for ps in zip(*[list(m.parameters()) for m in models])]
+        return arrays.get_learner(method)(weights, info, [cfgs[i] for i in idx], "cpu")
+
+    def batches(idx, t):
+        x = torch.stack([streams[seeds[i]].train[t].x for i in idx])
+        y = torch.stack([streams[seeds[i]].train[t].y for i in idx])
+        return [(x[:, b:b + 10], y[:, b:b + 10]) for b in range(0, y.shape[1], 10)]
+
+    three, two = learner([0, 1, 2]), learner([0, 2])
+    for lrn, idx in ((three, [0, 1, 2]), (two, [0, 2])):
+        lrn.begin_task(0)
+        for x, y in batches(idx, 0):
+            lrn.observe(x, y, 0)
+        lrn.end_task(0)
+    three.keep([0, 2])
+    assert three.width == 2
+    for lrn in (three, two):
+        lrn.begin_task(1)
+    for (x, y) in batches([0, 2], 1):
+        a, b = three.observe(x, y, 1), two.observe(x, y, 1)
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), (a, b)
+    for wa, wb in zip(three.weights, two.weights):
+        assert torch.allclose(wa, wb, rtol=1e-4, atol=1e-5)

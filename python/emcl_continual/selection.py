@@ -4,6 +4,7 @@ number from seeds and images no choice ever saw.
     python -m emcl_continual.selection --stream permuted-mnist --jobs 2            # everything, resumable
     python -m emcl_continual.selection --stream permuted-mnist --until select-a    # stop after a stage
     python -m emcl_continual.selection --stream permuted-mnist --plan              # print the plan and what is done
+    python -m emcl_continual.selection --stream permuted-mnist --jobs 2 --array auto   # a method's runs as run arrays
 
 The protocol (numbers from :mod:`emcl_continual.presets`):
 
@@ -42,7 +43,8 @@ Where runs train and what executes them (:mod:`emcl_continual.sweep`): ``--devic
 placed on the host and the GPUs by their free memory (``--gpu-memory-mib`` per run), or
 ``--executor ray`` (``--ray-address``) with each run a Ray task. Whatever executes the runs, this
 process writes the files; a run that fails is reported, appended to ``failed.jsonl`` and run
-again when the command is started again (the exit status is then 1).
+again when the command is started again (the exit status is then 1). ``--array auto|N|off`` trains a method's runs
+together as run arrays (:mod:`emcl_continual.arrays`), an array one task of the executor.
 
     python -m emcl_continual.selection --stream permuted-mnist --device auto --jobs 16      # one GPU machine
     python -m emcl_continual.selection --stream permuted-mnist --executor ray --ray-address HEAD:6379 --device auto

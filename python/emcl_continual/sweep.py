@@ -24,6 +24,12 @@ yet included); at most ``--runs-per-gpu`` runs share a GPU. A run that does not 
 run to finish while the runs behind it that fit start; a run that fits on no GPU while none of
 this sweep's runs is running is reported failed.
 
+**Arrays** (``--array``, :func:`make_arrays`): the runs of a method that has an array learner
+(:mod:`emcl_continual.arrays`) and share all but their seed and per-run numbers are grouped into
+arrays, each one task of the executor (:func:`run_array_task`), the slowest methods' first; the
+driver writes one record per run and one failure per run of an array that fails or a run of it
+that diverged.
+
 **Executors**: :class:`LocalExecutor` (this process for one job, else a pool of spawned
 processes) and :class:`RayExecutor` (``--executor ray``: each run a Ray task asking for
 ``--threads`` CPUs and, on a GPU, ``1/--runs-per-gpu`` of one; ``--ray-address`` connects to a
@@ -336,7 +342,11 @@ def make_arrays(tasks: list, word, stream: str, log=None) -> list:
             notes.add(why)
             order.append(("run", t))
             continue
-        cfg = build_config(t["method"], stream, t["seed"], t["overrides"])
+        try:
+            cfg = build_config(t["method"], stream, t["seed"], t["overrides"])
+        except ValueError:      # a configuration the method refuses: the run fails alone, as without arrays
+            order.append(("run", t))
+            continue
         gk = (t["method"], t["want"], t["split"], t.get("data_root"), t.get("n_tasks"), t.get("samples_per_task"),
               arrays.array_signature(t["method"], cfg))
         if gk not in groups:

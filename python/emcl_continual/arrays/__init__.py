@@ -27,6 +27,7 @@ ARRAY_LEARNERS = {
     "ewc": "emcl_continual.arrays.ewc:EWCArray",
     "agem": "emcl_continual.arrays.agem:AGEMArray",
     "er": "emcl_continual.arrays.er:ERArray",
+    "gem": "emcl_continual.arrays.gem:GEMArray",
     "lamaml": "emcl_continual.arrays.lamaml:LaMAMLArray",
     "mer": "emcl_continual.arrays.mer:MERArray",
 }
@@ -34,11 +35,11 @@ ARRAY_LEARNERS = {
 #: the widest array ``--array auto`` makes of each method on the CPU: the width of the most
 #: run-samples per second on the measured curves (results/arrays/throughput_cpu.json, one thread,
 #: the 2-core Xeon VM shared with other jobs; docs/continual-learning.md). Past it the runs'
-#: weights leave the core's cache (ER, La-MAML, MER fall again at 32).
-AUTO_WIDTH_CPU = {"sgd": 32, "ewc": 32, "agem": 32, "er": 16, "lamaml": 8, "mer": 16}
+#: weights leave the core's cache and the curve is flat or falls.
+AUTO_WIDTH_CPU = {"sgd": 8, "ewc": 16, "agem": 4, "er": 32, "gem": 32, "lamaml": 4, "mer": 16}
 #: the run alone's run-samples per second on the same curves: how long each method's units take
 #: relative to the others, so that the executor starts the longest first
-ALONE_RATE_CPU = {"sgd": 22000, "ewc": 23000, "agem": 19000, "er": 14500, "lamaml": 200, "mer": 170}
+ALONE_RATE_CPU = {"sgd": 21900, "ewc": 8200, "agem": 8600, "er": 14400, "gem": 3800, "lamaml": 184, "mer": 173}
 #: on a GPU the device is idle and a run is all launches: the width is bounded by memory only
 AUTO_WIDTH_GPU = 32
 
