@@ -14,8 +14,9 @@
 #                   --log tensorboard,wandb and tests/test_trackers.py's round trips (skipped without)
 #   make setup-ray  setup, then Ray (requirements-ray.txt) into .venv under requirements.txt's pins
 #                   as constraints, then pip check: the selection's --executor ray
-#   make test-ray   setup-ray, then the Ray executor's test (a local two-node Ray cluster against the
-#                   local executor: tests/test_selection_sweep.py -k ray)
+#   make test-ray   setup-ray, then the Ray executor's tests (a local two-node Ray cluster against the
+#                   local executor: tests/test_selection_sweep.py -k ray; run arrays as Ray tasks:
+#                   tests/test_cl_arrays.py::test_ray_runs_an_array_as_one_task)
 #   make test       setup, then the test suite
 #   make demo       setup, then the main job (EMCL on Permuted MNIST, one seed)
 #   make bench      setup, then the kernel benchmark (--quick)
@@ -94,6 +95,7 @@ $(VENV)/.ray: $(VENV)/.installed requirements-ray.txt
 
 test-ray: setup-ray
 	$(PY) -m pytest -q tests/test_selection_sweep.py -k ray
+	$(PY) -m pytest -q tests/test_cl_arrays.py::test_ray_runs_an_array_as_one_task
 
 demo: setup
 	$(PY) -m emcl_continual --method emcl --stream permuted-mnist --seeds 0 --out runs/demo --force

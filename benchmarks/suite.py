@@ -66,6 +66,11 @@ REGISTRY = {b.name: b for b in (
               "What does one step of N runs of the paper's MLP cost as one array, against N "
               "separate optimizers, HFTA's way and the bytes' floor?",
               ("--quick", "--out", "{out}")),
+    Benchmark("run-arrays", "bench_run_arrays",
+              "How many run-samples per second do run arrays of each continual-learning method "
+              "train against the run alone, per width, on one thread?",
+              ("--methods", "sgd", "--widths", "1", "2", "--repeats", "1", "--warm", "1",
+               "--out", "{out}/arrays.json")),
     Benchmark("imports", "bench_imports",
               "How much does `import emcl_kernels` cost beyond `import torch`?",
               ("--runs", "1", "--out", "{out}/imports.json")),

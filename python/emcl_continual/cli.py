@@ -50,7 +50,7 @@ from .errors import EXIT_CODES, CommandInterrupted, Interrupted, PlotError, RunF
 from .methods import METHODS, get_method
 from .models import build_model
 from .presets import BATCH_SIZE
-from .rundir import RunDir, execute, interrupts
+from .rundir import RunDir, execute, execute_arrays, interrupts
 from .streams import STREAMS, make_stream
 from .train import run
 
@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: the steps are on single samples, where more threads "
                         "only add overhead, and spin on a loaded machine); 0 = torch's choice")
+    p.add_argument("--array", default="off", metavar="auto|N|off",
+                   help="train each method's seeds together as run arrays of up to N runs (MLP streams; "
+                        "emcl_continual.arrays): auto takes the width measured fastest per method and runs the "
+                        "methods without an array alone; off (default) trains every run alone")
     p.add_argument("--n-tasks", type=int, default=None, help="use only the first N tasks")
     p.add_argument("--samples-per-task", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=BATCH_SIZE)
@@ -243,6 +247,7 @@ def _main(argv: list) -> int:
     device, device_note = resolve_device(args.device)
     if device_note:
         print(f"note: {device_note}", file=sys.stderr, flush=True)
+    widths = _array_widths(args, methods, device)
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -295,10 +300,17 @@ def _main(argv: list) -> int:
                 if args.resume and not args.quiet:
                     print(f"resuming {args.out}: {len(out.runs)} run(s) kept, "
                           f"{len([p for p in plan if p not in out.done])} to run", flush=True)
-            execute(seeds, methods,
-                    lambda seed: first if seed == pending[0] else _stream(args, seed),
-                    lambda m, stream, seed: _train(args, m, stream, seed, per_method[m], device),
-                    out, on_run)
+            alone = [m for m in methods if widths.get(m, 1) <= 1]
+            in_arrays = [m for m in methods if widths.get(m, 1) > 1]
+            make = (lambda seed: first if pending and seed == pending[0] else _stream(args, seed))
+            if in_arrays:
+                execute_arrays(seeds, in_arrays, widths, make,
+                               lambda m, streams, chunk: _train_array(args, m, streams, chunk, per_method[m], device),
+                               out, on_run)
+            if alone:
+                execute(seeds, alone, make,
+                        lambda m, stream, seed: _train(args, m, stream, seed, per_method[m], device),
+                        out, on_run)
     except Interrupted as exc:
         if out is not None and started_out:
             n = len(out.done & set(plan))
@@ -385,6 +397,57 @@ def _train(args, method: str, stream, seed: int, overrides: dict, device) -> dic
         raise
     except Exception as exc:
         raise RunFailed(f"{method} seed {seed} failed: {type(exc).__name__}: {one_line(exc)}") from exc
+
+
+def _array_widths(args, methods: list, device) -> dict:
+    """``--array``'s width per method (1: trained alone). A width names every method it cannot
+    serve (no array learner, or not an MLP stream) as a usage error; ``auto`` trains those alone."""
+    from . import arrays
+
+    try:
+        word = arrays.parse_array(args.array)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if word == "off":
+        return {m: 1 for m in methods}
+    if getattr(args, "anytime", None):
+        why = "--array with --eval-every: run arrays do not evaluate during the stream yet"
+        if word == "auto":
+            print(f"note: {why}; every run trains alone", file=sys.stderr, flush=True)
+            return {m: 1 for m in methods}
+        raise UsageError(why + "; use --array auto or off")
+    spec = STREAMS[args.stream]
+    if spec["kind"] == "split":
+        why = (f"--array: {args.stream} trains the reduced ResNet-18 (batch norm); arrays serve the MLP streams "
+               "(permuted-mnist, rotated-mnist, many-permutations)")
+        if word == "auto":
+            print(f"note: {why}; every run trains alone", file=sys.stderr, flush=True)
+            return {m: 1 for m in methods}
+        raise UsageError(why)
+    refused = [m for m in methods if arrays.refusal(m)]
+    if refused and word != "auto":
+        raise UsageError(f"--array {word}: {', '.join(refused)} {'has' if len(refused) == 1 else 'have'} no run array "
+                         f"yet (arrays exist for {', '.join(arrays.ARRAY_LEARNERS)}); use --array auto to train "
+                         f"{'it' if len(refused) == 1 else 'them'} alone, or --array off")
+    if refused:
+        print(f"note: --array auto: {', '.join(refused)} train{'s' if len(refused) == 1 else ''} alone (no run array yet)", file=sys.stderr, flush=True)
+    return {m: (1 if m in refused else (word if isinstance(word, int) else arrays.auto_width(m, str(device))))
+            for m in methods}
+
+
+def _train_array(args, method: str, streams: dict, seeds: list, overrides: dict, device) -> tuple:
+    from .arrays.train import run_array
+
+    try:
+        return run_array(method, args.stream, [{"seed": s, "overrides": overrides} for s in seeds],
+                         streams=streams, batch_size=args.batch_size, device=device,
+                         array_id=f"{method}-seeds-{'-'.join(map(str, seeds))}",
+                         log=print if args.verbose else None)
+    except Interrupted:
+        raise
+    except Exception as exc:
+        raise RunFailed(f"{method} seeds {', '.join(map(str, seeds))} (an array) failed: "
+                        f"{type(exc).__name__}: {one_line(exc)}") from exc
 
 
 def _report_run(args, r: dict) -> None:

@@ -43,7 +43,7 @@ from . import report
 from .errors import Interrupted, OutputError
 from .fileio import append_line, write_atomic
 
-__all__ = ["OutputError", "Interrupted", "RunDir", "execute", "interrupts", "deferred_interrupts", "load_runs",
+__all__ = ["OutputError", "Interrupted", "RunDir", "execute", "execute_arrays", "interrupts", "deferred_interrupts", "load_runs",
            "RESULT_FILES", "COMPARISON_FILES", "LOCK_FILE", "TRACKER_DIRS"]
 
 # The files the commands write into --out (--force deletes them): the results, the plots, and
@@ -533,6 +533,53 @@ def execute(seeds: list, methods: list, make_stream, train, out: RunDir | None =
                     on_run(record)
             if out is not None:
                 out.write()
+    except BaseException:
+        if out is not None:
+            try:
+                out.write()
+            except Exception:  # the first error is the one to report
+                pass
+        raise
+    return new
+
+
+def execute_arrays(seeds: list, methods: list, widths: dict, make_stream, train_array, out: RunDir | None = None,
+                   on_run=None) -> list:
+    """Run every (method, seed) not yet in ``out`` as run arrays: per method (in order), its
+    pending seeds in arrays of at most ``widths[method]`` runs. ``make_stream(seed)`` builds a
+    seed's stream (once, shared by the methods); ``train_array(method, streams, seeds)`` returns
+    ``(records, failures)`` (:func:`emcl_continual.arrays.train.run_array`); each record is saved
+    and reported as :func:`execute` does, the summaries rewritten after every array. Runs that
+    diverged raise :class:`~emcl_continual.errors.RunFailed` naming them once their array's
+    other runs are saved. Returns the new runs."""
+    from .errors import RunFailed
+
+    done = out.done if out is not None else set()
+    streams: dict = {}
+    new = []
+    try:
+        for m in methods:
+            todo = [s for s in seeds if (m, s) not in done]
+            width = max(1, int(widths[m]))
+            for i in range(0, len(todo), width):
+                chunk = todo[i:i + width]
+                for s in chunk:
+                    if s not in streams:
+                        streams[s] = make_stream(s)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    records, failures = train_array(m, {s: streams[s] for s in chunk}, chunk)
+                for record in records:
+                    record["warnings"] = _warnings_of(caught)
+                    if out is not None:
+                        out.add(record)
+                    new.append(record)
+                    if on_run is not None:
+                        on_run(record)
+                if out is not None:
+                    out.write()
+                if failures:
+                    raise RunFailed("; ".join(f"{m} seed {chunk[i]} failed: {reason}" for i, reason in failures))
     except BaseException:
         if out is not None:
             try:

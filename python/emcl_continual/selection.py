@@ -4,6 +4,7 @@ number from seeds and images no choice ever saw.
     python -m emcl_continual.selection --stream permuted-mnist --jobs 2            # everything, resumable
     python -m emcl_continual.selection --stream permuted-mnist --until select-a    # stop after a stage
     python -m emcl_continual.selection --stream permuted-mnist --plan              # print the plan and what is done
+    python -m emcl_continual.selection --stream permuted-mnist --jobs 2 --array auto   # a method's runs as run arrays
 
 The protocol (numbers from :mod:`emcl_continual.presets`):
 
@@ -42,7 +43,8 @@ Where runs train and what executes them (:mod:`emcl_continual.sweep`): ``--devic
 placed on the host and the GPUs by their free memory (``--gpu-memory-mib`` per run), or
 ``--executor ray`` (``--ray-address``) with each run a Ray task. Whatever executes the runs, this
 process writes the files; a run that fails is reported, appended to ``failed.jsonl`` and run
-again when the command is started again (the exit status is then 1).
+again when the command is started again (the exit status is then 1). ``--array auto|N|off`` trains a method's runs
+together as run arrays (:mod:`emcl_continual.arrays`), an array one task of the executor.
 
     python -m emcl_continual.selection --stream permuted-mnist --device auto --jobs 16      # one GPU machine
     python -m emcl_continual.selection --stream permuted-mnist --executor ray --ray-address HEAD:6379 --device auto
@@ -339,10 +341,12 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None
              data_root: str | None = None, n_tasks: int | None = None, samples_per_task: int | None = None,
              devices: dict | None = None, executor: str = "local", ray_address: str | None = None,
              gpu_memory_mib: float = 1024, runs_per_gpu: int | None = None, eval_every: int | None = None,
-             eval_subset: int | None = None, trackers=None, log=_log) -> list:
+             eval_subset: int | None = None, trackers=None, array="off", log=_log) -> list:
     """Run every (row, seed) not in ``path`` yet through the executor (:mod:`emcl_continual.sweep`:
     ``local``, ``jobs`` at a time, or ``ray``), each on the device its method's ``devices`` word
-    gives (default cpu), appending each record to ``path`` as it finishes (flushed and synced).
+    gives (default cpu), under ``array`` (``off``, ``auto`` or a width: runs of one method trained
+    together as one task, :func:`emcl_continual.sweep.make_arrays`), appending each record to
+    ``path`` as it finishes (flushed and synced).
     A failed run is logged and appended to ``failed.jsonl`` beside ``path``; the others go on,
     then :class:`RunsFailed` is raised. SIGINT or SIGTERM (a ``timeout`` around the command) stops
     the runs in flight, still writes the stage's timing line (``interrupted``, ``done``) and raises
@@ -390,9 +394,21 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None
     except BaseException:
         runner.close(cancel=True)
         raise
+    if eval_every is not None and array not in ("off", None):
+        log("note: --eval-every trains every run alone: run arrays do not evaluate during the "
+            "stream yet")
+        array = "off"
+    try:
+        units = sweep.make_arrays(tasks, array, stream, log=log)
+    except BaseException:
+        runner.close(cancel=True)
+        raise
+    arrays_made = [u for u in units if u.get("runs")]
     on_gpu = sum(t["want"] != "cpu" for t in tasks)
     log(f"{len(tasks)} run(s) to do into {path} ({executor} executor, {runner.slots} at a time"
-        + (f"; {on_gpu} on a GPU" if on_gpu else "") + ")")
+        + (f"; {on_gpu} on a GPU" if on_gpu else "")
+        + (f"; {sum(len(u['runs']) for u in arrays_made)} of them in {len(arrays_made)} array(s)" if arrays_made else "")
+        + ")")
 
     def append(file, rec):
         with deferred_interrupts(), open(file, "a") as fh:     # a line is written whole
@@ -437,7 +453,7 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None
     stopped = None
     try:
         with interrupts():
-            sweep.execute(tasks, runner, code_tree=code_version().get("code_tree"),
+            sweep.execute(units, runner, code_tree=code_version().get("code_tree"),
                           on_record=write, on_failure=failed, log=log)
     except Interrupted as exc:       # the executor has stopped its runs (sweep.execute)
         stopped = exc.name
@@ -447,7 +463,8 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None
         "runs": len(tasks), "done": len(kept), "failed": len(lost), "interrupted": stopped,
         "on_gpu": on_gpu, "wall_s": round(wall, 3),
         "started_utc": started, "finished_utc": _utc_now(), "executor": executor, "slots": slots,
-        "threads": threads, "devices": dict(devices), "gpus": gpus,
+        "threads": threads, "devices": dict(devices), "gpus": gpus, "array": array,
+        "arrays": [{"id": u["array_id"], "method": u["method"], "width": len(u["runs"])} for u in arrays_made],
         "load_average_before": load_before, "load_average_after": _load_average(),
         "host": _host(), "commit": code_version().get("commit"), "code_tree": code_version().get("code_tree"),
         "command": command})
@@ -545,6 +562,10 @@ def main(argv: list | None = None) -> int:
     p.add_argument("--runs-per-gpu", type=int, default=None,
                    help="runs sharing one GPU at most (local: default no cap but memory; ray: each GPU run asks "
                         "for 1/K of a GPU, default K=8)")
+    p.add_argument("--array", default="off", metavar="auto|N|off",
+                   help="train the runs of one method together as arrays of up to N runs (one task of the "
+                        "executor each): auto takes the width measured fastest per method and device; off (default) "
+                        "trains every run alone. Methods without an array (named when the stage starts) train alone")
     p.add_argument("--executor", default="local", choices=["local", "ray"],
                    help="local processes (default) or Ray tasks (pip install -r requirements-ray.txt)")
     p.add_argument("--ray-address", default=None,
@@ -582,6 +603,12 @@ def main(argv: list | None = None) -> int:
                 print(f"note: {note}", flush=True)
         elif args.executor == "ray":
             sweep.check_devices({m: w for m, w in devices.items() if w.startswith("cuda:")}, 1 << 30, executor="ray")
+    except ValueError as exc:
+        p.error(str(exc))
+    from .arrays import parse_array
+
+    try:
+        args.array = parse_array(args.array)
     except ValueError as exc:
         p.error(str(exc))
     for name, value in (("--jobs", args.jobs), ("--threads", args.threads), ("--runs-per-gpu", args.runs_per_gpu)):
@@ -624,7 +651,8 @@ def _main(args) -> int:
                   data_root=args.data_root, n_tasks=args.n_tasks, samples_per_task=args.samples_per_task,
                   devices=sweep.parse_devices(args.device, args.methods), executor=args.executor,
                   ray_address=args.ray_address, gpu_memory_mib=args.gpu_memory_mib, runs_per_gpu=args.runs_per_gpu,
-                  eval_every=(args.anytime or {}).get("every"), eval_subset=(args.anytime or {}).get("subset"))
+                  eval_every=(args.anytime or {}).get("every"), eval_subset=(args.anytime or {}).get("subset"),
+                  array=args.array)
     if getattr(args, "log_names", None):
         from .trackers import Trackers
         common["trackers"] = Trackers(args.log_names, out, with_config=True)

@@ -24,6 +24,12 @@ yet included); at most ``--runs-per-gpu`` runs share a GPU. A run that does not 
 run to finish while the runs behind it that fit start; a run that fits on no GPU while none of
 this sweep's runs is running is reported failed.
 
+**Arrays** (``--array``, :func:`make_arrays`): the runs of a method that has an array learner
+(:mod:`emcl_continual.arrays`) and share all but their seed and per-run numbers are grouped into
+arrays, each one task of the executor (:func:`run_array_task`), the slowest methods' first; the
+driver writes one record per run and one failure per run of an array that fails or a run of it
+that diverged.
+
 **Executors**: :class:`LocalExecutor` (this process for one job, else a pool of spawned
 processes) and :class:`RayExecutor` (``--executor ray``: each run a Ray task asking for
 ``--threads`` CPUs and, on a GPU, ``1/--runs-per-gpu`` of one; ``--ray-address`` connects to a
@@ -42,7 +48,8 @@ import time
 import traceback
 
 __all__ = ["parse_devices", "check_devices", "gpu_pays", "want_device", "GpuPlacer",
-           "LocalExecutor", "RayExecutor", "RunFailed", "SweepError", "execute", "run_task", "wait_for_memory",
+           "LocalExecutor", "RayExecutor", "RunFailed", "SweepError", "execute", "run_task", "run_array_task",
+           "make_arrays", "wait_for_memory",
            "make_executor", "failure_record"]
 
 MIB = 1 << 20
@@ -228,7 +235,10 @@ def _init_worker(threads: int) -> None:
 
 def run_task(task: dict) -> dict:
     """One run where an executor runs it: build the stream, train on ``task["device"]``, return
-    the record (with the driver's command, this host, the executor and the wall time)."""
+    the record (with the driver's command, this host, the executor and the wall time). An array
+    task (``task["runs"]``, :func:`make_arrays`) goes to :func:`run_array_task`."""
+    if task.get("runs"):
+        return run_array_task(task)
     import torch
 
     from .streams import make_stream
@@ -258,6 +268,117 @@ def run_task(task: dict) -> dict:
     except OSError:
         pass
     return r
+
+
+def run_array_task(task: dict) -> dict:
+    """An array of runs (:func:`make_arrays`) where an executor runs it: train them together
+    (:func:`emcl_continual.arrays.train.run_array`) on ``task["device"]``; returns
+    ``{"array": id, "records": [...], "failed": [{"key", "reason"}]}``, each record completed as
+    :func:`run_task` completes a run's (its ``wall_time_s`` is the array's)."""
+    import torch
+
+    from .arrays.train import run_array
+
+    started = time.perf_counter()
+    device = task.get("device", "cpu")
+    if str(device).startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    runs = task["runs"]
+    try:
+        recs, fails = run_array(task["method"], task["stream"], [{"seed": r["seed"], "overrides": r["overrides"]}
+                                                                 for r in runs],
+                                split=task["split"], data_root=task["data_root"], n_tasks=task.get("n_tasks"),
+                                samples_per_task=task.get("samples_per_task"), device=device,
+                                array_id=task["array_id"])
+    finally:
+        if str(device).startswith("cuda"):
+            torch.cuda.empty_cache()
+    wall = time.perf_counter() - started
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    for r in recs:
+        member = runs[r["array"]["index"]]
+        r.update(key=member["key"], role=member["role"], overrides=member["overrides"], data_root=task["data_root"],
+                 wall_time_s=wall, host=socket.gethostname(), executor=task.get("executor", "local"))
+        if task.get("ray_node"):
+            r["ray_node"] = task["ray_node"]
+        if task.get("command"):
+            r["provenance"]["command"] = task["command"]
+        if load is not None:
+            r["load_avg"] = load
+    return {"array": task["array_id"], "records": recs,
+            "failed": [{"key": runs[i]["key"], "reason": reason} for i, reason in fails]}
+
+
+def make_arrays(tasks: list, word, stream: str, log=None) -> list:
+    """``tasks`` (runs, each with ``want``) as the units an executor runs under ``--array word``
+    (``off``, ``auto`` or a width): the runs of a method that has an array learner
+    (:mod:`emcl_continual.arrays`) and an MLP stream, grouped by what they must share (method,
+    device, split, data, the configuration but for the per-run keys: :func:`~emcl_continual.
+    arrays.array_signature`) and cut into arrays of at most the width (``auto``:
+    :func:`~emcl_continual.arrays.auto_width` per method and device), each one task
+    ``{"runs": [...], "array_id", ...}``; every other run stays a task of its own. A group of one
+    run stays a plain run. Order: the arrays first, the slowest method's first
+    (:data:`~emcl_continual.arrays.ALONE_RATE_CPU`: a stage's wall clock is at least its longest
+    unit's, so that one starts at once), then the runs alone in their order."""
+    import hashlib
+
+    from . import arrays
+    from .config import build_config
+
+    if word == "off":
+        return list(tasks)
+    units, groups, order = [], {}, []
+    notes = set()
+    for t in tasks:
+        why = arrays.refusal(t["method"])
+        if why is None:
+            from .streams import STREAMS
+            spec = STREAMS.get(stream, {})
+            if spec.get("kind") == "split":
+                why = f"--array: {stream} trains the reduced ResNet-18 (batch norm); arrays serve the MLP streams"
+        if why:
+            notes.add(why)
+            order.append(("run", t))
+            continue
+        try:
+            cfg = build_config(t["method"], stream, t["seed"], t["overrides"])
+        except ValueError:      # a configuration the method refuses: the run fails alone, as without arrays
+            order.append(("run", t))
+            continue
+        gk = (t["method"], t["want"], t["split"], t.get("data_root"), t.get("n_tasks"), t.get("samples_per_task"),
+              arrays.array_signature(t["method"], cfg))
+        if gk not in groups:
+            groups[gk] = []
+            order.append(("group", gk))
+        groups[gk].append(t)
+    if log is not None:
+        for note in sorted(notes):
+            log(f"note: {note}; those runs train alone")
+    alone = []
+    for kind, item in order:
+        if kind == "run":
+            alone.append(item)
+            continue
+        members = groups[item]
+        width = word if isinstance(word, int) else arrays.auto_width(item[0], item[1])
+        for i in range(0, len(members), max(1, width)):
+            chunk = members[i:i + max(1, width)]
+            if len(chunk) == 1:
+                units.append(chunk[0])
+                continue
+            aid = hashlib.sha1("\n".join(m["key"] for m in chunk).encode()).hexdigest()[:12]
+            first = chunk[0]
+            units.append({"key": f"array:{aid}", "array_id": aid, "runs": chunk, "method": first["method"],
+                          "seed": [m["seed"] for m in chunk], "overrides": [m["overrides"] for m in chunk],
+                          "split": first["split"], "stream": first["stream"], "data_root": first.get("data_root"),
+                          "n_tasks": first.get("n_tasks"), "samples_per_task": first.get("samples_per_task"),
+                          "role": first.get("role"), "row": first.get("row"), "command": first.get("command"),
+                          "want": first["want"]})
+    units.sort(key=lambda u: (arrays.ALONE_RATE_CPU.get(u["method"], float("inf")) if u.get("runs") else float("inf")))
+    return units + alone
 
 
 def _ray_run_task(task: dict) -> dict:
@@ -489,8 +610,17 @@ def execute(tasks: list, executor, *, code_tree: str | None, on_record, on_failu
     failures = []
 
     def fail(task, reason, detail=""):
-        failures.append((task, reason))
-        on_failure(task, reason, detail)
+        for member in task.get("runs") or [task]:   # an array's failure is each of its runs'
+            failures.append((member, reason))
+            on_failure(member, reason, detail)
+
+    def keep(rec):
+        tree = rec.get("provenance", {}).get("code_tree")
+        if code_tree is not None and tree != code_tree:
+            return (f"ran code tree {tree} on {rec.get('host')}, the driver's is {code_tree}: "
+                    "one sweep, one code version; not kept")
+        on_record(rec)
+        return None
 
     try:
         executor.start()
@@ -522,12 +652,18 @@ def execute(tasks: list, executor, *, code_tree: str | None, on_record, on_failu
                 except Exception as exc:  # noqa: BLE001 - any failure of a run: reported, kept pending
                     fail(task, _one_line(exc), "".join(traceback.format_exception(exc))[-4000:])
                     continue
-                tree = rec.get("provenance", {}).get("code_tree")
-                if code_tree is not None and tree != code_tree:
-                    fail(task, f"ran code tree {tree} on {rec.get('host')}, the driver's is {code_tree}: "
-                               "one sweep, one code version; not kept")
+                if task.get("runs"):                 # an array: its records, and its runs that diverged
+                    by_key = {m["key"]: m for m in task["runs"]}
+                    for r in rec["records"]:
+                        why = keep(r)
+                        if why:
+                            fail(by_key[r["key"]], why)
+                    for f in rec["failed"]:
+                        fail(by_key[f["key"]], f["reason"])
                     continue
-                on_record(rec)
+                why = keep(rec)
+                if why:
+                    fail(task, why)
     except BaseException:
         executor.close(cancel=True)
         raise

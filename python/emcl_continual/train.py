@@ -24,7 +24,7 @@ from .presets import BATCH_SIZE
 from .provenance import code_version, command_line, processor
 from .streams import Stream, make_stream
 
-__all__ = ["run", "build_config", "RUN_DEFAULTS"]
+__all__ = ["run", "make_record", "build_config", "RUN_DEFAULTS"]
 
 
 def _sync(device: torch.device) -> None:
@@ -128,7 +128,25 @@ def run(method: str, stream: str | Stream, seed: int = 0, *, overrides: dict | N
     finally:
         if bar is not None:
             bar.close()
-    result = {
+    result = make_record(method, stream, int(seed), config, matrix, acc_before, losses, train_time=train_time,
+                         eval_time=eval_time, eval_before_time=eval_before_time, batch_size=batch_size, device=device)
+    if diagnostics:
+        result["diagnostics"] = diagnostics
+    if evaluator is not None:
+        result["anytime"] = evaluator.record()
+        result["anytime_metrics"] = metrics.anytime_metrics(result["anytime"])
+        result["anytime_eval_time_s"] = evaluator.time_s
+    return result
+
+
+def make_record(method: str, stream: Stream, seed: int, config: dict, matrix: list, acc_before: list,
+                losses: list, *, train_time: float, eval_time: float, eval_before_time: float, batch_size: int,
+                device) -> dict:
+    """The record of one finished run (the schema :func:`run` returns; also written for each run
+    of an array, :mod:`emcl_continual.arrays`)."""
+    info = stream.info
+    T = info.n_tasks
+    return {
         "method": method,
         "stream": info.name,
         "seed": int(seed),
@@ -155,10 +173,3 @@ def run(method: str, stream: str | Stream, seed: int = 0, *, overrides: dict | N
         "machine": f"{platform.machine()} {platform.system()}, {torch.get_num_threads()} torch threads",
         "provenance": dict(code_version(), command=command_line(), processor=processor()),
     }
-    if diagnostics:
-        result["diagnostics"] = diagnostics
-    if evaluator is not None:
-        result["anytime"] = evaluator.record()
-        result["anytime_metrics"] = metrics.anytime_metrics(result["anytime"])
-        result["anytime_eval_time_s"] = evaluator.time_s
-    return result

@@ -1,0 +1,127 @@
+"""MER as an array (:mod:`..methods.mer`), in torch: the one-sample SGD steps of every run at
+once, written by hand (forward, softmax cross-entropy, backward, rank-one updates: the
+computation of the run alone's NumPy stepper) as batched matrix products over the array.
+``lr`` and ``beta`` per run; ``gamma``, the memory, ``replay_batch``, ``batches_per_example``
+and ``grad_clip`` shared (``gamma`` decides whether the across-batch step is taken at all: an
+interpolation with 1 does not give the weights back bit for bit).
+
+The run alone steps with NumPy's BLAS (``gemv``/``ger``), this with torch's ``baddbmm``: the
+same arithmetic in another order, so an array's MER runs agree with the runs alone to rounding,
+not bit for bit; their draws are the same (the tests record them)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..methods.mer import MER
+from .base import ArrayLearner, ArrayReservoir, run_view
+
+
+class MERArray(ArrayLearner):
+    """``N`` MER runs (Algorithm 1: per-example Reptile over replay batches)."""
+
+    method = MER
+    PER_RUN = ("lr", "beta")
+
+    def __init__(self, weights, info, configs, device):
+        super().__init__(weights, info, configs, device)
+        c = self.configs[0]
+        self.steps = int(c["batches_per_example"])
+        self.replay_batch = int(c["replay_batch"])
+        self.grad_clip = float(c["grad_clip"])
+        self.buffer = ArrayReservoir(int(c["memory"]), tuple(info.input_shape), self.generators, self.device)
+        self.n_classes = int(info.n_classes)
+        self.per_run.append("buffer")
+
+    def _batch(self, bx, by, neg_lr, lr, beta, losses):
+        """MER's inner loop over one batch ``bx[N, S, D]`` (labels ``by[N, S]``): one SGD step per
+        sample, in order, for every run; then the first layer's within-batch Reptile step.
+
+        [note: the first layer, deferred] The first weight ``W1`` (the largest: 784 x 100) is
+        not written at every step. Its change after ``j`` steps is ``sum_{k<j} s_k x_k^T`` (``s_k``
+        the step's scaled first-layer delta, ``x_k`` its input), so the step's product
+        ``W1_j x_j = W1 x_j + sum_{k<j} s_k (x_k . x_j)`` is read from one product of ``W1`` with
+        the whole batch (``P``) and the batch's Gram matrix ``G``; the Reptile step
+        ``W1 <- W1 + beta (W1_S - W1)`` is then one rank-``S`` update. The same arithmetic as a
+        write per step, in another order (to rounding), with ``W1`` read once and written once per
+        batch instead of twice per sample: ``W1`` of every run of a wide array no longer fits a
+        core's cache, and these passes were most of a step. Returns nothing; every layer after
+        the first is stepped as it goes (the caller interpolates them)."""
+        W = self.weights
+        layers = len(W) // 2
+        n, S, _ = bx.shape
+        cols = bx.transpose(1, 2)                                    # [N, D, S]
+        P = torch.bmm(W[0], cols)                                    # [N, H, S]
+        G = torch.bmm(bx, cols)                                      # [N, S, S]
+        steps = bx.new_zeros((n, W[0].shape[1], S))                  # s_k, one column per step
+        onehot = F.one_hot(by, self.n_classes).to(bx.dtype).unsqueeze(3)   # [N, S, C, 1]
+        b1 = W[1].unsqueeze(2)
+        for j in range(S):
+            h = torch.baddbmm(P[:, :, j:j + 1], steps, G[:, :, j:j + 1]).add_(b1).relu_()
+            acts = [None, h]
+            for i in range(1, layers):
+                h = torch.baddbmm(W[2 * i + 1].unsqueeze(2), W[2 * i], h)
+                if i < layers - 1:
+                    h = h.relu_()
+                acts.append(h)
+            logp = torch.log_softmax(h, dim=1)
+            oh = onehot[:, j]
+            losses.sub_((logp * oh).sum(1, keepdim=True))
+            delta = logp.exp_().sub_(oh)
+            deltas = [None] * layers
+            deltas[-1] = delta
+            for i in range(layers - 1, 0, -1):
+                delta = torch.ops.aten.threshold_backward(torch.bmm(W[2 * i].transpose(1, 2), delta), acts[i], 0)
+                deltas[i - 1] = delta
+            scale = neg_lr
+            if self.grad_clip > 0:
+                sq = (deltas[0] * deltas[0]).sum(1) * (1.0 + G[:, j, j].unsqueeze(1))
+                for d, a in zip(deltas[1:], acts[1:-1]):
+                    sq = sq + (d * d).sum(1) * (1.0 + (a * a).sum(1))
+                norm = sq.sqrt().unsqueeze(2)
+                scale = torch.where(norm > self.grad_clip, -lr * self.grad_clip / (norm + 1e-6), neg_lr)
+            s0 = deltas[0] * scale
+            steps[:, :, j:j + 1] = s0
+            W[1].add_(s0.squeeze(2))
+            for i in range(1, layers):
+                si = deltas[i] * scale
+                W[2 * i].addcmul_(si, acts[i].transpose(1, 2))
+                W[2 * i + 1].add_(si.squeeze(2))
+        W[0].baddbmm_(steps.mul_(run_view(beta, 3)), bx)           # W1's within-batch Reptile
+
+    def observe(self, x, y, task):
+        n = self.width
+        lr = run_view(self.hyper("lr"), 3)
+        neg_lr = -lr
+        beta = self.hyper("beta")
+        gamma = float(self.configs[0]["gamma"])
+        use_gamma = gamma != 1.0
+        W = self.weights
+        snap = [None] + [torch.empty_like(w) for w in W[1:]]      # W1's Reptile is _batch's own
+        start = [torch.empty_like(w) for w in W] if use_gamma else None
+        losses = x.new_zeros((n, 1, 1))
+        count = 0
+        with torch.no_grad():
+            for e in range(x.shape[1]):
+                xi, yi = x[:, e:e + 1], y[:, e:e + 1]
+                if use_gamma:
+                    for a0, w in zip(start, W):
+                        a0.copy_(w)
+                for _ in range(self.steps):
+                    for w0, w in zip(snap[1:], W[1:]):
+                        w0.copy_(w)
+                    if len(self.buffer) > 0:
+                        mx, my = self.buffer.sample(self.replay_batch)
+                        bx = torch.cat((xi.reshape(n, 1, -1), mx.reshape(n, mx.shape[1], -1)), 1)
+                        by = torch.cat((yi, my), 1)
+                    else:
+                        bx, by = xi.reshape(n, 1, -1), yi
+                    self._batch(bx.contiguous(), by, neg_lr, lr, beta, losses)
+                    count += bx.shape[1]
+                    for w, w0 in zip(W[1:], snap[1:]):        # within-batch Reptile
+                        w.sub_(w0).mul_(run_view(beta, w.dim())).add_(w0)
+                if use_gamma:
+                    for w, a0 in zip(W, start):       # across-batch Reptile
+                        w.sub_(a0).mul_(gamma).add_(a0)
+                self.buffer.add(xi, yi)
+        return losses.reshape(n) / max(count, 1)
