@@ -1,9 +1,9 @@
 """Run arrays' throughput: run-samples per second against the array width, per method, on one
 thread (the curve ``--array auto`` reads, and where the CPU's roof is).
 
-    python -m benchmarks arrays                                         # every array method, widths 1..32
-    python -m benchmarks arrays --methods mer lamaml --widths 1 2 4 8
-    python -m benchmarks arrays --plot results/arrays/throughput_cpu.json   # the figure only
+    python -m benchmarks run-arrays                                         # every array method, widths 1..32
+    python -m benchmarks run-arrays --methods mer lamaml --widths 1 2 4 8
+    python -m benchmarks run-arrays --plot results/arrays/throughput_cpu.json   # the figure only
 
 For each method: the run alone (the method's own ``observe``, as ``train.run`` steps it; MER with
 its NumPy stepper) and arrays of each width (:mod:`emcl_continual.arrays`), each run of an array
