@@ -123,7 +123,7 @@ STAGE_BUDGETS = {1: 360, 2: 300}
 GPU_TEST_FILES = ("tests/test_cuda_backend.py", "tests/test_triton_backend.py",
                   "tests/test_capturable.py", "tests/test_graphed.py", "tests/test_amp.py",
                   "tests/test_compile.py", "tests/test_checkpoint.py", "tests/test_misuse.py",
-                  "tests/test_distributed.py")
+                  "tests/test_distributed.py", "tests/test_runs_kernels.py")
 #: The GPU-only tests of the other files: stage 1 runs them too, since a 270 s stage 2 seldom
 #: reaches the rest of the suite (tests/test_gpu_check.py checks that none is missing).
 GPU_TESTS_ELSEWHERE = (
