@@ -92,7 +92,7 @@ test: setup
 	$(PY) -m pytest -q tests
 
 bench: setup
-	$(PY) benchmarks/bench_kernels.py --quick
+	$(PY) -m benchmarks kernels --quick
 
 gpu-check:
 	$(PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)

@@ -1,7 +1,7 @@
 """Kernel benchmark: every available backend on the same inputs, in one run.
 
-    python benchmarks/bench_kernels.py            # full run (~10 min on a 2-core CPU)
-    python benchmarks/bench_kernels.py --quick    # under a minute on a 2-core CPU
+    python -m benchmarks kernels            # full run (~10 min on a 2-core CPU)
+    python -m benchmarks kernels --quick    # under a minute on a 2-core CPU
 
 For each device (the GPU when there is one, else the CPU; ``--device cpu cuda`` for both),
 each layout (one tensor of 2**10 .. 2**26 elements, 2**28 on a GPU; the parameters of the
@@ -653,7 +653,7 @@ def plot(result: dict, device: str, path: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python benchmarks/bench_kernels.py",
+        prog="python -m benchmarks kernels",
         description="Time every available EMCL backend on the same inputs (SPEC section 5).")
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (< 1 min on 2 cores)")
     p.add_argument("--device", nargs="+", default=["auto"], choices=["auto", "cpu", "cuda"],
@@ -754,7 +754,7 @@ def _main(args, argv, settings: Settings) -> dict:
     result = {
         "schema": "emcl-kernels/bench_kernels/1",
         "created_utc": common.utc_now(),
-        "command": "python benchmarks/bench_kernels.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": common.command_line(["python -m benchmarks kernels", *(argv if argv is not None else sys.argv[1:])]),
         "machine": common.machine_info(),
         "note": args.note,
         "settings": {"mode": settings.mode, "lr_mode": args.lr_mode,
@@ -793,7 +793,3 @@ def _main(args, argv, settings: Settings) -> dict:
     print(format_table(result))
     print(f"\nwall time {result['wall_time_s']:.1f} s; wrote " + ", ".join(result["paths"].values()))
     return result
-
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,9 @@
 """Optimizer-step benchmark: ``FusedEMCLOptimizer.step()`` against torch's own optimizers.
 
-    python benchmarks/bench_step.py             # the GPU if there is one, else the CPU (1, 2 threads)
-    python benchmarks/bench_step.py --quick              # fewer rounds (a few minutes on 2 cores)
-    python benchmarks/bench_step.py --device cuda --out benchmarks/results
-    python benchmarks/bench_step.py --layouts mlp resnet18 --dtypes fp32 --threads 1
+    python -m benchmarks step             # the GPU if there is one, else the CPU (1, 2 threads)
+    python -m benchmarks step --quick              # fewer rounds (a few minutes on 2 cores)
+    python -m benchmarks step --device cuda --out benchmarks/results
+    python -m benchmarks step --layouts mlp resnet18 --dtypes fp32 --threads 1
 
 For every layout (the MLP 784-100-100-10, torchvision's ResNet-18, 1,000 x 4,096, GPT-2-124M's
 parameter shapes), dtype (fp32, bf16) and, on CPU, thread count, it builds one set of
@@ -792,7 +792,7 @@ def _devices(name: str) -> torch.device:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python benchmarks/bench_step.py",
+        prog="python -m benchmarks step",
         description="FusedEMCLOptimizer.step() against torch's Adam (fused, foreach) and SGD "
                     "(foreach, momentum) on the same tensors, interleaved.")
     p.add_argument("--quick", action="store_true", help="fewer rounds and warm-up steps")
@@ -873,8 +873,8 @@ def _main(args, argv, settings: Settings, device: torch.device) -> dict:
                          "; ".join(f"{k}: {v}" for k, v in skipped.items()))
     result = {
         "schema": SCHEMA, "created_utc": common.utc_now(),
-        "command": "python benchmarks/bench_step.py " +
-                   " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": common.command_line(["python -m benchmarks step",
+                                         *(argv if argv is not None else sys.argv[1:])]),
         "machine": common.machine_info(), "note": args.note,
         "device": device.type, "device_name": common.device_name(device),
         "settings": {**settings.__dict__, "param_scale": PARAM_SCALE, "grad_scale": GRAD_SCALE,
@@ -1066,7 +1066,3 @@ def plot(result: dict, path: str) -> None:
     fig.tight_layout(rect=(0, legend_in / height, 1, 1 - 0.4 / height))
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,13 +1,13 @@
 """End-to-end benchmark: wall time of continual-learning training per method, backend and device,
 the shape of the paper's training-time figure (Figure 2), on the CPU and on a GPU.
 
-    python benchmarks/bench_training.py                      # permuted MNIST, 5 tasks x 200, CPU
-    python benchmarks/bench_training.py --quick              # 2 tasks x 50 samples
-    python benchmarks/bench_training.py --device auto        # CPU, and the GPU when there is one
-    python benchmarks/bench_training.py --device auto --streams permuted-mnist split-cifar100 split-miniimagenet
-    python benchmarks/bench_training.py --device auto --methods emcl --backends auto --n-tasks 20 --samples-per-task 1000
-    python benchmarks/bench_training.py --table benchmarks/results/training_*.json   # README tables
-    python benchmarks/bench_training.py --heldout results/heldout --streams permuted-mnist rotated-mnist \
+    python -m benchmarks training                      # permuted MNIST, 5 tasks x 200, CPU
+    python -m benchmarks training --quick              # 2 tasks x 50 samples
+    python -m benchmarks training --device auto        # CPU, and the GPU when there is one
+    python -m benchmarks training --device auto --streams permuted-mnist split-cifar100 split-miniimagenet
+    python -m benchmarks training --device auto --methods emcl --backends auto --n-tasks 20 --samples-per-task 1000
+    python -m benchmarks training --table benchmarks/results/training_*.json   # README tables
+    python -m benchmarks training --heldout results/heldout --streams permuted-mnist rotated-mnist \
         many-permutations --out-dir results/efficiency --name controlled_cpu   # the results tables' times
 
 **Devices.** ``--device cpu`` (default), ``cuda`` (a one-line error without a GPU) or ``auto``
@@ -88,7 +88,7 @@ def _import_continual():
         raise SystemExit(
             "bench_training.py needs the emcl_continual package (python/emcl_continual in this "
             f"repository), which could not be imported: {exc}. Run it from a full checkout "
-            "(python benchmarks/bench_training.py) or install the repository with "
+            "(python -m benchmarks training) or install the repository with "
             "`pip install --no-build-isolation -e .`.") from exc
     return train, METHODS, get_method, STREAMS, make_stream
 
@@ -804,7 +804,7 @@ def run_heldout(args, argv, train, get_method, make_stream) -> dict:
     result = {
         "schema": "emcl-kernels/bench_training/heldout/1",
         "created_utc": common.utc_now(),
-        "command": "python benchmarks/bench_training.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": common.command_line(["python -m benchmarks training", *(argv if argv is not None else sys.argv[1:])]),
         "machine": dict(machine, load_average_before=load_before, load_average_after=_load()),
         "settings": {"heldout": args.heldout, "streams": list(args.streams), "rounds": args.rounds,
                      "incoming_samples": args.heldout_samples, "batch_size": args.batch_size,
@@ -828,7 +828,7 @@ def run_heldout(args, argv, train, get_method, make_stream) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python benchmarks/bench_training.py",
+    p = argparse.ArgumentParser(prog="python -m benchmarks training",
                                 description="Training time of EMCL per backend and of the baselines, "
                                             "on the CPU and the GPU.")
     p.add_argument("--quick", action="store_true", help="2 tasks x 50 samples; 3 image batches")
@@ -1017,7 +1017,7 @@ def _main(args, argv, train, METHODS, get_method, make_stream, devices, device_n
     result = {
         "schema": "emcl-kernels/bench_training/2",
         "created_utc": common.utc_now(),
-        "command": "python benchmarks/bench_training.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": common.command_line(["python -m benchmarks training", *(argv if argv is not None else sys.argv[1:])]),
         "machine": dict(machine, load_average_at_end=[round(x, 2) for x in os.getloadavg()]
                         if hasattr(os, "getloadavg") else None),
         "device_name": device_names[devices[0].type],
@@ -1080,7 +1080,3 @@ def _one_run(train, get_method, method, backend, graph, stream, warm, seed, devi
                    acc=r["acc"], bwt=r["bwt"])
     rec["wall_time_s"] = time.perf_counter() - t0
     return rec
-
-
-if __name__ == "__main__":
-    main()

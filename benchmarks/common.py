@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: SPEC section 5's byte model, the backends to time on a
-device, the timers (``time.perf_counter`` on CPU, CUDA events on a GPU), the memory roof
+"""What the benchmarks share: SPEC section 5's byte model, the backends to time on a
+device, the timers (``benchmarks.timing``, re-exported here), the memory roof
 (the best of several streaming kernels, counted like the kernels), inputs that share no memory,
 and a description of the machine for the results files.
 
@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(REPO, "benchmarks", "results")
@@ -39,6 +36,9 @@ ensure_repo_on_path()
 import torch  # noqa: E402
 
 from emcl_kernels.backends import BACKENDS, backend_status, get_backend  # noqa: E402
+
+from benchmarks.timing import (Stats, gbps, repeats_for, synchronize, time_calls,  # noqa: E402,F401
+                               time_once, timer_name)
 
 OPS = ("inner_step", "meta_step", "inner_meta_step")
 OP_TITLES = {"inner_step": "inner step", "meta_step": "meta step",
@@ -130,84 +130,6 @@ def backends_for(device: torch.device, *, include_cpu_triton: bool = False,
             continue
         chosen.append(name)
     return chosen, skipped
-
-
-# ---------------------------------------------------------------------------------------------
-# Timing
-# ---------------------------------------------------------------------------------------------
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_once(fn: Callable[[], None], device: torch.device) -> float:
-    """Seconds of one call, wall clock, with the device synchronized before and after."""
-    synchronize(device)
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - start
-
-
-def time_calls(fns: Sequence[Callable[[], None]], device: torch.device, *,
-               max_total_s: Optional[float] = None, min_calls: int = 1) -> list:
-    """Seconds of each call of ``fns`` (in order): CUDA events on a GPU (device time between
-    the call's first and last launch), ``time.perf_counter`` around each call on CPU.
-
-    On CPU, ``max_total_s`` stops early (after at least ``min_calls`` calls) once the calls
-    have taken that long, so a machine that turns slow mid-run cannot stretch the run."""
-    if device.type == "cuda":
-        starts = [torch.cuda.Event(enable_timing=True) for _ in fns]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in fns]
-        torch.cuda.synchronize(device)
-        for fn, s, e in zip(fns, starts, ends):
-            s.record()
-            fn()
-            e.record()
-        torch.cuda.synchronize(device)
-        return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
-    out = []
-    for fn in fns:
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-        if max_total_s is not None and len(out) >= min_calls and sum(out) > max_total_s:
-            break
-    return out
-
-
-def timer_name(device: torch.device) -> str:
-    return "cuda_events" if device.type == "cuda" else "perf_counter"
-
-
-@dataclass
-class Stats:
-    """Summary of the timed repeats of one measurement, in milliseconds."""
-    median_ms: float
-    min_ms: float
-    q25_ms: float
-    q75_ms: float
-    repeats: int
-
-    @classmethod
-    def of(cls, seconds: Sequence[float]) -> "Stats":
-        ms = sorted(s * 1e3 for s in seconds)
-        if not ms:
-            raise ValueError("no timings")
-        q = statistics.quantiles(ms, n=4, method="inclusive") if len(ms) > 1 else [ms[0]] * 3
-        return cls(statistics.median(ms), ms[0], q[0], q[2], len(ms))
-
-
-def repeats_for(estimate_s: float, budget_s: float, min_reps: int, max_reps: int) -> int:
-    """As many repeats as fit in ``budget_s`` given one call takes ``estimate_s``, clamped."""
-    if estimate_s <= 0:
-        return max_reps
-    return int(max(min_reps, min(max_reps, math.ceil(budget_s / estimate_s))))
-
-
-def gbps(nbytes: float, seconds: float) -> float:
-    return nbytes / seconds / 1e9
 
 
 # ---------------------------------------------------------------------------------------------
@@ -665,8 +587,21 @@ def write_result(result: dict, out_dir: str, stem: str) -> str:
     path = os.path.join(out_dir, stem + ".json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    result["paths"] = {"json": path}
+    result["paths"] = {"json": relative(path)}
     return path
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """The command that ran, for a results file: ``argv`` (``sys.argv`` as the suite sets it:
+    ``python -m benchmarks NAME`` first) with paths inside the repository made relative to it."""
+    return " ".join(relative(a) if os.path.isabs(a) else a for a in argv)
+
+
+def relative(path: str) -> str:
+    """``path`` relative to the repository when it lies inside it (results files name no
+    machine's folders), else as given."""
+    full = os.path.abspath(path)
+    return os.path.relpath(full, REPO) if full.startswith(REPO + os.sep) else path
 
 
 def utc_stamp() -> str:

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from benchmarks.timing import time_calls
+
 try:
     import triton
     import triton.language as tl
@@ -105,13 +107,12 @@ def _launch(a, b, c, d, kind: int, block: int, warps) -> None:
 
 def _fastest_config(a, b, c, d, kind: int, calls: int = 5) -> tuple:
     """The (BLOCK, warps) of :data:`CONFIGS` whose fastest of ``calls`` timed launches (after
-    one to compile; ``common.time_calls``: CUDA events on a GPU) is the shortest, on these
+    one to compile; ``timing.time_calls``: CUDA events on a GPU) is the shortest, on these
     tensors: each config runs ``calls + 1`` times."""
-    from benchmarks import common
     best, best_s = None, float("inf")
     for cfg in CONFIGS:
         _launch(a, b, c, d, kind, *cfg)
-        secs = min(common.time_calls([lambda: _launch(a, b, c, d, kind, *cfg)] * calls,
+        secs = min(time_calls([lambda: _launch(a, b, c, d, kind, *cfg)] * calls,
                                      a.device))
         if secs < best_s:
             best, best_s = cfg, secs

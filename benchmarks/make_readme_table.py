@@ -1,11 +1,11 @@
 """Turn a benchmark results file into the README's markdown table, so the numbers in the
 README come from a committed file and nowhere else.
 
-    python benchmarks/make_readme_table.py                          # newest kernels_*.json
-    python benchmarks/make_readme_table.py benchmarks/results/kernels_<stamp>_cpu.json \\
+    python -m benchmarks tables                          # newest kernels_*.json
+    python -m benchmarks tables benchmarks/results/kernels_<stamp>_cpu.json \\
         --ops inner_meta_step --dtypes fp32 bf16
-    python benchmarks/make_readme_table.py --step                   # newest step_*.json
-    python benchmarks/make_readme_table.py benchmarks/results/step_<stamp>_cpu.json --backends cpu
+    python -m benchmarks tables --step                   # newest step_*.json
+    python -m benchmarks tables benchmarks/results/step_<stamp>_cpu.json --backends cpu
 
 Kernel results (``bench_kernels.py``):
 By default the table covers the model layouts (MLP, reduced ResNet-18), the 1,000 x 4K
@@ -33,7 +33,7 @@ def newest_results(directory: str = DEFAULT_DIR, kind: str = "kernels") -> str:
     """The most recent ``<kind>_*.json`` in ``directory`` (by the UTC stamp in its name)."""
     files = glob.glob(os.path.join(directory, f"{kind}_*.json"))
     if not files:
-        raise SystemExit(f"no {kind}_*.json in {directory}; run benchmarks/bench_{kind}.py first")
+        raise SystemExit(f"no {kind}_*.json in {directory}; run python -m benchmarks {kind} first")
     stamp = re.compile(r"(\d{8}T\d{6}Z)")
     return max(files, key=lambda f: (stamp.search(f).group(1) if stamp.search(f) else "", f))
 
@@ -132,8 +132,6 @@ def make_table(result: dict, *, device: Optional[str] = None, layouts=None, ops=
     if loads:
         caption += (f" 1-minute load average during the run: {min(l[0] for l in loads):.1f} to "
                     f"{max(l[0] for l in loads):.1f} on {machine.get('cpu_count', '?')} cores.")
-    if result.get("note"):
-        caption += f" Note: {result['note']}."
     header = ["layout", "elements (tensors)", "dtype", "step"] + backends + ["fastest"]
     lines = [caption, "", "| " + " | ".join(header) + " |",
              "|" + "|".join(["---"] * 4 + ["--:"] * len(backends) + ["---"]) + "|"]
@@ -170,15 +168,6 @@ STEP_PAIRS = ((("step()", False, False), "`step()`, check off / Adam fused"),
               (("step()", True, True), "`step()` + GradScaler / Adam fused + GradScaler"),
               (("inner_step()", False, False), "`inner_step()`, check off / Adam fused"))
 VERDICT_MARK = {"met": "", "tie": " (tie)", "missed": " **(missed)**", None: ""}
-
-
-def _step_rank(name: str) -> tuple:
-    """The baselines first, then EMCL per backend: step() before inner_step(), the defaults
-    before check_finite=False."""
-    if name in STEP_BASELINES:
-        return (0, STEP_BASELINES.index(name))
-    backend = name.split("]")[0]
-    return (1, backend, "inner_step()" in name, "nocheck" in name, "scaler" in name, name)
 
 
 def _step_title(name: str) -> str:
@@ -252,8 +241,6 @@ def make_step_table(result: dict, *, backends=None, layouts=None, dtypes=None,
                   f"{max(l[0] for l in loads):.1f} on {machine.get('cpu_count', '?')} cores."
                   if loads else "")
                + (f" Memory roof: {roofs}." if roofs else ""))
-    if result.get("note"):
-        caption += f" Note: {result['note']}."
     lines = [caption]
     emcl_backends = list(dict.fromkeys(r["backend"] for r in recs if r["family"] == "emcl"))
     floors = any(r["family"] == "floor" for r in recs)
@@ -338,7 +325,7 @@ def _floor_cell(here: list) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python benchmarks/make_readme_table.py",
+    p = argparse.ArgumentParser(prog="python -m benchmarks tables",
                                 description="Markdown table from a bench_kernels.py or "
                                             "bench_step.py results file.")
     p.add_argument("results", nargs="?", default=None,
@@ -383,7 +370,3 @@ def main(argv: Optional[list] = None) -> str:
     else:
         sys.stdout.write(text + "\n")
     return text
-
-
-if __name__ == "__main__":
-    main()

@@ -8,6 +8,8 @@ import warnings
 from numbers import Integral, Real
 
 import torch
+
+from emcl_kernels.runs import group_runs
 from torch import Tensor
 
 from emcl_kernels.validation import OPTIMIZER_WIDE, group_spelling
@@ -31,6 +33,13 @@ def _extra(state_dict: dict) -> dict:
                          f"param_shapes), got {type(extra).__name__} {extra!r}")
     out = {"step_calls": _count("step_calls", extra.get("step_calls", 0)),
            "skipped_steps": _count("skipped_steps", extra.get("skipped_steps", 0))}
+    runs = extra.get("skipped_runs")
+    if runs is not None and (not isinstance(runs, (list, tuple))
+                             or any(isinstance(v, bool) or not isinstance(v, Integral) or v < 0
+                                    for v in runs)):
+        raise ValueError("the state's emcl['skipped_runs'] must be a list of whole numbers "
+                         f">= 0 (each run's skipped steps), got {runs!r}")
+    out["skipped_runs"] = None if runs is None else [int(v) for v in runs]
     shapes = extra.get("param_shapes", [])
     if not isinstance(shapes, (list, tuple)) or not all(isinstance(s, (list, tuple))
                                                          for s in shapes):
@@ -39,22 +48,26 @@ def _extra(state_dict: dict) -> dict:
     return out
 
 
-def _step_value(pid, value) -> None:
+def _step_value(pid, value, runs: int = 1) -> None:
+    """A saved meta-step count: one number, or one per run for a parameter of an array group."""
     if isinstance(value, Tensor):
-        if value.numel() != 1 or value.is_complex():
-            raise ValueError(f"state 'step' of parameter {pid} must be one number (a 0-d "
-                             f"tensor), got shape {tuple(value.shape)}")
+        if value.numel() != runs or value.is_complex() or (runs > 1 and value.dim() != 1):
+            want = "one number (a 0-d tensor)" if runs == 1 else \
+                f"one number per run (a tensor of {runs})"
+            raise ValueError(f"state 'step' of parameter {pid} must be {want}, got shape "
+                             f"{tuple(value.shape)}")
         if value.device.type == "meta":
             raise ValueError(f"state 'step' of parameter {pid} is a meta tensor without a value")
-        v = float(value.reshape(-1)[0])
-    elif isinstance(value, Real) and not isinstance(value, bool):
-        v = float(value)
+        values = [float(v) for v in value.reshape(-1).tolist()]
+    elif isinstance(value, Real) and not isinstance(value, bool) and runs == 1:
+        values = [float(value)]
     else:
         raise ValueError(f"state 'step' of parameter {pid} must be a number, got "
                          f"{type(value).__name__}")
-    if not (math.isfinite(v) and v >= 0 and v == int(v)):
-        raise ValueError(f"state 'step' of parameter {pid} counts meta steps: a whole number "
-                         f">= 0, got {v}")
+    for v in values:
+        if not (math.isfinite(v) and v >= 0 and v == int(v)):
+            raise ValueError(f"state 'step' of parameter {pid} counts meta steps: a whole "
+                             f"number >= 0, got {v}")
 
 
 def _tensor_value(pid, key: str, t, p: Tensor) -> None:
@@ -119,13 +132,18 @@ def check_state_dict(opt, state_dict) -> tuple:
                     for i, saved in enumerate(saved_groups)]
     for i, saved in enumerate(saved_groups):
         opt._check_group(saved, f"param group {i} of the state")
-    id_to_param = {}
-    for saved, group in zip(saved_groups, opt.param_groups):
+    id_to_param, id_to_runs = {}, {}
+    for gi, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
         if len(saved["params"]) != len(group["params"]):
             raise ValueError("a param group of the state has "
                              f"{len(saved['params'])} parameters, this optimizer's has "
                              f"{len(group['params'])}")
+        runs = group_runs(saved, f"param group {gi} of the state")
+        if runs != group_runs(group, f"param group {gi}"):
+            raise ValueError(f"param group {gi} of the state has runs={saved.get('runs')!r} "
+                             f"but this optimizer's has runs={group.get('runs')!r}")
         id_to_param.update(zip(saved["params"], group["params"]))
+        id_to_runs.update((pid, runs) for pid in saved["params"])
     for gi, (shapes, group) in enumerate(zip(extra["param_shapes"], opt.param_groups)):
         for pi, (shape, p) in enumerate(zip(shapes, group["params"])):
             if tuple(shape) != tuple(p.shape):
@@ -151,7 +169,7 @@ def check_state_dict(opt, state_dict) -> tuple:
             raise ValueError(f"the state of parameter {pid} has keys {sorted(map(str, st))}; "
                              f"EMCL keeps {', '.join(_STATE_KEYS)} (all but meta_lr always): "
                              "was it saved by another optimizer?")
-        _step_value(pid, st["step"])
+        _step_value(pid, st["step"], id_to_runs.get(pid, 1))
         for key in ("anchor", "importance", "meta_lr"):
             if key in st:
                 _tensor_value(pid, key, st[key], p)

@@ -26,7 +26,10 @@ from torch import Tensor
 from emcl_kernels.backends.extension import entry_point
 from emcl_kernels.integration import is_dtensor, local
 from emcl_kernels.interface import COUNTER, OP
-from emcl_kernels.plan import Plan, agree_on_found, new_counters, pack_hyper, resolve_backend, run
+from emcl_kernels.interface import run_skipped_at
+from emcl_kernels.plan import (Plan, agree_on_found, check_run_layout, check_runs, new_counters,
+                               pack_hyper, resolve_backend, run)
+from emcl_kernels.runs import group_runs
 from emcl_kernels.validation import (IMPORTANCE_KINDS, LR_MODES, PARAM_DTYPES, PLAIN_TENSORS,
                                      check_flag, check_hyperparameters, check_no_overlap,
                                      check_param, check_tensor, plainly_valid, state_dtype)
@@ -100,7 +103,8 @@ def check_lists(params, grads, anchors, importances, meta_lrs, *, need_meta_lrs:
 # The calls
 # ---------------------------------------------------------------------------------------------
 
-def _plans(backend: str, hp: dict, params, grads, anchors, importances, meta_lrs, plain: bool):
+def _plans(backend: str, hp: dict, params, grads, anchors, importances, meta_lrs, plain: bool,
+           runs: int = 1):
     """One plan per (device, dtype) group, every backend resolved before anything runs.
     ``plain``: every parameter is a plain tensor (no DTensor: ``local(t)`` is ``t``)."""
     devices = list(map(_device, params)) if plain else [local(p).device for p in params]
@@ -117,7 +121,7 @@ def _plans(backend: str, hp: dict, params, grads, anchors, importances, meta_lrs
     for (device, dtype), idx in groups.items():
         mod = resolve_backend(backend, device)
         if device not in hypers:
-            hypers[device] = pack_hyper(hp, device)
+            hypers[device] = pack_hyper(hp, device, runs)
         if plain and len(idx) == n:
             pick = list
         else:
@@ -127,7 +131,7 @@ def _plans(backend: str, hp: dict, params, grads, anchors, importances, meta_lrs
                           pick(meta_lrs) if meta_lrs is not None else [],
                           torch.zeros(0, dtype=torch.float32, device=device), hypers[device],
                           prox=hp.get("prox", True), importance=hp.get("importance", "taylor"),
-                          lr_mode=hp.get("lr_mode", "constant")))
+                          lr_mode=hp.get("lr_mode", "constant"), runs=runs))
         plan_grads.append(pick(grads))
     return plans, plan_grads
 
@@ -139,8 +143,19 @@ def _mesh(params):
     return None
 
 
+def _hyper(runs, **values) -> tuple:
+    """The checked hyper-parameters of a call and its number of runs: scalars, or in an array
+    of runs (``runs=N``) a scalar or N values (a sequence or a 1-d tensor) each."""
+    if runs is None:
+        return check_hyperparameters(**values), None
+    runs = group_runs({"runs": runs}, "the call")
+    return check_runs(values, runs, "the call"), runs
+
+
+
 def _call(op: int, hp: dict, backend, params, grads, anchors, importances, meta_lrs,
-          grad_scale, found_inf, check_finite) -> Optional[Tensor]:
+          grad_scale, found_inf, check_finite, declared: Optional[int] = None,
+          ) -> Optional[Tensor]:
     if not isinstance(check_finite, bool):
         raise TypeError(f"check_finite must be a bool, got {type(check_finite).__name__}")
     check_flag("grad_scale", grad_scale)
@@ -150,17 +165,24 @@ def _call(op: int, hp: dict, backend, params, grads, anchors, importances, meta_
         params, grads, anchors, importances, meta_lrs, need_meta_lrs=need)
     if not params:
         return None
+    runs = declared or 1
+    if declared is not None:
+        for i, p in enumerate(params):
+            check_run_layout(f"params[{i}]", local(p), declared)
     plain = all(type(p) in PLAIN_TENSORS for p in params)
     plans, plan_grads = _plans(backend, hp, params, grads, anchors, importances,
-                               meta_lrs if need else None, plain)
+                               meta_lrs if need else None, plain, runs)
     counters = {plan.device: None for plan in plans}
-    counters = {device: new_counters(device) for device in counters}
+    counters = {device: new_counters(device, runs) for device in counters}
     run(plans, plan_grads, counters, op=op, meta_every=1, check=check_finite,
         grad_scale=grad_scale, found_inf=found_inf, mesh=None if plain else _mesh(params))
     if not check_finite and found_inf is None:
         return None
     first = counters[plans[0].device]
     flag = (first[_SKIPPED] > 0).to(torch.float32)
+    if runs > 1:  # one flag per run: its own non-finite gradient, or every run's skip
+        at = run_skipped_at(runs)
+        flag = torch.maximum(flag, (first[at:at + runs] > 0).to(torch.float32))
     if found_inf is not None:
         flag = torch.maximum(flag, (found_inf.detach().reshape(-1)[0] != 0)
                              .to(device=flag.device, dtype=torch.float32))
@@ -171,8 +193,8 @@ def _call(op: int, hp: dict, backend, params, grads, anchors, importances, meta_
 def inner_step_(params: Sequence[Tensor], grads: Sequence[Tensor], anchors: Sequence[Tensor],
                 importances: Sequence[Tensor], *, inner_lr: float, reg: float, gamma: float,
                 prox: bool = True, backend: str = "auto", grad_scale: Optional[Tensor] = None,
-                found_inf: Optional[Tensor] = None,
-                check_finite: bool = True) -> Optional[Tensor]:
+                found_inf: Optional[Tensor] = None, check_finite: bool = True,
+                runs: Optional[int] = None) -> Optional[Tensor]:
     """EMCL's inner step (paper eqs. 14, 15, 19) on every tensor, in place.
 
     ``prox=True``:  θ ← (θ − β·g + γλh·θ₀) / (1 + γλh);  ``prox=False``: θ ← θ − β·(g + λh·(θ − θ₀)).
@@ -188,14 +210,18 @@ def inner_step_(params: Sequence[Tensor], grads: Sequence[Tensor], anchors: Sequ
         found_inf: when non-zero, nothing is written.
         check_finite: when True (default), a call whose gradients hold an inf or a NaN writes
             nothing (see [note: non-finite gradients]). False skips the check, for speed.
+        runs: an array of N runs (see :mod:`emcl_kernels.runs`): every tensor is [N, ...],
+            run-major, and every numeric hyper-parameter may be N values (a sequence or a 1-d
+            tensor) or a scalar for every run; a run whose gradient holds an inf or a NaN
+            writes nothing of its own, the others step.
 
     Returns:
-        A 0-d fp32 flag, non-zero when nothing was written; None when there was no check and no
-        ``found_inf`` (or no tensors).
+        A 0-d fp32 flag, non-zero when nothing was written (with ``runs``: one flag per run);
+        None when there was no check and no ``found_inf`` (or no tensors).
     """
-    hp = check_hyperparameters(inner_lr=inner_lr, reg=reg, gamma=gamma, prox=prox)
+    hp, runs = _hyper(runs, inner_lr=inner_lr, reg=reg, gamma=gamma, prox=prox)
     return _call(OP["inner"], hp, backend, params, grads, anchors, importances, None,
-                 grad_scale, found_inf, check_finite)
+                 grad_scale, found_inf, check_finite, runs)
 
 
 @torch.no_grad()
@@ -205,7 +231,7 @@ def meta_step_(params: Sequence[Tensor], grads: Sequence[Tensor], anchors: Seque
                lr_mode: str, lr_min: float = 0.0, lr_max: float = _INF, eps: float = 1e-8,
                importance: str = "taylor", backend: str = "auto",
                grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None,
-               check_finite: bool = True) -> Optional[Tensor]:
+               check_finite: bool = True, runs: Optional[int] = None) -> Optional[Tensor]:
     """EMCL's meta step (paper eqs. 7, 8, 10, 13) on every tensor, in place.
 
     h ← η·h + (1−η)·Ω with Ω = |g·θ₀| (``importance="taylor"``) or |g·(θ − θ₀)| (``"si"``);
@@ -214,13 +240,14 @@ def meta_step_(params: Sequence[Tensor], grads: Sequence[Tensor], anchors: Seque
     θ₀ ← θ₀ − α·λ·h·(θ₀ − θ); θ ← θ₀.
 
     ``meta_lrs`` may be None unless ``lr_mode="recurrent"``; ``lr_scale=None`` means 1/reg. The
-    other arguments, ``check_finite`` and the returned flag are as in :func:`inner_step_`.
+    other arguments, ``check_finite``, ``runs`` and the returned flag are as in
+    :func:`inner_step_`.
     """
-    hp = check_hyperparameters(meta_lr=meta_lr, reg=reg, decay=decay, lr_scale=lr_scale,
-                               lr_mode=lr_mode, lr_min=lr_min, lr_max=lr_max, eps=eps,
-                               importance=importance)
+    hp, runs = _hyper(runs, meta_lr=meta_lr, reg=reg, decay=decay, lr_scale=lr_scale,
+                      lr_mode=lr_mode, lr_min=lr_min, lr_max=lr_max, eps=eps,
+                      importance=importance)
     return _call(OP["meta"], hp, backend, params, grads, anchors, importances, meta_lrs,
-                 grad_scale, found_inf, check_finite)
+                 grad_scale, found_inf, check_finite, runs)
 
 
 @torch.no_grad()
@@ -231,19 +258,19 @@ def inner_meta_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
                      lr_mode: str, lr_min: float = 0.0, lr_max: float = _INF,
                      eps: float = 1e-8, importance: str = "taylor", prox: bool = True,
                      backend: str = "auto", grad_scale: Optional[Tensor] = None,
-                     found_inf: Optional[Tensor] = None,
-                     check_finite: bool = True) -> Optional[Tensor]:
+                     found_inf: Optional[Tensor] = None, check_finite: bool = True,
+                     runs: Optional[int] = None) -> Optional[Tensor]:
     """The inner step, then the meta step with the same gradient, as one pass.
 
     Equal to :func:`inner_step_` followed by :func:`meta_step_`, except that the fast weight
     between the two is kept in fp32 rather than rounded to a bf16/fp16 parameter's dtype.
-    ``check_finite`` and the returned flag are as in :func:`inner_step_`.
+    ``check_finite``, ``runs`` and the returned flag are as in :func:`inner_step_`.
     """
-    hp = check_hyperparameters(inner_lr=inner_lr, meta_lr=meta_lr, reg=reg, gamma=gamma,
-                               decay=decay, lr_scale=lr_scale, lr_mode=lr_mode, lr_min=lr_min,
-                               lr_max=lr_max, eps=eps, importance=importance, prox=prox)
+    hp, runs = _hyper(runs, inner_lr=inner_lr, meta_lr=meta_lr, reg=reg, gamma=gamma,
+                      decay=decay, lr_scale=lr_scale, lr_mode=lr_mode, lr_min=lr_min,
+                      lr_max=lr_max, eps=eps, importance=importance, prox=prox)
     return _call(OP["inner_meta"], hp, backend, params, grads, anchors, importances, meta_lrs,
-                 grad_scale, found_inf, check_finite)
+                 grad_scale, found_inf, check_finite, runs)
 
 
 @torch.no_grad()

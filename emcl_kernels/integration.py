@@ -10,20 +10,37 @@
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import Tensor
 
 __all__ = ["is_dtensor", "local", "capturing"]
 
-try:  # torch.distributed is optional (some builds have none)
-    from torch.distributed.tensor import DTensor as _DTensor
-except Exception:  # pragma: no cover - builds without distributed
-    _DTensor = None
+# [note: DTensor looked up lazily]
+# Importing torch.distributed.tensor costs about 0.6 s (more than the rest of this package), so
+# it is never imported here. A tensor can only be a DTensor once that module has been imported
+# (by the user, FSDP2 or torch.distributed's own code), and importing any submodule imports it,
+# so is_dtensor reads the class from sys.modules: None (no DTensor can exist yet) until then.
+# tests/test_import_cost.py fails if `import emcl_kernels` imports the module.
+_DTENSOR_MODULE = "torch.distributed.tensor"
+_DTensor = None
+
+
+def _dtensor_class():
+    """``torch.distributed.tensor.DTensor`` when that module has been imported, else None."""
+    global _DTensor
+    if _DTensor is None:
+        module = sys.modules.get(_DTENSOR_MODULE)
+        if module is not None:
+            _DTensor = getattr(module, "DTensor", None)
+    return _DTensor
 
 
 def is_dtensor(t) -> bool:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (e.g. an FSDP2 parameter)."""
-    return _DTensor is not None and isinstance(t, _DTensor)
+    cls = _DTensor if _DTensor is not None else _dtensor_class()
+    return cls is not None and isinstance(t, cls)
 
 
 def local(t: Tensor) -> Tensor:

@@ -12,7 +12,8 @@ from torch.optim import Optimizer
 
 from emcl_kernels.integration import local
 from emcl_kernels.interface import OP
-from emcl_kernels.plan import Runtime, check_group, resolve_backend, run
+from emcl_kernels.plan import Runtime, check_group, check_run_layout, resolve_backend, run
+from emcl_kernels.runs import PerRun, declared_runs, group_runs, normalize_runs
 from emcl_kernels.skips import NonFiniteGradientWarning
 from emcl_kernels.validation import (GROUP_NAMES, NUMERIC_KEYS, PARAM_DTYPES, check_flag,
                                      check_no_overlap, group_spelling, state_dtype)
@@ -157,7 +158,8 @@ class FusedEMCLOptimizer(Optimizer):
                  importance: str = "taylor", prox: bool = True,
                  meta_every: Optional[int] = None, backend: str = "auto",
                  capturable: bool = False, check_finite: bool = True,
-                 inner_lr: Optional[float] = None, weight_decay: float = 0.0):
+                 inner_lr: Optional[float] = None, weight_decay: float = 0.0,
+                 runs: Optional[int] = None):
         if not isinstance(check_finite, bool):
             raise TypeError(f"check_finite must be a bool, got {type(check_finite).__name__}")
         if not isinstance(capturable, bool):
@@ -173,7 +175,9 @@ class FusedEMCLOptimizer(Optimizer):
         lr = group_spelling(given, "FusedEMCLOptimizer()").get("lr", DEFAULT_LR)
         defaults = dict(lr=lr, meta_lr=meta_lr, reg=reg, gamma=gamma, decay=decay,
                         meta_lr_scale=lr_scale, lr_mode=lr_mode, lr_min=lr_min, lr_max=lr_max,
-                        eps=eps, importance=importance, prox=prox, weight_decay=weight_decay)
+                        eps=eps, importance=importance, prox=prox, weight_decay=weight_decay,
+                        runs=runs)
+        defaults = normalize_runs(defaults, "FusedEMCLOptimizer()")
         self._check_group(defaults, "the defaults")
         defaults["capturable"] = capturable
         self.meta_every = meta_every
@@ -202,6 +206,8 @@ class FusedEMCLOptimizer(Optimizer):
         where = f"param group {len(self.param_groups)}"
         if isinstance(param_group, dict):
             param_group = group_spelling(param_group, where)
+            param_group = normalize_runs(
+                param_group, where, group_runs({**self.defaults, **param_group}, where))
             if "lr_scale" in param_group and "meta_lr_scale" not in param_group:
                 warnings.warn(
                     f"{where} has 'lr_scale' = {param_group['lr_scale']!r}, which "
@@ -226,9 +232,12 @@ class FusedEMCLOptimizer(Optimizer):
                     if p.device.type != "meta":
                         named.append((where, p))
             check_no_overlap(named)
-            for p in group["params"]:  # fail now if the backend cannot run on these tensors
-                if p.device.type != "meta":
+            runs = declared_runs(group, where)
+            for pi, p in enumerate(group["params"]):
+                if p.device.type != "meta":  # fail now if the backend cannot run on these
                     resolve_backend(self.backend, local(p).device)
+                check_run_layout(f"parameter {pi} of {where}", p, runs)
+            self._runtime._array_runs()  # one number of runs for every array group
             if group.get("capturable"):
                 self._runtime.adopt_capturable(gi)
         except Exception:
@@ -293,6 +302,11 @@ class FusedEMCLOptimizer(Optimizer):
         check = self.check_finite and found_inf is None
         runtime = self._runtime
         if torch.compiler.is_compiling():
+            if runtime.runs > 1 or any(g.get("runs") for g in self.param_groups):
+                raise RuntimeError(
+                    "torch.compile of a FusedEMCLOptimizer step with array groups (runs=N) is "
+                    "not supported: step it eagerly (one native call per plan already serves "
+                    "every run) or capture it in a CUDA graph with capturable=True")
             plans, grads, counters = runtime.traced_plans()
             if plans:
                 run(plans, grads, counters, op=op, meta_every=meta_every, check=check,
@@ -370,6 +384,21 @@ class FusedEMCLOptimizer(Optimizer):
         it waits for the steps still in flight on a GPU."""
         return self._runtime.skips.total()
 
+    @property
+    def runs(self) -> int:
+        """The number of runs of the array groups (1 when there are none)."""
+        return self._runtime._array_runs()
+
+    @property
+    def skipped_runs(self) -> list:
+        """For an optimizer with array groups: how many steps each run skipped for a
+        non-finite gradient of its own (a step that every run skipped is counted in
+        :attr:`skipped_steps`); kept in checkpoints. Reading it waits for a GPU's steps."""
+        runs = self.runs
+        if runs == 1:
+            return []
+        return self._runtime.skips.run_totals(runs)
+
     # -- checkpoints ----------------------------------------------------------------------------
     # [note: checkpoint hooks] torch's state_dict runs its pre-hooks, packs the state, then its
     # post-hooks; what EMCL adds to the dict (the "emcl" entry, the step counts as tensors of
@@ -420,7 +449,9 @@ class FusedEMCLOptimizer(Optimizer):
             mine = state[p]
             for key, value in st.items():
                 if key == "step":
-                    mine[key] = torch.as_tensor(value).detach().reshape(()).to(
+                    value = torch.as_tensor(value).detach()
+                    mine[key] = value.reshape(() if value.numel() == 1 and value.dim() == 0
+                                              else (-1,)).to(
                         dtype=torch.float32, device=local(p).device).clone()
                 else:
                     mine[key] = torch.empty_like(p, dtype=state_dtype(p.dtype)).copy_(value)
@@ -431,9 +462,11 @@ class FusedEMCLOptimizer(Optimizer):
             if "param_names" in group and "param_names" not in new:
                 new["param_names"] = group["param_names"]
             groups.append(new)
+        groups = [normalize_runs(g, f"param group {gi}") for gi, g in enumerate(groups)]
         self._runtime.retire()
         self.state, self.param_groups = state, groups
         self._reset_runtime(calls=extra["step_calls"], skips=extra["skipped_steps"])
+        self._runtime.skips.run_base = extra["skipped_runs"]
         for gi, group in enumerate(self.param_groups):
             if group.get("capturable"):
                 self._runtime.adopt_capturable(gi)
@@ -481,10 +514,13 @@ def _finish_state_dict(opt: FusedEMCLOptimizer, sd: dict) -> None:
     """The state_dict post-hook that completes EMCL's dict ([note: checkpoint hooks])."""
     sd["state"] = {k: _own_steps(st) for k, st in sd["state"].items()}
     for group in sd["param_groups"]:
-        if group.get("capturable"):
-            for k in _CAPTURABLE_KEYS:
-                if isinstance(group.get(k), Tensor):
-                    group[k] = float(group[k].item())
+        for k in _CAPTURABLE_KEYS:
+            v = group.get(k)
+            if group.get("capturable") and isinstance(v, Tensor):
+                group[k] = float(v.item()) if v.dim() == 0 else v.tolist()
+            elif isinstance(v, PerRun):  # plain lists: torch.load(weights_only=True) reads them
+                group[k] = list(v)
     sd["emcl"] = {"step_calls": opt._step_calls, "skipped_steps": opt.skipped_steps,
+                  "skipped_runs": opt.skipped_runs or None,
                   "param_shapes": [[list(p.shape) for p in group["params"]]
                                    for group in opt.param_groups]}

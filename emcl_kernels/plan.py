@@ -24,8 +24,10 @@ from torch import Tensor
 
 from emcl_kernels.backends.extension import entry_point
 from emcl_kernels.integration import capturing, is_dtensor, local
-from emcl_kernels.interface import (COUNTER, COUNTER_FIELDS, HYPER, HYPER_DEFAULTS, HYPER_FIELDS,
-                                    IMPORTANCE, LR_MODE, OP)
+from emcl_kernels.interface import (COUNTER, HYPER, HYPER_DEFAULTS, HYPER_FIELDS, IMPORTANCE,
+                                    LR_MODE, OP, RUN_FOUND, counters_size)
+from emcl_kernels.runs import (PerRun, declared_runs, group_runs, is_per_run, per_run_values, run_value,
+                               values_table)
 from emcl_kernels.skips import SkipLog
 from emcl_kernels.validation import (GROUP_NAMES, IMPORTANCE_KINDS, INNER_KEYS, LR_MODES,
                                      META_KEYS, NUMERIC_KEYS, OPTIMIZER_WIDE, PLAIN_TENSORS,
@@ -41,9 +43,10 @@ __all__ = ["Plan", "Runtime", "run", "new_counters", "hyper_values", "pack_hyper
 _FOUND, _CALLS = COUNTER["found"], COUNTER["calls"]
 
 
-def new_counters(device) -> Tensor:
-    """A device's step counters (emcl_kernels.interface, ``COUNTER_FIELDS``), all 0."""
-    return torch.zeros(len(COUNTER_FIELDS), dtype=torch.int64, device=device)
+def new_counters(device, runs: int = 1) -> Tensor:
+    """A device's step counters (emcl_kernels.interface, ``COUNTER_FIELDS``, and for arrays of
+    ``runs`` runs the per-run flags and skip counts), all 0."""
+    return torch.zeros(counters_size(runs), dtype=torch.int64, device=device)
 
 
 def _hyper_entry(hp: dict, name: str):
@@ -55,9 +58,13 @@ def _hyper_entry(hp: dict, name: str):
     return HYPER_DEFAULTS.get(name, 0.0) if v is None else v
 
 
-def hyper_values(hp: dict) -> tuple:
+def hyper_values(hp: dict, runs: int = 1):
     """The numbers of ``hyper`` in :data:`~emcl_kernels.interface.HYPER_FIELDS` order from a
-    dict of checked float hyper-parameters (``lr_scale=None`` is the 1/reg sentinel)."""
+    dict of checked float hyper-parameters (``lr_scale=None`` is the 1/reg sentinel); for an
+    array of runs, a [runs, fields] NumPy array (row ``r`` is run ``r``'s)."""
+    if runs > 1 or any(map(is_per_run, hp.values())):
+        table = values_table([_hyper_entry(hp, name) for name in HYPER_FIELDS], runs)
+        return (table if runs > 1 else table.reshape(-1)).numpy()
     return tuple(float(_hyper_entry(hp, name)) for name in HYPER_FIELDS)
 
 
@@ -66,7 +73,7 @@ def _capturing_on(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def pack_hyper(hp: dict, device) -> Tensor:
+def pack_hyper(hp: dict, device, runs: int = 1) -> Tensor:
     """``hyper`` for one call on ``device``: numbers are packed on the host and copied once;
     0-d tensors are stacked on the device (no host sync, so it can be captured).
 
@@ -77,6 +84,12 @@ def pack_hyper(hp: dict, device) -> Tensor:
     captured region) the numbers are written on the device instead, one fill each: a captured
     copy would read the pinned buffer again at every replay, after the allocator reused it."""
     device = torch.device(device)
+    if runs > 1 or any(map(is_per_run, hp.values())):
+        # an array's table: [runs, fields] (per-run tensors read once here; 1-d for one run)
+        table = values_table([_hyper_entry(hp, name) for name in HYPER_FIELDS], runs)
+        table = table if runs > 1 else table.reshape(-1)
+        return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" \
+            else table.to(device)
     if not any(isinstance(v, Tensor) for v in hp.values()) and not _capturing_on(device):
         if device.type == "cuda":
             host = torch.tensor(hyper_values(hp), dtype=torch.float64, pin_memory=True)
@@ -101,12 +114,12 @@ class Plan:
 
     __slots__ = ("backend", "device", "dtype", "sources", "params", "anchors", "importances",
                  "meta_lrs", "steps", "hyper", "prox", "importance", "lr_mode", "group",
-                 "sharded", "checks_grads", "key", "native_key")
+                 "sharded", "checks_grads", "key", "native_key", "runs")
 
     def __init__(self, backend, device: torch.device, dtype: torch.dtype, sources: list,
                  params: list, anchors: list, importances: list, meta_lrs: list, steps: Tensor,
                  hyper: Tensor, *, prox: bool, importance: str, lr_mode: str,
-                 group: Optional[int] = None, sharded: bool = False):
+                 group: Optional[int] = None, sharded: bool = False, runs: int = 1):
         self.backend, self.device, self.dtype = backend, device, dtype
         self.sources, self.params = sources, params
         self.anchors, self.importances, self.meta_lrs = anchors, importances, meta_lrs
@@ -115,6 +128,7 @@ class Plan:
         self.importance = IMPORTANCE[importance]
         self.lr_mode = LR_MODE[lr_mode]
         self.group, self.sharded = group, sharded
+        self.runs = runs  # an array of runs ([note: runs] in emcl_kernels.interface)
         # the compiled backends check each call's tensors themselves (in C++ / the launcher)
         self.checks_grads = bool(getattr(backend, "CHECKS_GRADS", False))
         self.key = None
@@ -122,6 +136,14 @@ class Plan:
 
     def call(self, grads: list, counters: Tensor, *, op: int, meta_every: int, check: bool,
              finalize: bool, grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+        if self.runs > 1:
+            self.backend.step(self.params, grads, self.anchors, self.importances, self.meta_lrs,
+                              self.steps, self.hyper, counters, op=op, prox=self.prox,
+                              importance=self.importance, lr_mode=self.lr_mode,
+                              meta_every=meta_every, check=check, finalize=finalize,
+                              grad_scale=_on(grad_scale, self.device),
+                              found_inf=_on(found_inf, self.device), runs=self.runs)
+            return
         self.backend.step(self.params, grads, self.anchors, self.importances, self.meta_lrs,
                           self.steps, self.hyper, counters, op=op,
                           prox=self.prox, importance=self.importance, lr_mode=self.lr_mode,
@@ -148,7 +170,10 @@ def run(plans: Sequence[Plan], grads: Sequence[list], counters: dict, *, op: int
         return
     if check:
         for plan, g in zip(plans, grads):
-            plan.backend.check_finite(g, counters[plan.device])
+            if plan.runs > 1:
+                plan.backend.check_finite(g, counters[plan.device], plan.runs)
+            else:
+                plan.backend.check_finite(g, counters[plan.device])
         agree_on_found([counters[d] for d in dict.fromkeys(p.device for p in plans)], mesh)
     last = {plan.device: i for i, plan in enumerate(plans)}
     for i, (plan, g) in enumerate(zip(plans, grads)):
@@ -157,21 +182,25 @@ def run(plans: Sequence[Plan], grads: Sequence[list], counters: dict, *, op: int
 
 
 def agree_on_found(device_counters: list, mesh) -> None:
-    """Make every device's (and every rank's) FOUND flag the maximum of all of them, on the
-    devices, without a host sync."""
+    """Make every device's (and every rank's) FOUND flag, and in an array of runs every run's
+    flag, the maximum of all of them, on the devices, without a host sync."""
+    runs = (device_counters[0].numel() - RUN_FOUND) // 2 if device_counters else 0
+    flags = [slice(_FOUND, _FOUND + 1)] + ([slice(RUN_FOUND, RUN_FOUND + runs)] if runs else [])
     if len(device_counters) > 1:
         first = device_counters[0]
-        found = first[_FOUND]
-        for c in device_counters[1:]:
-            found = torch.maximum(found, c[_FOUND].to(first.device))
-        for c in device_counters:
-            c[_FOUND].copy_(found)
+        for sl in flags:
+            found = first[sl]
+            for c in device_counters[1:]:
+                found = torch.maximum(found, c[sl].to(first.device))
+            for c in device_counters:
+                c[sl].copy_(found)
     if mesh is not None:
         import torch.distributed as dist
         for c in device_counters:
-            flag = c[_FOUND:_FOUND + 1]
-            for dim in range(mesh.ndim):
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+            for sl in flags:
+                flag = c[sl]
+                for dim in range(mesh.ndim):
+                    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,7 +232,7 @@ _NUMERIC_GROUP_KEYS = tuple(GROUP_NAMES.get(k, k) for k in NUMERIC_KEYS)
 _WATCHED = GROUP_KEYS + ("weight_decay", "inner_lr") + OPTIMIZER_WIDE
 # index in _WATCHED -> group key, for the numbers ([note: a schedule's step])
 _NUMBER_AT = {i: k for i, k in enumerate(_WATCHED) if k in _NUMERIC_GROUP_KEYS}
-_PLAIN_NUMBER = (float, int)
+_PLAIN_NUMBER = (float, int, PerRun)
 _MODE_KEYS = ("prox", "importance", "lr_mode")
 _MODE_INDEX = tuple(HYPER_KEYS.index(k) for k in _MODE_KEYS)
 _STATE_TENSORS = ("anchor", "importance", "meta_lr")
@@ -217,7 +246,36 @@ def check_group(group: dict, where: str = "param group") -> dict:
         raise ValueError(f"{where} lacks the hyper-parameter(s) {', '.join(missing)}; "
                          "was it made for another optimizer?")
     check_group_options(group, where)
-    return _by_name(check_hyperparameters(**{k: group[k] for k in GROUP_KEYS}))
+    values = {k: group[k] for k in GROUP_KEYS}
+    runs = group_runs(group, where)
+    if runs == 1 and not any(map(is_per_run, values.values())):
+        return _by_name(check_hyperparameters(**values))
+    return _by_name(check_runs(values, runs, where, declared_runs(group, where) is not None))
+
+
+def check_runs(values: dict, runs: int, where: str, declared: bool = True) -> dict:
+    """An array group's hyper-parameters ([note: domains] in validation.py, run by run): each
+    run's values checked as a group of its own would be, an error naming the run. Returns the
+    values with per-run ones as they are (a :class:`~emcl_kernels.runs.PerRun` or a 1-d
+    tensor) and the scalars checked."""
+    values = {k: per_run_values(k, v, runs, where, declared) for k, v in values.items()}
+    per_run = [k for k, v in values.items() if is_per_run(v)]
+    # a 1-d tensor is read once (one host read per value, not per run)
+    read = {k: PerRun(values[k].detach().cpu().tolist()) if isinstance(values[k], Tensor)
+            else values[k] for k in per_run}
+    first = None
+    for r in range(runs):
+        row = {k: (read[k][r] if k in read else v) for k, v in values.items()}
+        try:
+            checked = check_hyperparameters(**row)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{where}, run {r}: {exc}") from None
+        if first is None:
+            first = checked
+    out = dict(first)
+    for k in per_run:
+        out[k] = values[k]
+    return out
 
 
 def _by_name(checked: dict) -> dict:
@@ -240,6 +298,21 @@ def group_key(group: dict) -> tuple:
     identity."""
     return tuple(("tensor", id(v)) if isinstance(v, Tensor) else v
                  for v in map(group.get, GROUP_KEYS))
+
+
+def _no_silent_collapse(gi: int, group: dict, now: tuple, then: tuple) -> None:
+    """An array group's per-run value that became one number is refused: that is what the LR
+    schedulers that take their rates from their own arguments, one per group (CyclicLR,
+    OneCycleLR), do to ``lr``, driving every run at one rate."""
+    if group.get("runs") is None:
+        return
+    for k, a, b in zip(GROUP_KEYS, now, then):
+        if type(b) is PerRun and type(a) in (float, int):
+            raise ValueError(
+                f"param group {gi} had {k} per run and now has one number ({a!r}) for every "
+                "run: an LR scheduler that sets its own rate per group (CyclicLR, OneCycleLR) "
+                "would drive every run at one rate, so this is refused. To give every run the "
+                f"same value on purpose, write group[{k!r}] = [value] * runs")
 
 
 def _kind(v) -> str:
@@ -407,6 +480,7 @@ class Runtime:
         self.skips = SkipLog(skips)
         self.mesh = None
         self.storage: dict = {}        # group index -> capturable hyper tensor (views in group)
+        self.runs = 1                  # the runs of the array groups (1: none)
         self.tracing = False           # gather() runs for a step that Dynamo traces
         self.unadopted: set = set()    # capturable groups whose values are not views yet
         # the world the plans were built for ([note: plan keys])
@@ -430,20 +504,22 @@ class Runtime:
         group = self.opt.param_groups[gi]
         first = next((p for p in group["params"] if p.device.type != "meta"), None)
         device = local(first).device if first is not None else torch.device("cpu")
+        runs = group_runs(group, f"param group {gi}")
+        shape = (runs, len(HYPER)) if runs > 1 else (len(HYPER),)
         storage = self.storage.get(gi)
-        if storage is None or storage.device != device:
-            storage = torch.zeros(len(HYPER), dtype=torch.float64, device=device)
+        if storage is None or storage.device != device or tuple(storage.shape) != shape:
+            storage = torch.zeros(shape, dtype=torch.float64, device=device)
             self.storage[gi] = storage
         hp = check_group(group, f"param group {gi}")
-        storage.copy_(pack_hyper(hp, device))
+        storage.copy_(pack_hyper(hp, device, runs))
         if self.tracing:
             self.unadopted.add(gi)
             return
         self.unadopted.discard(gi)
         for name, i in HYPER.items():
             key = GROUP_NAMES.get(name, name)
-            if group[key] is not None:
-                group[key] = storage[i]
+            if group[key] is not None:  # an array's value: run r's is storage[r, i]
+                group[key] = storage[:, i] if runs > 1 else storage[i]
 
     def refresh_hyper(self, gi: int, group: dict) -> None:
         """A group's numbers changed (a schedule), or its tensor hyper-parameters are read per
@@ -465,13 +541,14 @@ class Runtime:
             kind = plan.device.type
             if plain and kind == "cpu":
                 # host memory, read by the next call: written in place, no tensor made
-                plan.hyper.numpy()[:] = hyper_values(hp)
+                plan.hyper.numpy()[:] = hyper_values(hp, plan.runs)
             elif plain and kind == "cuda" and not _capturing_on(plan.device):
                 # one copy from pinned memory, not waited for (as in pack_hyper)
-                plan.hyper.copy_(torch.tensor(hyper_values(hp), dtype=torch.float64,
-                                              pin_memory=True), non_blocking=True)
+                plan.hyper.copy_(torch.as_tensor(hyper_values(hp, plan.runs),
+                                                 dtype=torch.float64).pin_memory(),
+                                 non_blocking=True)
             else:
-                plan.hyper.copy_(pack_hyper(hp, plan.device))
+                plan.hyper.copy_(pack_hyper(hp, plan.device, plan.runs))
 
     def _numbers_moved(self, gi: int, group: dict, objects: list, seen: list) -> bool:
         """[note: a schedule's step]: only numbers of group ``gi`` changed, from plain numbers
@@ -488,7 +565,11 @@ class Runtime:
                         or type(then) not in _PLAIN_NUMBER:
                     return False
                 changed[key] = now
-        hp = _by_name(check_numbers(_by_group_key(hp), changed))
+        if group.get("runs") is not None or any(map(is_per_run, hp.values())):
+            # an array: every run's values checked again (a PBT change, a schedule's step)
+            hp = check_group(group, f"param group {gi}")
+        else:
+            hp = _by_name(check_numbers(_by_group_key(hp), changed))
         self._write_hyper(gi, hp)
         key = list(self.keys[gi])
         for k, v in changed.items():
@@ -502,7 +583,7 @@ class Runtime:
         c = self.counters.get(device)
         if c is None:
             calls = self.step_calls
-            c = new_counters(device)
+            c = new_counters(device, self.runs)
             c[_CALLS] = calls
             if not self.counters:
                 self.skips.watch(c)
@@ -536,11 +617,38 @@ class Runtime:
         """The old plans' ``state["step"]`` views become tensors of their own."""
         state = self.opt.state
         for plan in self.plans or ():
-            for p, s in zip(plan.sources, plan.steps.unbind(0) if plan.steps.numel() else ()):
+            rows = plan.steps.view(-1, plan.runs).unbind(0) if plan.steps.numel() else ()
+            for p, s in zip(plan.sources, rows):
                 st = state.get(p)
                 if st is not None and "step" in st:
-                    st["step"] = s.clone()
+                    st["step"] = s.clone() if plan.runs > 1 else s.reshape(()).clone()
         self.plans = None
+
+    def _array_runs(self) -> int:
+        """The runs of the optimizer's array groups (1 when none): one number for all of them,
+        since run ``i`` of one group is run ``i`` of every other (it skips in all of them)."""
+        runs, first = 1, None
+        for gi, group in enumerate(self.opt.param_groups):
+            r = group_runs(group, f"param group {gi}")
+            if r == 1:
+                continue
+            if first is not None and r != runs:
+                raise ValueError(
+                    f"param group {first} has runs={runs} but param group {gi} has runs={r}: "
+                    "the array groups of one optimizer hold the same runs (run i of one group "
+                    "is run i of every other, and a non-finite gradient skips it in all)")
+            runs, first = r, gi
+        return runs
+
+    def _resize_counters(self, runs: int) -> None:
+        """Counters with room for ``runs`` runs' flags (the counts carried over)."""
+        for device, c in list(self.counters.items()):
+            if c.numel() != counters_size(runs):
+                new = new_counters(device, runs)
+                new[:RUN_FOUND].copy_(c[:RUN_FOUND])
+                self.counters[device] = new
+                if self.skips.watching(c):
+                    self.skips.watch(new, carry=True)
 
     def build(self) -> list:
         """Validate every group and every parameter that has a gradient, make the missing
@@ -548,16 +656,19 @@ class Runtime:
         (a capturable group's hyper storage takes its checked values first)."""
         opt = self.opt
         self.retire()
+        runs_all = self._array_runs()
         checked = []
         for gi, group in enumerate(opt.param_groups):
             if group.get("capturable"):
                 self.adopt_capturable(gi)
             hp = check_group(group, f"param group {gi}")
+            runs = group_runs(group, f"param group {gi}")
             ready = []
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
-                check_parameter(opt.state, f"parameter {pi} of param group {gi}", p)
+                check_parameter(opt.state, f"parameter {pi} of param group {gi}", p,
+                                declared_runs(group, f"param group {gi}"))
                 ready.append((pi, p))
             checked.append((gi, group, hp, ready))
         named = []
@@ -577,7 +688,7 @@ class Runtime:
             names = group.get("param_names")
             for pi, p in ready:
                 follow_layout(opt.state, p)
-                if init_state(opt.state, p, group, recurrent):
+                if init_state(opt.state, p, group, recurrent, hp):
                     fresh.append((repr(names[pi]) if names else
                                   f"parameter {pi} of param group {gi}", p, group))
         if fresh and not capturing():
@@ -592,30 +703,35 @@ class Runtime:
             by_key: dict = {}
             for _, p in ready:
                 by_key.setdefault((local(p).device, p.dtype), []).append(p)
+            runs = group_runs(group, f"param group {gi}")
             for (device, dtype), ps in by_key.items():
                 recurrent = group["lr_mode"] == "recurrent"
                 if any(is_dtensor(p) for p in ps):
                     mesh = next(p.device_mesh for p in ps if is_dtensor(p))
                 sts = [opt.state[p] for p in ps]
-                steps = torch.stack([st["step"].detach().reshape(())
-                                     .to(device=device, dtype=torch.float32) for st in sts])
+                # every parameter's meta-step count(s), one tensor; the state holds views of it
+                steps = torch.cat([st["step"].detach().reshape(-1)
+                                   .to(device=device, dtype=torch.float32) for st in sts])
                 for i, st in enumerate(sts):
-                    st["step"] = steps[i]
+                    st["step"] = steps[i * runs:(i + 1) * runs] if runs > 1 else steps[i]
                 storage = self.storage.get(gi)
                 hyper = storage if storage is not None and storage.device == device \
-                    else pack_hyper(hp, device)
+                    else pack_hyper(hp, device, runs)
                 params = [local(p) for p in ps]
                 plan = Plan(
                     resolve_backend(opt.backend, device), device, dtype, ps, params,
                     [local(st["anchor"]) for st in sts], [local(st["importance"]) for st in sts],
                     [local(st["meta_lr"]) for st in sts] if recurrent else [],
                     steps, hyper, prox=hp["prox"], importance=hp["importance"],
-                    lr_mode=hp["lr_mode"], group=gi, sharded=any(is_dtensor(p) for p in ps))
+                    lr_mode=hp["lr_mode"], group=gi, sharded=any(is_dtensor(p) for p in ps),
+                    runs=runs)
                 plan.key = (sts, [st["anchor"] for st in sts], list(map(_data_ptr, params)),
                             list(map(_shape, params)), list(map(_stride, params)),
                             list(map(_nbytes, params)))
                 plan.native_key = native_key(plan)
                 plans.append(plan)
+        self.runs = runs_all
+        self._resize_counters(runs_all)
         for plan in plans:
             self.counters_for(plan.device)
         self.plans, self.keys, self.tensor_hyper, self.mesh = plans, keys, tensor_hyper, mesh
@@ -682,6 +798,7 @@ class Runtime:
             check_group_options(group, f"param group {gi}")
             now = group_key(group)
             if now != key:
+                _no_silent_collapse(gi, group, now, key)
                 if any(_kind(a) != _kind(b) for a, b in zip(now, key)) \
                         or any(now[i] != key[i] for i in _MODE_INDEX):
                     return self.build()
@@ -854,9 +971,28 @@ def _traced_hyper(values: dict, device: torch.device) -> Tensor:
     return torch.stack(parts)
 
 
-def check_parameter(state, where: str, p: Tensor) -> None:
+def check_run_layout(where: str, p: Tensor, runs: Optional[int]) -> None:
+    """A parameter of an array group (``runs`` declared, None for a plain group): its runs
+    stacked along its first dimension, which is the outermost in memory ([note: runs] in
+    emcl_kernels.interface)."""
+    if runs is None:
+        return
+    if p.dim() == 0 or p.shape[0] != runs:
+        raise ValueError(f"{where} has shape {tuple(p.shape)}, but its group has runs={runs}: "
+                         f"every parameter of an array group stacks its runs along its first "
+                         f"dimension ([{runs}, ...])")
+    per_run = p.numel() // runs
+    if per_run > 1 and p.stride(0) != per_run:
+        raise ValueError(f"{where} has strides {p.stride()}: the runs of an array group must "
+                         f"be the outermost dimension in memory (stride {per_run} along the "
+                         "first dimension); make it contiguous")
+
+
+def check_parameter(state, where: str, p: Tensor, runs: Optional[int] = None) -> None:
     """A parameter with a gradient, and its state if it has one, as a step needs them."""
     check_param(where, p)
+    check_run_layout(where, p, runs)
+    runs = runs or 1
     check_like(f"the gradient of {where}", where, p.grad, p, p.dtype, state=False)
     st = state.get(p)
     if not st:
@@ -886,6 +1022,12 @@ def check_parameter(state, where: str, p: Tensor) -> None:
                 f"{tuple(t.shape)}: the parameter was replaced or resized after its state "
                 "was made (param.data = ...?); a parameter keeps its shape for the life of "
                 "its state (reset it with del opt.state[param])")
+    step = st.get("step")
+    if isinstance(step, Tensor) and step.numel() != runs:
+        raise RuntimeError(
+            f"{where} has {step.numel()} meta-step count(s) in its state but its group has "
+            f"{'runs=' + str(runs) if runs > 1 else 'no runs'}: the state was made for another "
+            "group (reset it with del opt.state[param])")
 
 
 def follow_layout(state, p: Tensor) -> None:
@@ -900,18 +1042,27 @@ def follow_layout(state, p: Tensor) -> None:
             st[key] = torch.empty_like(p, dtype=t.dtype).copy_(t)
 
 
-def init_state(state, p: Tensor, group: dict, recurrent: bool) -> None:
-    """A parameter's state at its first step: θ₀ = θ, h = 0, step 0, and α = α₀ when
-    ``recurrent``. Returns whether the state was made here (not loaded or made before)."""
+def init_state(state, p: Tensor, group: dict, recurrent: bool, hp: Optional[dict] = None):
+    """A parameter's state at its first step: θ₀ = θ, h = 0, step 0 (one per run in an array),
+    and α = α₀ (each run's) when ``recurrent``. Returns whether the state was made here (not
+    loaded or made before)."""
     st = state[p]
     made = not st
+    runs = group_runs(group, "param group")
     if made:
         st["anchor"] = torch.empty_like(p, dtype=state_dtype(p.dtype)).copy_(p.detach())
         st["importance"] = torch.zeros_like(st["anchor"])
-        st["step"] = torch.zeros((), dtype=torch.float32, device=local(p).device)
+        st["step"] = torch.zeros((runs,) if runs > 1 else (), dtype=torch.float32,
+                                 device=local(p).device)
     if recurrent and "meta_lr" not in st:
         meta_lr = group["meta_lr"]
         st["meta_lr"] = torch.empty_like(st["anchor"])
-        st["meta_lr"].copy_(meta_lr) if isinstance(meta_lr, Tensor) \
-            else st["meta_lr"].fill_(float(meta_lr))
+        if is_per_run(meta_lr):
+            for r in range(runs):
+                v = run_value(meta_lr, r)
+                st["meta_lr"][r].copy_(v) if isinstance(v, Tensor) else st["meta_lr"][r].fill_(v)
+        elif isinstance(meta_lr, Tensor):
+            st["meta_lr"].copy_(meta_lr)
+        else:
+            st["meta_lr"].fill_(float(meta_lr))
     return made

@@ -26,7 +26,12 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["PerRun", "group_runs", "per_run_values", "run_value", "is_per_run"]
+__all__ = ["PerRun", "group_runs", "per_run_values", "run_value", "is_per_run",
+           "normalize_runs", "declared_runs", "NUMERIC_GROUP_KEYS"]
+
+#: The numeric hyper-parameters of a param group, as the group spells them: each may be per run.
+NUMERIC_GROUP_KEYS = ("lr", "meta_lr", "reg", "gamma", "decay", "meta_lr_scale", "lr_min",
+                      "lr_max", "eps")
 
 
 class PerRun(tuple):
@@ -105,6 +110,12 @@ class PerRun(tuple):
 
     __le__ = __gt__ = __ge__ = __lt__
 
+    def __float__(self):
+        raise TypeError("per-run values are not one number: read one run's (values[i]); "
+                        "ReduceLROnPlateau, which reads a group's lr as one float, cannot drive "
+                        "an array group (schedulers that scale lr, e.g. LambdaLR, StepLR, "
+                        "CosineAnnealingLR, scale every run's: docs/integration.md)")
+
     def __repr__(self) -> str:
         return f"PerRun({list(self)!r})"
 
@@ -134,16 +145,22 @@ def group_runs(group: dict, where: str) -> int:
     return runs
 
 
-def per_run_values(name: str, value, runs: int, where: str):
+def declared_runs(group: dict, where: str):
+    """The ``runs`` a param group declares, or None (a group of one run, not an array)."""
+    return None if group.get("runs") is None else group_runs(group, where)
+
+
+def per_run_values(name: str, value, runs: int, where: str, declared: bool = None):
     """A group's value of ``name`` as the group keeps it: a number or 0-d tensor as it is, a
     sequence of ``runs`` numbers as a :class:`PerRun`, a 1-d tensor of ``runs`` values as it is.
     Refused: a sequence or tensor of another length, or any per-run value in a group without
-    runs."""
+    runs (``declared``: the group says ``runs``, which may be 1: an array of one run)."""
+    declared = runs > 1 if declared is None else declared
     if isinstance(value, Tensor):
         if value.dim() == 0:
             return value
-        if value.dim() != 1 or value.numel() != runs or runs == 1:
-            raise ValueError(_length_error(name, tuple(value.shape), runs, where))
+        if value.dim() != 1 or value.numel() != runs or not declared:
+            raise _length_error(name, tuple(value.shape), runs if declared else None, where)
         if not value.is_floating_point():
             raise TypeError(f"{where}: {name} given per run must be a floating-point tensor, "
                             f"got {value.dtype}")
@@ -151,18 +168,32 @@ def per_run_values(name: str, value, runs: int, where: str):
     if isinstance(value, (str, bytes)) or value is None or isinstance(value, Real):
         return value
     if hasattr(value, "__len__") and hasattr(value, "__iter__"):
-        if runs == 1 or len(value) != runs:
-            raise ValueError(_length_error(name, (len(value),), runs, where))
+        if not declared or len(value) != runs:
+            raise _length_error(name, (len(value),), runs if declared else None, where)
         return value if isinstance(value, PerRun) else PerRun(list(value))
     return value
 
 
-def _length_error(name: str, shape: tuple, runs: int, where: str) -> str:
-    if runs == 1:
-        return (f"{where} gives {name} per run (shape {shape}) but declares no runs: set "
-                f"runs=N in the group, with every parameter stacked as [N, ...]")
-    return (f"{where} has runs={runs} but {name} has shape {shape}: give one value per run "
-            f"({runs}) or a scalar for every run")
+def _length_error(name: str, shape: tuple, runs: int, where: str) -> Exception:
+    if runs is None:  # not a number where a number belongs
+        return TypeError(f"{where}: {name} must be a number or a 0-d floating-point tensor (a "
+                         f"scalar), got shape {shape}; several values need runs=N in the group "
+                         "(every parameter stacked as [N, ...]) and N values")
+    return ValueError(f"{where} has runs={runs} but {name} has shape {shape}: give one value "
+                      f"per run ({runs}) or a scalar for every run")
+
+
+def normalize_runs(group: dict, where: str, runs=None) -> dict:
+    """A copy of a param group with its per-run values as the group keeps them
+    (:func:`per_run_values`: sequences become :class:`PerRun`); ``runs``: the group's number of
+    runs when the group itself may not say it (the optimizer's default)."""
+    runs = group_runs(group, where) if runs is None else runs
+    declared = runs > 1 or group.get("runs") is not None
+    out = dict(group)
+    for k in NUMERIC_GROUP_KEYS:
+        if k in out:
+            out[k] = per_run_values(k, out[k], runs, where, declared)
+    return out
 
 
 def run_value(value, r: int):

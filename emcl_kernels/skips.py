@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from emcl_kernels.interface import COUNTER
+from emcl_kernels.interface import COUNTER, RUN_FOUND
 
 __all__ = ["NonFiniteGradientWarning", "SkipLog", "POLL_EVERY"]
 
@@ -53,6 +53,8 @@ class SkipLog:
     def __init__(self, base: int = 0):
         self.base = int(base)
         self.reported = 0          # skips of the counters already warned about
+        self.runs_reported = 0     # per-run skips (an array's) already warned about
+        self.run_base = None       # per-run skips from before (a loaded checkpoint)
         self._counters: Optional[Tensor] = None
         self._host: Optional[Tensor] = None      # pinned copy (CUDA) or a view (CPU)
         self._event = None
@@ -60,10 +62,16 @@ class SkipLog:
         self._since_poll = 0
         self._on_cpu = False
 
-    def watch(self, counters: Tensor) -> None:
-        """Count the skips of ``counters`` (the optimizer's home device) from now on."""
+    def watching(self, counters: Tensor) -> bool:
+        return self._counters is counters
+
+    def watch(self, counters: Tensor, carry: bool = False) -> None:
+        """Count the skips of ``counters`` (the optimizer's home device) from now on (``carry``:
+        a copy of the counters watched so far, with room for more runs: the reports go on)."""
         self._counters = counters
-        self.reported = 0
+        if not carry:
+            self.reported = 0
+        self.runs_reported = 0
         self._pending = False
         self._on_cpu = counters.device.type == "cpu"
         if self._on_cpu:
@@ -81,6 +89,11 @@ class SkipLog:
             n = int(self._host[_SKIPPED])
             if n > self.reported:
                 self._report(n)
+            if len(self._host) > RUN_FOUND:
+                runs = (len(self._host) - RUN_FOUND) // 2
+                m = int(self._host[RUN_FOUND + runs:].sum())
+                if m > self.runs_reported:
+                    self._report_runs(m)
             return
         if torch.cuda.is_current_stream_capturing():
             return
@@ -104,6 +117,23 @@ class SkipLog:
         n = int(c[_SKIPPED])
         self._report(n)
         return self.base + n
+
+    def run_totals(self, runs: int) -> list:
+        """Each run's skips so far, for an optimizer with array groups of ``runs`` runs (waits
+        for the device)."""
+        base = list(self.run_base) if self.run_base is not None else [0] * runs
+        c = self._counters
+        if c is None or c.numel() <= RUN_FOUND:
+            return base
+        counts = c[RUN_FOUND + runs:RUN_FOUND + 2 * runs].tolist()
+        return [a + b for a, b in zip(base, counts)]
+
+    def _report_runs(self, m: int) -> None:
+        warnings.warn(f"FusedEMCLOptimizer: {m - self.runs_reported} run(s) of an array skipped "
+                      "a step: their gradients hold an inf or a NaN, so nothing of theirs was "
+                      "written; the other runs stepped (per-run counts in .skipped_runs)",
+                      NonFiniteGradientWarning, stacklevel=_caller_stacklevel())
+        self.runs_reported = m
 
     def _report(self, n: int) -> None:
         for _ in range(n - self.reported):

@@ -31,6 +31,90 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 # ---------------------------------------------------------------------------------------------
+# The suite: one entry, every benchmark's smoke run, no import circle
+# ---------------------------------------------------------------------------------------------
+
+def test_the_entry_lists_every_benchmark_with_its_question():
+    from benchmarks import suite
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for bench in suite.REGISTRY.values():
+        assert f"  {bench.name}" in proc.stdout and bench.question[:40] in proc.stdout
+        assert os.path.isfile(os.path.join(ROOT, "benchmarks", bench.module + ".py")), bench
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "nope"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "invalid choice: 'nope'" in proc.stderr
+    with pytest.raises(ValueError, match="unknown benchmark 'nope'; the suite: step"):
+        suite.get("nope")
+
+
+def _suite_names():
+    from benchmarks import suite
+    return list(suite.REGISTRY)
+
+
+@pytest.mark.parametrize("name", _suite_names())
+def test_every_benchmark_runs_its_smoke_arguments(name, tmp_path):
+    """``python -m benchmarks NAME`` with the registry's smoke arguments, in a fresh process
+    from the repository root: it exits 0, and a benchmark told to write into the scratch folder
+    wrote a file there that names no folder of this machine."""
+    from benchmarks import suite
+    from emcl_testing import child_env
+    bench = suite.REGISTRY[name]
+    for module in bench.requires:
+        pytest.importorskip(module, reason=f"benchmark {name} needs {module}")
+    args = [a.replace("{out}", str(tmp_path)) for a in bench.smoke]
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", name, *args], cwd=ROOT,
+                          env=child_env(**dict(bench.smoke_env)), capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    if any("{out}" in a for a in bench.smoke):
+        written = [p for p in tmp_path.rglob("*.json")]
+        assert written, f"{name} wrote nothing into {tmp_path}"
+        for path in written:
+            text = path.read_text()
+            assert ROOT not in text, f"{path.name} names {ROOT}"
+
+
+def _benchmark_imports(path):
+    """The ``benchmarks`` modules that the module at ``path`` imports, anywhere in it."""
+    import ast
+    tree = ast.parse(open(path).read())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "benchmarks":
+                found |= {a.name for a in node.names}
+            elif node.module.startswith("benchmarks."):
+                found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("benchmarks.")}
+    return found
+
+
+def test_the_benchmarks_import_each_other_one_way():
+    folder = os.path.join(ROOT, "benchmarks")
+    modules = {f[:-3] for f in os.listdir(folder) if f.endswith(".py")}
+    graph = {m: _benchmark_imports(os.path.join(folder, m + ".py")) & modules for m in modules}
+    done, path = set(), []
+
+    def visit(m):
+        assert m not in path, "import circle: " + " -> ".join(path[path.index(m):] + [m])
+        if m in done:
+            return
+        path.append(m)
+        for n in sorted(graph[m]):
+            visit(n)
+        path.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
+    assert graph["__main__"] == {"suite"} and graph["suite"] == set()   # benchmarks load lazily
+
+
+# ---------------------------------------------------------------------------------------------
 # The byte model
 # ---------------------------------------------------------------------------------------------
 
@@ -554,31 +638,16 @@ def test_readme_table_comes_from_the_results_file(kernel_run):
 
 
 def test_kernel_script_runs_from_the_command_line(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_kernels.py"), "--quick",
+    cmd = [sys.executable, "-m", "benchmarks", "kernels", "--quick",
            "--sizes", "10", "--layouts", "single", "--dtypes", "bf16", "--ops", "meta_step",
            "--budget", "0.001", "--max-reps", "2", "--device", "cpu", "--out-dir", str(tmp_path),
            "--rotate-mb", "1", "--roof-mb", "1", "--threads", "1", "--name", "cli",
            "--quiet", "--no-plot"]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the script finds the repo itself
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the suite finds the repo itself
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "roof" in proc.stdout and "meta_step" in proc.stdout
     assert (tmp_path / "cli.json").exists()
-
-
-def test_step_host_script_times_every_call_and_the_scheduled_ones(tmp_path):
-    """``bench_step_host.py`` on this tree: every call it names, in every process, with an LR
-    scheduler's step after ``inner_step()`` and after fused Adam's among them."""
-    out = tmp_path / "host.json"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_step_host.py"), "--trees", ROOT,
-           "--backends", "cpu", "--rounds", "1", "--steps", "5", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(out.read_text())
-    times = doc["summary"][f"cpu {ROOT}"]
-    assert set(times) == {"step", "inner_step", "meta_step", "adam_fused",
-                          "inner_step + scheduler", "adam_fused + scheduler"}
-    assert all(t["cpu_us_median"] > 0 for t in times.values())
 
 
 def test_above_roof_records_are_called_a_bug():
@@ -955,12 +1024,12 @@ def test_step_readme_table_comes_from_the_results_file(step_run):
 
 
 def test_step_script_runs_from_the_command_line(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_step.py"), "--quick",
+    cmd = [sys.executable, "-m", "benchmarks", "step", "--quick",
            "--device", "cpu", "--layouts", "mlp", "--dtypes", "fp32", "--threads", "1",
            "--backends", "foreach", "--rounds", "1", "1", "--warmup", "1", "--budget", "0.001",
            "--no-roof", "--no-plot", "--out", str(tmp_path), "--tag", "before"]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the script finds the repo itself
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the suite finds the repo itself
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = list(tmp_path.glob("step_before_*_cpu.json"))
     assert len(files) == 1 and "adam_fused" in proc.stdout
@@ -1033,13 +1102,13 @@ def test_training_benchmark_rejects_missing_methods():
         bench_training.main(["--methods", "nope", "--no-plot"])
 
 
-def test_plan_key_script_times_the_host_part_of_a_step(tmp_path):
-    """bench_plan_key --host-only: the backend call made a no-op (and put back), the same and
-    changing gradients timed per layout, the file written; any device but the CPU only so."""
+def test_host_benchmark_times_the_host_part_of_a_step(tmp_path):
+    """host --host-only: the backend call made a no-op (and put back), the same and changing
+    gradients timed per layout, the file written; a GPU asked for where there is none refused."""
     from emcl_testing import child_env
-    script = os.path.join(ROOT, "benchmarks", "bench_plan_key.py")
+    script = ["-m", "benchmarks", "host"]
     out = tmp_path / "host.json"
-    proc = subprocess.run([sys.executable, script, "--host-only", "--steps", "4", "--rounds", "1",
+    proc = subprocess.run([sys.executable, *script, "--host-only", "--steps", "4", "--rounds", "1",
                            "--out", str(out), "--note", "test"], capture_output=True, text=True,
                           env=child_env(), cwd=str(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -1048,19 +1117,20 @@ def test_plan_key_script_times_the_host_part_of_a_step(tmp_path):
     for layout in ("mlp", "many"):
         rec = data["layouts"][layout]
         assert rec["same_grads_us"] > 0 and len(rec["same_rounds_us"]) == 1
-    proc = subprocess.run([sys.executable, script, "--device", "cuda"], capture_output=True,
-                          text=True, env=child_env(), cwd=str(tmp_path), timeout=300)
-    assert proc.returncode == 2 and "--host-only" in proc.stderr
+    assert data["command"].startswith("python -m benchmarks host")
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, *script, "--device", "cuda"], capture_output=True,
+                              text=True, env=child_env(), cwd=ROOT, timeout=300)
+        assert proc.returncode == 2 and "no GPU" in proc.stderr
 
 
-def test_plan_key_script_compares_the_key_passes(tmp_path):
-    """bench_plan_key --key-passes: the key's C++ and Python passes timed alternately in one
-    process, both layouts, the C++ passes put back at the end; refused without the extension."""
+def test_host_benchmark_compares_the_key_passes(tmp_path):
+    """host --key-passes: the key's C++ and Python passes timed alternately in one process,
+    both layouts, the C++ passes put back at the end; refused without the extension."""
     from emcl_kernels import plan
     from emcl_testing import child_env
-    script = os.path.join(ROOT, "benchmarks", "bench_plan_key.py")
     out = tmp_path / "passes.json"
-    proc = subprocess.run([sys.executable, script, "--key-passes", "--steps", "4", "--rounds",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "host", "--key-passes", "--steps", "4", "--rounds",
                            "1", "--out", str(out)], capture_output=True, text=True,
                           env=child_env(), cwd=str(tmp_path), timeout=300)
     if plan._plan_grads is None:
@@ -1072,27 +1142,6 @@ def test_plan_key_script_compares_the_key_passes(tmp_path):
         for variant in ("native", "python"):
             rec = data["layouts"][layout][variant]
             assert rec["same"]["min"] > 0 and len(rec["same"]["rounds"]) == 2
-
-
-def test_functional_host_script_times_both_checks(tmp_path):
-    """bench_functional_host: a functional call's host time with the C++ acceptance and with
-    the Python checks, both layouts, the backend's step and the C++ pass put back."""
-    from benchmarks import bench_functional_host as bfh
-    from emcl_kernels import functional as F
-    from emcl_kernels.backends import get_backend
-    if F._plainly_valid_call is None:
-        with pytest.raises(SystemExit, match="needs the compiled extension"):
-            bfh.main(["--calls", "2", "--rounds", "1"])
-        return
-    native, step = F._plainly_valid_call, get_backend("cpu", torch.device("cpu")).step
-    out = tmp_path / "f.json"
-    res = bfh.main(["--calls", "2", "--rounds", "1", "--out", str(out)])
-    assert json.loads(out.read_text())["layouts"] == res["layouts"]
-    for layout in bfh.LAYOUTS:
-        for variant in ("native", "python"):
-            assert len(res["layouts"][layout][variant]["rounds_us"]) == 2
-    assert F._plainly_valid_call is native
-    assert get_backend("cpu", torch.device("cpu")).step is step
 
 
 def test_step_contenders_without_torchs_finite_check_are_named_not_timed(monkeypatch):

@@ -47,3 +47,20 @@ def test_the_avalanche_example_runs_every_strategy(tmp_path):
     out = run_example("avalanche_emcl.py", "--tasks", "2", "--samples", "50", cwd=tmp_path)
     names = re.findall(r"^(\w+)\s+ACC\s+[\d.]+ %  \(2 tasks x 50 samples\)$", out, re.M)
     assert names == ["EMCL", "Naive", "LaMAML"], out
+
+
+SWEEP_ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%\s+([\d.]+)%$")
+
+
+def test_the_array_sweep_trains_every_run_as_it_trains_alone(tmp_path):
+    """examples/array_sweep.py: N MLPs with N learning rates and N reg values in one array
+    (torch.func + one optimizer call per step), each run's held-out accuracy beside the same
+    run trained alone: the same up to float rounding (batched matmuls sum in another order),
+    and the sweep learns (the best run well above chance, 10 %)."""
+    out = run_example("array_sweep.py", "--runs", "4", "--train", "1000", cwd=tmp_path)
+    rows = [m.groups() for m in map(SWEEP_ROW.match, out.splitlines()) if m]
+    assert [int(r[0]) for r in rows] == [0, 1, 2, 3], out
+    for _, _, _, array_acc, alone_acc in rows:
+        assert abs(float(array_acc) - float(alone_acc)) <= 1.5, out
+    assert max(float(r[3]) for r in rows) > 40, out
+    assert re.search(r"^4 runs as one array: [\d.]+ s", out, re.M)

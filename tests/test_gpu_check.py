@@ -172,10 +172,10 @@ def test_stage_selection():
     assert sel("--stage", "1") == ["env", "deps", "build", "smoke", "gpu_tests"]
     # stage 2: what only a GPU tells first, the test files CI also runs last
     assert sel("--stage", "2") == ["env", "deps", "build", "big_tests", "sanitizer",
-                                   "bench_step", "bench_kernels", "triton_sweep", "plan_key",
-                                   "main_job", "rest_tests"]
-    assert sel("--stage", "2", "--skip", "sanitizer,rest_tests")[-5:] == [
-        "bench_step", "bench_kernels", "triton_sweep", "plan_key", "main_job"]
+                                   "bench_step", "bench_arrays", "bench_kernels", "triton_sweep",
+                                   "plan_key", "main_job", "rest_tests"]
+    assert sel("--stage", "2", "--skip", "sanitizer,rest_tests")[-6:] == [
+        "bench_step", "bench_arrays", "bench_kernels", "triton_sweep", "plan_key", "main_job"]
 
 
 def test_every_test_file_runs_in_one_of_the_two_stages():
@@ -238,9 +238,9 @@ def test_a_staged_dry_run_prints_its_steps(tmp_path):
     out = _run("--stage", "2", "--dry-run", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "-k past_2_31" in out.stdout and "--ignore=tests/test_cuda_backend.py" in out.stdout
-    assert "bench_plan_key.py --host-only --device cuda" in out.stdout
-    assert "bench_plan_key.py --key-passes --device cuda" in out.stdout
-    assert "bench_step.py --device cuda" in out.stdout and "--backends cuda triton\n" in out.stdout
+    assert "-m benchmarks host --host-only --device cuda" in out.stdout
+    assert "-m benchmarks host --key-passes --device cuda" in out.stdout
+    assert "-m benchmarks step --device cuda" in out.stdout and "--backends cuda triton\n" in out.stdout
     # run in the stage set's order: what only a GPU tells first, the CPU's test files last
     order = [out.stdout.index(f"  {name}:") for name in gpu_check.STAGE_SETS[2]]
     assert order == sorted(order)
@@ -269,9 +269,12 @@ def test_dry_run_prints_every_stage_and_its_command():
         assert f"  {stage}:" in out.stdout
     assert "pip install -v --no-build-isolation -e ." in out.stdout and "PIP_NO_INDEX=1" in out.stdout
     assert "-m pytest tests -rfEs" in out.stdout and "--junitxml=" in out.stdout
-    assert "bench_kernels.py --device cuda" in out.stdout and "--quick" in out.stdout
+    assert "-m benchmarks kernels --device cuda" in out.stdout and "--quick" in out.stdout
     assert "--device cuda --out runs/gpu_check_" in out.stdout
     assert "--device cpu --out runs/gpu_check_" in out.stdout
+    assert "-m benchmarks triton --numel" in out.stdout
+    commands = [line for line in out.stdout.splitlines() if line.strip().startswith("$ ")]
+    assert commands and not [c for c in commands if gpu_check.ROOT in c]   # relative paths
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")

@@ -32,7 +32,7 @@ SIZES = (0, 1, 33, 1031)  # elements per run of each tensor
 _FOUND, _CALLS, _SKIPPED = COUNTER["found"], COUNTER["calls"], COUNTER["skipped"]
 
 
-def _triton_module():
+def triton_module():
     """The Triton backend module, interpreted on CPU-only machines even if another test module
     imported it compiled first (Triton picks compiled or interpreted when the kernels are
     defined); None where Triton is not installed."""
@@ -52,7 +52,7 @@ def _backends():
     status = backend_status()
     if status["cpu"] == "available":
         out.append(("cpu", "cpu"))
-    if status["triton"] == "available" or _triton_module() is not None:
+    if status["triton"] == "available" or triton_module() is not None:
         out.append(("triton", "cuda" if ON_GPU else "cpu"))
     if status["cuda"] == "available" and torch.cuda.is_available():
         out.append(("cuda", "cuda"))
@@ -64,7 +64,7 @@ BACKENDS = _backends()
 
 def _mod(name, device):
     if name == "triton":
-        return _triton_module()
+        return triton_module()
     return get_backend(name, torch.device(device))
 
 

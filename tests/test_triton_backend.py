@@ -731,8 +731,7 @@ def test_fast_launch_is_on_for_compiled_kernels_here():
     assert on == ((3, 4) <= major_minor < (4, 0)) and (reason is None) == on, (version, reason)
     if not on:
         pytest.skip(f"fast launch off here: {reason}")
-    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks",
-                                                        "bench_triton_host.py"),
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "host", "--triton",
                            "--steps", "3", "--rounds", "1", "--json"],
                           env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -13,7 +13,7 @@ command, the most valuable facts first, each within its own time budget (``--bud
 - ``--stage 2`` (5 minutes on a warm machine): what only a GPU can tell first, ``big_tests``
   (the 2**31-element tests, one at a time), ``sanitizer`` (a memcheck subset), ``bench_step``
   and ``bench_kernels --quick`` on cuda (at 2**18, 2**22 and 2**26 elements, where the device
-  time is measured), ``triton_sweep`` (``benchmarks/sweep_triton.py`` at 2**26: the Triton
+  time is measured), ``triton_sweep`` (``python -m benchmarks triton`` at 2**26: the Triton
   step against a copy per block size and warp count, and its ``fast_launch`` lines against
   fused Adam), the main job on cuda for 5 tasks; then ``rest_tests``
   (every other test file, mostly what CI runs on its CPU) in the time that is left.
@@ -52,18 +52,16 @@ checkout:
 5. ``sanitizer``: ``compute-sanitizer --tool memcheck`` over ``tests/test_cuda_backend.py``
    (without the 2**31-element test; ``--quick``: the many-tensor and unaligned tests), when
    ``compute-sanitizer`` is on PATH or in ``$CUDA_HOME/bin``.
-6. ``bench_kernels``: ``benchmarks/bench_kernels.py --device cuda`` (``--quick`` with --quick).
-   ``triton_sweep``: ``benchmarks/sweep_triton.py --numel 2**26`` (its JSON lines in
+6. ``bench_kernels``: ``python -m benchmarks kernels --device cuda`` (``--quick`` with --quick).
+   ``triton_sweep``: ``python -m benchmarks triton --numel 2**26`` (its JSON lines in
    ``gpu_check_<stamp>_triton_sweep_cuda.jsonl``; two block sizes, two warp counts and 10
    repeats with --quick or --stage).
-7. ``bench_step``: ``benchmarks/bench_step.py --device cuda --out benchmarks/results``, if
-   that script exists.
-   ``plan_key``: ``benchmarks/bench_plan_key.py --host-only --device cuda``: the host's part
+7. ``bench_step``: ``python -m benchmarks step --device cuda --out benchmarks/results``.
+   ``plan_key``: ``python -m benchmarks host --host-only --device cuda``: the host's part
    of a step (the kernels a no-op) on the MLP and 1,000 x 4,096 tensors.
-8. ``check_finite``: ``benchmarks/check_finite_overhead.py --device cuda``: the cost of the
+8. ``check_finite``: ``python -m benchmarks check --device cuda``: the cost of the
    backends' own finite check at 2**24 elements, fp32 and bf16.
-9. ``bench_training``: ``benchmarks/bench_training.py --device cuda``, if it takes
-   ``--device``.
+9. ``bench_training``: ``python -m benchmarks training --device cuda``.
 10. ``main_job``: ``python -m emcl_continual --method emcl --stream permuted-mnist --seeds 0``
    with ``--device cuda`` and with ``--device cpu`` (``--quick``: the first 5 tasks), recording
    ACC and training time of each.
@@ -107,15 +105,21 @@ from typing import Dict, List, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
+
+
+def repo_relative(text: str) -> str:
+    """``text`` with the repository's folder written as a path relative to it, so that the
+    files a check writes name no machine's folders."""
+    return text.replace(ROOT + os.sep, "").replace(ROOT, ".")
 STAGES = ("env", "deps", "build", "smoke", "gpu_tests", "tests", "rest_tests", "big_tests",
-          "sanitizer", "bench_kernels", "triton_sweep", "bench_step", "plan_key",
+          "sanitizer", "bench_kernels", "triton_sweep", "bench_step", "bench_arrays", "plan_key",
           "check_finite", "bench_training", "main_job")
 #: The stages of the full run (no --stage).
 FULL = ("env", "deps", "build", "tests", "sanitizer", "bench_kernels", "triton_sweep",
-        "bench_step", "plan_key", "check_finite", "bench_training", "main_job")
+        "bench_step", "bench_arrays", "plan_key", "check_finite", "bench_training", "main_job")
 #: [note: two stages]: the stages of --stage 1 and --stage 2, and their time budgets (s).
 STAGE_SETS = {1: ("env", "deps", "build", "smoke", "gpu_tests"),
-              2: ("env", "deps", "build", "big_tests", "sanitizer", "bench_step",
+              2: ("env", "deps", "build", "big_tests", "sanitizer", "bench_step", "bench_arrays",
                   "bench_kernels", "triton_sweep", "plan_key", "main_job", "rest_tests")}
 STAGE_BUDGETS = {1: 360, 2: 300}
 #: The test files with tests that run only on a GPU or on the GPU backends (stage 1); the
@@ -123,7 +127,7 @@ STAGE_BUDGETS = {1: 360, 2: 300}
 GPU_TEST_FILES = ("tests/test_cuda_backend.py", "tests/test_triton_backend.py",
                   "tests/test_capturable.py", "tests/test_graphed.py", "tests/test_amp.py",
                   "tests/test_compile.py", "tests/test_checkpoint.py", "tests/test_misuse.py",
-                  "tests/test_distributed.py", "tests/test_runs_kernels.py")
+                  "tests/test_distributed.py", "tests/test_runs.py", "tests/test_runs_kernels.py")
 #: The GPU-only tests of the other files: stage 1 runs them too, since a 270 s stage 2 seldom
 #: reaches the rest of the suite (tests/test_gpu_check.py checks that none is missing).
 GPU_TESTS_ELSEWHERE = (
@@ -155,13 +159,15 @@ _MENTIONS_GPU = re.compile(r"\b(GPU|GPUs|CUDA|cuda)\b")
 _TIMEOUTS = {"env": (300, 300), "deps": (300, 300), "build": (1800, 1800),
              "tests": (5400, 3600), "sanitizer": (3600, 120), "bench_kernels": (2400, 90),
              "triton_sweep": (1200, 120),
-             "bench_step": (2400, 120), "plan_key": (300, 60), "check_finite": (900, 300),
+             "bench_step": (2400, 120), "bench_arrays": (1200, 60), "plan_key": (300, 60),
+             "check_finite": (900, 300),
              "bench_training": (2400, 900), "main_job": (1800, 90),
              "smoke": (240, 150), "gpu_tests": (600, 600), "rest_tests": (600, 600),
              "big_tests": (300, 120)}
 # Below this many seconds left in the budget, a stage is not started.
 _MIN_SECONDS = {"build": 60, "smoke": 30, "gpu_tests": 30, "rest_tests": 30, "big_tests": 40,
                 "sanitizer": 30, "bench_kernels": 30, "triton_sweep": 30, "bench_step": 30,
+                "bench_arrays": 20,
                 "plan_key": 20, "main_job": 30}
 
 
@@ -268,8 +274,7 @@ def kernel_headline(path: str) -> Dict:
 
 
 # The EMCL backends a staged benchmark times (every one without --stage).
-STAGED_BACKENDS = {"bench_step.py": ("cuda", "triton"),
-                   "bench_kernels.py": ("cuda", "triton", "foreach")}
+STAGED_BACKENDS = {"step": ("cuda", "triton"), "kernels": ("cuda", "triton", "foreach")}
 
 
 def generic_headline(path: str) -> Dict:
@@ -563,7 +568,7 @@ class GpuCheck:
         extra = {k: v for k, v in (env or {}).items() if os.environ.get(k) != v}
         shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(extra.items())
                          if k not in ("PYTHONPATH",))
-        stage.commands.append((shown + " " if shown else "") + printable)
+        stage.commands.append(repo_relative((shown + " " if shown else "") + printable))
         if self.args.dry_run:
             print(f"    $ {stage.commands[-1]}")
             return 0, ""
@@ -571,7 +576,7 @@ class GpuCheck:
               flush=True)
         run_env = {**self.env, **(env or {})}
         with open(log, "w") as fh:
-            fh.write(f"$ {stage.commands[-1]}\n# cwd {cwd}\n")
+            fh.write(f"$ {stage.commands[-1]}\n# cwd {repo_relative(cwd) or '.'}\n")
             fh.flush()
             proc = subprocess.Popen(list(cmd), cwd=cwd, env=run_env, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, errors="replace",
@@ -628,9 +633,9 @@ class GpuCheck:
     def _py(self, *args: str) -> List[str]:
         return [self.python, *args]
 
-    def _help(self, script: str) -> str:
+    def _help(self, *args: str) -> str:
         try:
-            out = subprocess.run(self._py(script, "--help"), capture_output=True, text=True,
+            out = subprocess.run(self._py(*args, "--help"), capture_output=True, text=True,
                                  timeout=300, env=self.env, cwd=ROOT)
             return out.stdout + out.stderr
         except (OSError, subprocess.SubprocessError):
@@ -927,30 +932,30 @@ class GpuCheck:
         st.detail = (f"memcheck: {errors if errors is not None else '?'} errors; tests: "
                      + ", ".join(f"{v} {k2}" for k2, v in counts.items()) + f" (-k '{k}')")
 
-    def _bench(self, st: StageResult, script: str, pattern: str, required_device: bool) -> None:
-        path = os.path.join(ROOT, "benchmarks", script)
-        if not os.path.isfile(path):
-            st.status, st.detail = "skipped", f"benchmarks/{script} does not exist"
+    def _bench(self, st: StageResult, name: str, pattern: str, required_device: bool) -> None:
+        """``python -m benchmarks NAME --device cuda`` with the options its ``--help`` lists."""
+        help_text = self._help("-m", "benchmarks", name)
+        if "usage:" not in help_text:
+            st.status, st.detail = "skipped", f"the suite has no benchmark {name!r}"
             return
-        help_text = self._help(path)
         if required_device and "--device" not in help_text:
-            st.status, st.detail = "skipped", f"benchmarks/{script} takes no --device"
+            st.status, st.detail = "skipped", f"benchmark {name} takes no --device"
             return
-        cmd = self._py(os.path.relpath(path, ROOT), "--device", "cuda")
+        cmd = self._py("-m", "benchmarks", name, "--device", "cuda")
         if "--out-dir" in help_text:
             cmd += ["--out-dir", os.path.relpath(self.results, ROOT)]
         elif re.search(r"--out\b", help_text):
             cmd += ["--out", os.path.relpath(self.results, ROOT)]
         if (self.quick or self.args.stage) and "--quick" in help_text:
             cmd.append("--quick")
-        if self.args.stage and script == "bench_kernels.py":
+        if self.args.stage and name == "kernels":
             # the quick sizes (2**10..2**18) are host time on a GPU: one of them, and two where
             # the device time, not the call, is measured
             cmd += ["--sizes", "18", "22", "26"]
         if self.args.stage and "--backends" in help_text:
             # within a stage's minutes: EMCL's GPU backends beside torch's optimizers (the
             # reference and foreach EMCL backends took 60 of bench_step's 109 s on the H200)
-            cmd += ["--backends", *STAGED_BACKENDS.get(script, ())]
+            cmd += ["--backends", *STAGED_BACKENDS.get(name, ())]
         t0 = time.time()
         rc, tail = self.run(st, cmd, st.name, self.timeout(st.name))
         if self.args.dry_run:
@@ -965,7 +970,8 @@ class GpuCheck:
         if jsons:
             try:
                 key = {"bench_kernels": "kernels", "bench_step": "step",
-                       "check_finite": "check_finite", "bench_training": "training"}[st.name]
+                       "bench_arrays": "arrays", "check_finite": "check_finite",
+                       "bench_training": "training"}[st.name]
                 reader = kernel_headline if key == "kernels" else generic_headline
                 headline = self.summary_extra["benchmarks"][key] = reader(jsons[-1])
                 if headline.get("bugs"):
@@ -975,16 +981,16 @@ class GpuCheck:
                 st.detail += f"; could not read {os.path.basename(jsons[-1])}: {exc}"
 
     def stage_bench_kernels(self, st: StageResult) -> None:
-        self._bench(st, "bench_kernels.py", "kernels_*cuda*", required_device=False)
+        self._bench(st, "kernels", "kernels_*cuda*", required_device=False)
 
     def stage_triton_sweep(self, st: StageResult) -> None:
-        """``benchmarks/sweep_triton.py`` at 2**26 fp32/bf16 elements: the Triton step's GB/s
+        """``python -m benchmarks triton`` at 2**26 fp32/bf16 elements: the Triton step's GB/s
         against a copy for each block size and warp count, the odd-tensor and check costs, the
         1,000-tensor host time and the ``fast_launch`` lines (the optimizer's step on the MLP
         and on 1,000 x 4,096 against fused Adam). Staged or quick: two block sizes and two warp
         counts, 10 repeats."""
         out = os.path.join(self.results, f"gpu_check_{self.stamp}_triton_sweep_cuda.jsonl")
-        cmd = self._py("benchmarks/sweep_triton.py", "--numel", str(2 ** 26),
+        cmd = self._py("-m", "benchmarks", "triton", "--numel", str(2 ** 26),
                        "--out", os.path.relpath(out, ROOT))
         if self.quick or self.args.stage:
             cmd += ["--blocks", "2048", "4096", "--warps", "4", "8", "--reps", "10"]
@@ -1005,7 +1011,12 @@ class GpuCheck:
         st.detail = (f"exit {rc}; " if rc else "") + f"{len(lines)} lines in {os.path.basename(out)}"
 
     def stage_bench_step(self, st: StageResult) -> None:
-        self._bench(st, "bench_step.py", "step_*", required_device=False)
+        self._bench(st, "step", "step_*", required_device=False)
+
+    def stage_bench_arrays(self, st: StageResult) -> None:
+        """``python -m benchmarks arrays --device cuda``: N = 1 ... 256 runs of the MLP as one
+        array against N optimizers, HFTA's way (quick: 3 rounds)."""
+        self._bench(st, "arrays", "arrays_*", required_device=False)
 
     def stage_plan_key(self, st: StageResult) -> None:
         """The host's part of a step on cuda (the kernels a no-op): what the per-step plan key
@@ -1013,7 +1024,7 @@ class GpuCheck:
         passes alone (``--key-passes``)."""
         path = os.path.join(self.results, f"gpu_check_{self.stamp}_plan_key_cuda.json")
         passes = os.path.join(self.results, f"gpu_check_{self.stamp}_plan_key_passes_cuda.json")
-        rcs = [self.run(st, self._py("benchmarks/bench_plan_key.py", flag, "--device", "cuda",
+        rcs = [self.run(st, self._py("-m", "benchmarks", "host", flag, "--device", "cuda",
                                      "--rounds", "3", "--steps", "200",
                                      "--out", os.path.relpath(out, ROOT)),
                         name, self.timeout("plan_key"))[0]
@@ -1046,10 +1057,10 @@ class GpuCheck:
         st.detail = "; ".join(details) or "no result file"
 
     def stage_check_finite(self, st: StageResult) -> None:
-        self._bench(st, "check_finite_overhead.py", "check_finite_*", required_device=True)
+        self._bench(st, "check", "check_finite_*", required_device=True)
 
     def stage_bench_training(self, st: StageResult) -> None:
-        self._bench(st, "bench_training.py", "training_*", required_device=True)
+        self._bench(st, "training", "training_*", required_device=True)
 
     def stage_main_job(self, st: StageResult) -> None:
         result: Dict = {}
@@ -1094,8 +1105,8 @@ class GpuCheck:
         if self.args.skip_tests:
             skip |= {"tests", "sanitizer"}
         if self.args.skip_benchmarks:
-            skip |= {"bench_kernels", "triton_sweep", "bench_step", "plan_key", "check_finite",
-                     "bench_training"}
+            skip |= {"bench_kernels", "triton_sweep", "bench_step", "bench_arrays", "plan_key",
+                     "check_finite", "bench_training"}
         for name in list(only) + list(skip):
             if name not in STAGES:
                 raise SystemExit(f"unknown stage {name!r}; the stages are {', '.join(STAGES)}")

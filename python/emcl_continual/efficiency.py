@@ -1,7 +1,7 @@
 """Efficiency like for like: each held-out row's ACC against its controlled training time and cost.
 
 Inputs: ``results/efficiency/controlled_cpu.json``, written by
-``python benchmarks/bench_training.py --heldout results/heldout ...`` (every report row of each
+``python -m benchmarks training --heldout results/heldout ...`` (every report row of each
 stream trained on the stream's first tasks at its reported configuration, in interleaved rounds
 with one torch thread, plus one counted pass: forward passes, backward passes and weight updates
 per incoming sample), and the held-out files of each stream (the ACC of the report rows, and the

@@ -1,8 +1,7 @@
 """Tune and check the Triton backend's step (the op interface of ``emcl_kernels.interface``).
 
-    python benchmarks/sweep_triton.py                       # on a GPU: everything below
-    python benchmarks/sweep_triton.py --host                # any machine: host cost only
-    TRITON_INTERPRET=1 python benchmarks/sweep_triton.py --smoke   # CPU, tiny: does it run?
+    python -m benchmarks triton                             # on a GPU: everything below
+    TRITON_INTERPRET=1 python -m benchmarks triton --smoke  # CPU, tiny: does it run?
 
 On a GPU it prints, one JSON object per line:
 
@@ -24,24 +23,16 @@ On a GPU it prints, one JSON object per line:
    in ``emcl_kernels/backends/triton.py``), blocks of calls alternating, against
    ``torch.optim.Adam(fused=True).step()`` on the same parameters.
 
-``--host`` measures, on any machine, the host cost of a step call of this backend with the
-kernel launches taken out (the tables' look-up, the key of 1,000 tensors, the argument
-packing, the fast launch's key; Triton's own argument binding where a call goes through its
-JIT): see ``benchmarks/bench_triton_host.py``, which also times the optimizer's path above the
-backend and compares two checkouts.
-Times are medians of CUDA-event timings (``time.perf_counter`` for host costs; ``--host`` also
-reports the process's CPU time, which a loaded shared machine inflates less).
+The host cost of the backend's step without a GPU is ``python -m benchmarks host --triton``.
+Times are medians of CUDA-event timings (``time.perf_counter`` for host costs).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
@@ -117,45 +108,13 @@ def wall_per_call(fn, device, calls):
     return (time.perf_counter() - t) / calls
 
 
-def host_cost(n_tensors, numel, calls, out):
-    """Host time per step call with the launches taken out, on CPU tensors (the kernels
-    replaced by ``bench_triton_host.JitWithoutLaunch``)."""
-    from benchmarks.bench_triton_host import JitWithoutLaunch
-    torch.set_num_threads(1)
-    group = Group([numel] * n_tensors, torch.float32, torch.device("cpu"))
-    kernels = TB._kernels
-    saved = kernels.emcl_step_kernel, kernels.emcl_check_kernel
-    kernels.emcl_step_kernel = JitWithoutLaunch(saved[0])
-    kernels.emcl_check_kernel = JitWithoutLaunch(saved[1])
-    try:
-        for check in (False, True):
-            fn = lambda: group.step("inner_meta", check=check)  # noqa: E731
-            fn()
-            wall, cpu = [], []
-            for _ in range(7):
-                t, c = time.perf_counter(), time.process_time()
-                for _ in range(calls):
-                    fn()
-                wall.append((time.perf_counter() - t) / calls)
-                cpu.append((time.process_time() - c) / calls)
-            # CPU time too: on a shared machine, wall time includes waiting for a core
-            w, c = statistics.median(wall), statistics.median(cpu)
-            out({"host": "stubbed launches", "tensors": n_tensors, "check": check,
-                 "us_per_call": round(w * 1e6, 1), "us_per_tensor": round(w * 1e6 / n_tensors, 3),
-                 "cpu_us_per_call": round(c * 1e6, 1),
-                 "cpu_us_per_tensor": round(c * 1e6 / n_tensors, 3),
-                 "load_average": round(os.getloadavg()[0], 1)})
-    finally:
-        kernels.emcl_step_kernel, kernels.emcl_check_kernel = saved
-
-
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks triton",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--numel", type=int, default=2 ** 24)
     ap.add_argument("--blocks", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--host", action="store_true", help="host cost only (stubbed launches)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, to check it runs on CPU")
     ap.add_argument("--out", default=None, help="also write the JSON lines to this file")
     args = ap.parse_args(argv)
@@ -176,12 +135,6 @@ def main(argv=None):
 
 
 def _run(args, out):
-    if args.host:
-        if TB.INTERPRETED:
-            sys.exit("--host times the compiled path: run it without TRITON_INTERPRET=1")
-        host_cost(1000, 4096, 200, out)
-        host_cost(6, 4096, 2000, out)
-        return
     device = torch.device("cuda" if torch.cuda.is_available() and not TB.INTERPRETED else "cpu")
     if TB.unavailable_reason("triton", device.type):
         sys.exit(f"triton backend unavailable: {TB.unavailable_reason('triton', device.type)}")
@@ -296,7 +249,3 @@ def fast_launch_ab(layout, shapes, device, out, calls=200, blocks=8):
          "fast_over_adam": round(med["fast"] / med["adam"], 3),
          "jit_over_adam": round(med["jit"] / med["adam"], 3),
          "blocks_us": {k: [round(x * 1e6, 1) for x in v] for k, v in times.items()}})
-
-
-if __name__ == "__main__":
-    main()

@@ -1,40 +1,33 @@
 """What the non-finite gradient check costs: each backend's own read-only pass over the
 gradients (``check_finite``) alone, and the optimizer's step with ``check_finite=True`` against
-the same step with ``check_finite=False``, on 2**24 gradient elements, fp32 and bf16.
+the same step with ``check_finite=False``, fp32 and bf16.
 
-    python benchmarks/check_finite_overhead.py [--device cpu|cuda] [--threads 1] [--repeats 20]
+    python -m benchmarks check [--device cpu|cuda] [--threads 1] [--repeats 20] [--numel 16777216]
 
-Two layouts of 2**24 elements: one tensor, and 50 tensors of uneven sizes. The check reads the
-gradients once (4 B per fp32 element, 2 B per bf16 one) and writes one flag; the table gives
-its time, the gradient bytes it read per second, and what it adds to ``inner_step()`` (20 B per
-fp32 element without it) and to ``step()`` with ``meta_every=1`` (28 B). Timings are the
-minimum over ``--repeats`` interleaved runs (other jobs on a shared machine only add time; the
-medians are kept too); on a GPU each is bracketed by synchronizations. Writes
-``benchmarks/results/check_finite_<stamp>_<device>.json``.
+Two layouts of ``--numel`` elements (2**24 by default): one tensor, and 50 tensors of uneven
+sizes. The check reads the gradients once (4 B per fp32 element, 2 B per bf16 one) and writes
+one flag; the table gives its time, the gradient bytes it read per second, and what it adds to
+``inner_step()`` (20 B per fp32 element without it) and to ``step()`` with ``meta_every=1``
+(28 B). Timings are the minimum over ``--repeats`` interleaved runs (other jobs on a shared
+machine only add time; the medians are kept too); on a GPU each is bracketed by
+synchronizations. Writes ``check_finite_<stamp>_<device>.json`` into ``--out``.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import common
+from emcl_kernels import FusedEMCLOptimizer, available_backends
+from emcl_kernels.backends import BackendUnavailableError, get_backend
+from emcl_kernels.plan import new_counters
 
-from benchmarks import common  # noqa: E402
-from emcl_kernels import FusedEMCLOptimizer, available_backends  # noqa: E402
-from emcl_kernels.backends import BackendUnavailableError, get_backend  # noqa: E402
-from emcl_kernels.plan import new_counters  # noqa: E402
 
-N = 1 << 24
-LAYOUTS = {
-    "one tensor of 2^24": [N],
-    "50 tensors, 2^24 in all": None,  # uneven sizes, below
-}
+def _size_name(n: int) -> str:
+    return f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else f"{n:,}"
 
 
 def _uneven(total: int, count: int) -> list:
@@ -45,11 +38,6 @@ def _uneven(total: int, count: int) -> list:
     return sizes
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _interleaved(fns: dict, device, repeats: int) -> dict:
     """{name: (min, median) seconds}, the functions run in turn each repeat."""
     for fn in fns.values():
@@ -57,11 +45,7 @@ def _interleaved(fns: dict, device, repeats: int) -> dict:
     times = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
-            _sync(device)
-            t = time.perf_counter()
-            fn()
-            _sync(device)
-            times[k].append(time.perf_counter() - t)
+            times[k].append(common.time_once(fn, device))
     return {k: (min(v), statistics.median(v)) for k, v in times.items()}
 
 
@@ -76,10 +60,12 @@ def _params(sizes, dtype, device):
     return out
 
 
-def run(device: torch.device, backends: list, repeats: int) -> list:
+def run(device: torch.device, backends: list, repeats: int, numel: int) -> list:
+    """One record per layout, dtype and backend (each timed with ``repeats`` interleaved runs)."""
     rows = []
-    for layout, sizes in LAYOUTS.items():
-        sizes = sizes or _uneven(N, 50)
+    layouts = {f"one tensor of {_size_name(numel)}": [numel],
+               f"50 tensors, {_size_name(numel)} in all": _uneven(numel, 50)}
+    for layout, sizes in layouts.items():
         for dtype in (torch.float32, torch.bfloat16):
             for backend in backends:
                 mod = get_backend(backend, device)
@@ -98,10 +84,10 @@ def run(device: torch.device, backends: list, repeats: int) -> list:
                 t = _interleaved(fns, device, repeats)
                 check_s = t["check alone"][0]
                 row = dict(device=str(device), backend=backend, layout=layout,
-                           tensors=len(sizes), elements=N, dtype=str(dtype)[6:],
+                           tensors=len(sizes), elements=numel, dtype=str(dtype)[6:],
                            repeats=repeats, check_ms=check_s * 1e3,
                            check_median_ms=t["check alone"][1] * 1e3,
-                           check_read_gbps=N * grads[0].element_size() / check_s / 1e9)
+                           check_read_gbps=numel * grads[0].element_size() / check_s / 1e9)
                 for call in ("inner_step", "step"):
                     on, off = t[f"{call} check"][0], t[f"{call} no check"][0]
                     row[f"{call}_check_ms"] = on * 1e3
@@ -119,11 +105,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--numel", type=int, default=1 << 24, help="elements per layout (>= 50)")
     ap.add_argument("--backends", default="", help="comma-separated; default: every available "
                     "backend for the device but the reference")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                  "results"))
+    ap.add_argument("--out", default=common.RESULTS_DIR, help="folder of the results file")
     args = ap.parse_args(argv)
+    if args.numel < 50 or args.repeats < 1:
+        ap.error("--numel must be at least 50 (the second layout's tensors) and --repeats >= 1")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     names = [b for b in args.backends.split(",") if b] or [
@@ -136,8 +124,8 @@ def main(argv=None) -> dict:
         except (BackendUnavailableError, ValueError) as exc:
             print(f"skipping {b}: {exc}")
     load_before = common.load_average()
-    rows = run(device, backends, args.repeats)
-    result = dict(created_utc=common.utc_now(), command=" ".join(sys.argv),
+    rows = run(device, backends, args.repeats, args.numel)
+    result = dict(created_utc=common.utc_now(), command=common.command_line(sys.argv),
                   machine=common.machine_info(), device=str(device),
                   device_name=common.device_name(device), threads=args.threads,
                   load_average_before=load_before, load_average_after=common.load_average(),
@@ -147,13 +135,6 @@ def main(argv=None) -> dict:
                       "check_read_gbps": round(r["check_read_gbps"], 2),
                       "inner_step_overhead_pct": round(r["inner_step_overhead_pct"], 1),
                       "step_overhead_pct": round(r["step_overhead_pct"], 1)} for r in rows})
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"check_finite_{common.utc_stamp()}_{device.type}.json")
-    with open(path, "w") as fh:
-        json.dump(result, fh, indent=1)
-    print(f"wrote {path}")
+    path = common.write_result(result, args.out, f"check_finite_{common.utc_stamp()}_{device.type}")
+    print(f"wrote {common.relative(path)}")
     return result
-
-
-if __name__ == "__main__":
-    main()

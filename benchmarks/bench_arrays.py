@@ -1,0 +1,293 @@
+"""Many runs, one launch: the optimizer's step over an array of N runs of the paper's MLP.
+
+    python -m benchmarks arrays                   # CPU at 1 and 2 threads (or the GPU)
+    python -m benchmarks arrays --quick           # N = 1 and 4, 3 rounds (the smoke test)
+    python -m benchmarks arrays --runs 1 16 64 --threads 1 --ops inner --name arrays_<machine>
+
+For N runs of the MLP 784-100-100-10 (89,610 fp32 elements per run), each run with its own
+learning rate and ``reg``, it times on the same machine, interleaved round by round:
+
+* ``array``: one ``FusedEMCLOptimizer`` with a param group of ``runs=N`` over the stacked weights
+  ([N, 100, 784], ...), per-run ``lr`` and ``reg``: one native call per step;
+* ``separate``: N optimizers over N MLPs, stepped one after another (today's way to run N);
+* ``hfta``: HFTA's way (Horizontally Fused Training Array, MLSys 2021): the stacked weights and
+  the per-run values as [N, 1, ...] tensors, the update written as ordinary per-parameter torch
+  ops that broadcast them (no single kernel);
+* ``floor``: a bare loop over the same bytes (``torch.ops.emcl.stream_probe_``, the streams of
+  the step: bench_step's floors), on a CPU whose extension has the probes.
+
+``--ops``: ``inner`` (``inner_step()``, 20 B per fp32 element: θ, g, θ₀, h read, θ written) and
+``step`` (``step()`` with ``meta_every=1``: the fused inner+meta step, 28 B). Each record names
+``runs``, the contender, the times (ms; median, quartiles, min), ``ratio_to_separate`` and
+``ratio_to_floor``. The goals: never slower than the separate optimizers, and from N = 16 up
+within 1.15x of the floor on the CPU (on a GPU: 64 runs in 1/20 of the separate time).
+Output: ``benchmarks/results/<name>.json`` (``--name``, default ``arrays_<device>``) and a
+``.png`` beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from typing import Callable, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import common, timing  # noqa: E402
+
+import torch  # noqa: E402
+
+from emcl_kernels import FusedEMCLOptimizer  # noqa: E402
+
+SCHEMA = "emcl-kernels/bench_arrays/1"
+MLP = (784, 100, 100, 10)
+RUNS = (1, 4, 16, 64, 256)
+OPS = {"inner": ("inner_step", 3, 20), "step": ("step", 2, 28)}  # call, probe kind, bytes
+GOAL_TO_FLOOR, GOAL_FROM_RUNS = 1.15, 16
+
+
+def mlp_shapes() -> list:
+    shapes = []
+    for fan_in, fan_out in zip(MLP[:-1], MLP[1:]):
+        shapes += [(fan_out, fan_in), (fan_out,)]
+    return shapes
+
+
+def per_run_values(n: int) -> dict:
+    """Each run's own learning rate and reg (a sweep's grid, spread out)."""
+    return {"lr": [0.01 + 0.09 * i / max(1, n - 1) for i in range(n)],
+            "reg": [1.0 + 9.0 * ((7 * i) % n) / max(1, n - 1) for i in range(n)]}
+
+
+HYPER = dict(meta_lr=0.1, gamma=0.1, decay=0.9, lr_mode="inverse")
+
+
+def make_array(n: int, device, gen) -> tuple:
+    params = [(0.1 * torch.randn((n, *s), generator=gen)).to(device).requires_grad_()
+              for s in mlp_shapes()]
+    for p in params:
+        p.grad = 1e-3 * torch.randn(p.shape, generator=gen).to(device)
+    return params
+
+
+def array_contender(n: int, device, gen, call: str) -> Callable[[], None]:
+    params = make_array(n, device, gen)
+    opt = FusedEMCLOptimizer([{"params": params, "runs": n, **per_run_values(n)}], **HYPER,
+                             meta_every=1 if call == "step" else None)
+    return getattr(opt, call)
+
+
+def separate_contender(n: int, device, gen, call: str) -> Callable[[], None]:
+    values = per_run_values(n)
+    steps = []
+    for r in range(n):
+        params = [(0.1 * torch.randn(s, generator=gen)).to(device).requires_grad_()
+                  for s in mlp_shapes()]
+        for p in params:
+            p.grad = 1e-3 * torch.randn(p.shape, generator=gen).to(device)
+        opt = FusedEMCLOptimizer(params, lr=values["lr"][r], reg=values["reg"][r], **HYPER,
+                                 meta_every=1 if call == "step" else None)
+        steps.append(getattr(opt, call))
+
+    def run() -> None:
+        for s in steps:
+            s()
+    return run
+
+
+def hfta_contender(n: int, device, gen, call: str) -> Callable[[], None]:
+    """EMCL's update as HFTA writes its fused optimizers: per-parameter torch ops, the per-run
+    hyper-parameters as [N, 1, ...] tensors broadcast against the stacked weights."""
+    params = make_array(n, device, gen)
+    anchors = [p.detach().clone() for p in params]
+    imps = [torch.zeros_like(p) for p in params]
+    values = per_run_values(n)
+
+    def column(v, p):
+        return torch.tensor(v, dtype=torch.float32, device=device).view(-1, *[1] * (p.dim() - 1))
+    lrs = [column(values["lr"], p) for p in params]
+    regs = [column(values["reg"], p) for p in params]
+    gamma_regs = [HYPER["gamma"] * r for r in regs]
+    decay, meta_lr = HYPER["decay"], HYPER["meta_lr"]
+
+    @torch.no_grad()
+    def run() -> None:
+        for p, a, h, lr, reg, gr in zip(params, anchors, imps, lrs, regs, gamma_regs):
+            theta = p.detach()
+            theta.sub_(lr * p.grad)                                  # θ̂ = θ − β·g
+            c = h * gr
+            theta.sub_((c / (1 + c)) * (theta - a))                  # the proximal pull
+            if call == "step":
+                h.mul_(decay).add_((p.grad * a).abs_(), alpha=1 - decay)
+                rate = (meta_lr / reg) / (h + 1e-8)                  # inverse mode, r = 1/λ
+                a.sub_(rate * h * reg * (a - theta))
+                theta.copy_(a)
+    return run
+
+
+def floor_contender(n: int, device, kind: int) -> Optional[Callable[[], None]]:
+    if not common.stream_probes_available(device):
+        return None
+    numel = n * sum(torch.Size(s).numel() for s in mlp_shapes())
+    tensors = [torch.rand(numel, device=device) for _ in range(4)]
+    return lambda: torch.ops.emcl.stream_probe_(*tensors, kind)
+
+
+def time_round_robin(contenders: dict, device, rounds: int, calls: int) -> dict:
+    """Seconds per call of each contender: ``rounds`` rounds, each contender ``calls`` calls
+    per round, the contenders interleaved within every round (a slow spell of the machine
+    hits them all)."""
+    out = {name: [] for name in contenders}
+    for name, fn in contenders.items():  # warm-up
+        fn()
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            t = timing.time_calls([fn] * calls, device)
+            out[name].append(sum(t) / calls)
+    return out
+
+
+def summarize(seconds: list) -> dict:
+    ms = sorted(s * 1e3 for s in seconds)
+    q = statistics.quantiles(ms, n=4, method="inclusive") if len(ms) > 1 else [ms[0]] * 3
+    return {"median_ms": statistics.median(ms), "q25_ms": q[0], "q75_ms": q[2],
+            "min_ms": ms[0], "rounds": len(ms)}
+
+
+def measure(n: int, op: str, device, threads: int, rounds: int, log) -> list:
+    call, kind, nbytes = OPS[op]
+    gen = torch.Generator().manual_seed(n)
+    contenders = {"array": array_contender(n, device, gen, call),
+                  "separate": separate_contender(n, device, gen, call),
+                  "hfta": hfta_contender(n, device, gen, call)}
+    floor = floor_contender(n, device, kind) if device.type == "cpu" else None
+    if floor is not None:
+        contenders["floor"] = floor
+    numel = n * sum(torch.Size(s).numel() for s in mlp_shapes())
+    # about 20 ms of work per contender and round
+    calls = max(1, min(50, int(2e-2 / max(numel * nbytes / 10e9, 2e-5 * n))))
+    times = time_round_robin(contenders, device, rounds, calls)
+    stats = {name: summarize(t) for name, t in times.items()}
+    records = []
+    for name, s in stats.items():
+        r = {"runs": n, "op": op, "threads": threads, "contender": name, **s,
+             "elements": numel, "bytes_per_element": nbytes,
+             "gbps": numel * nbytes / (s["median_ms"] / 1e3) / 1e9,
+             "ratio_to_separate": s["median_ms"] / stats["separate"]["median_ms"],
+             "ratio_to_floor": (s["median_ms"] / stats["floor"]["median_ms"]
+                                if "floor" in stats else None)}
+        records.append(r)
+    a = stats["array"]
+    log(f"  N={n:4d} {op:5s} {threads}T  array {a['median_ms']:8.3f} ms  separate "
+        f"{stats['separate']['median_ms']:8.3f}  hfta {stats['hfta']['median_ms']:8.3f}"
+        + (f"  floor {stats['floor']['median_ms']:8.3f}" if "floor" in stats else ""))
+    return records
+
+
+def verdicts(records: list, device) -> dict:
+    """The goals, read off the records (met / missed per (op, threads, runs))."""
+    out = {}
+    for r in records:
+        if r["contender"] != "array":
+            continue
+        key = f"{r['op']} {r['threads']}T N={r['runs']}"
+        v = {"not_slower_than_separate": r["ratio_to_separate"] <= 1.0}
+        if device.type == "cpu" and r["runs"] >= GOAL_FROM_RUNS and r["ratio_to_floor"]:
+            v["within_1.15x_of_floor"] = r["ratio_to_floor"] <= GOAL_TO_FLOOR
+        if device.type == "cuda" and r["runs"] == 64:
+            v["at_most_1/20_of_separate"] = r["ratio_to_separate"] <= 1 / 20
+        out[key] = v
+    return out
+
+
+def plot(result: dict, path: str) -> Optional[str]:
+    if common.plotting_unavailable():
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    combos = sorted({(r["op"], r["threads"]) for r in result["records"]})
+    fig, axes = plt.subplots(1, len(combos), figsize=(5 * len(combos), 4), squeeze=False)
+    for ax, (op, threads) in zip(axes[0], combos):
+        for name in ("array", "separate", "hfta", "floor"):
+            rs = sorted((r for r in result["records"] if r["op"] == op
+                         and r["threads"] == threads and r["contender"] == name),
+                        key=lambda r: r["runs"])
+            if rs:
+                ax.plot([r["runs"] for r in rs], [r["median_ms"] / r["runs"] * 1e3 for r in rs],
+                        marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("runs N")
+        ax.set_ylabel("µs per run-step")
+        ax.set_title(f"{op}, {threads} thread(s)" if result["device"] == "cpu" else op)
+        ax.legend()
+    fig.suptitle(f"MLP 784-100-100-10, fp32: {result['machine']['summary']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (the GPU if any)")
+    p.add_argument("--runs", type=int, nargs="+", default=list(RUNS), help="array widths N")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+                   help="CPU thread counts (ignored on a GPU)")
+    p.add_argument("--ops", nargs="+", choices=sorted(OPS), default=sorted(OPS))
+    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds per cell")
+    p.add_argument("--quick", action="store_true",
+                   help="3 rounds; on the CPU also N = 1 and 4 at one thread (a smoke test)")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                 "results"))
+    p.add_argument("--name", default=None, help="output stem (default arrays_<device>)")
+    return p
+
+
+def main(argv: Optional[list] = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    bad = [n for n in args.runs if n < 1]
+    if bad:
+        raise SystemExit(f"bench_arrays: --runs must be positive, got {bad}")
+    if args.quick:
+        args.rounds = 3
+        if device.type == "cpu":
+            args.runs, args.threads = [n for n in args.runs if n <= 4] or [1, 4], [1]
+    threads = args.threads if device.type == "cpu" else [torch.get_num_threads()]
+    log = print
+    log(f"bench_arrays on {common.machine_info()['summary']} ({device})")
+    warning = common.busy_warning(device)
+    if warning:
+        log("WARNING: " + warning)
+    records = []
+    saved_threads = torch.get_num_threads()
+    try:
+        for t in threads:
+            if device.type == "cpu":
+                torch.set_num_threads(t)
+            for op in args.ops:
+                for n in args.runs:
+                    records += measure(n, op, device, t, args.rounds, log)
+    finally:
+        torch.set_num_threads(saved_threads)
+    result = {"schema": SCHEMA, "device": device.type, "machine": common.machine_info(),
+              "created": common.utc_now(), "command": "python -m benchmarks arrays "
+              + " ".join(argv if argv is not None else sys.argv[1:]),
+              "busy_warning": warning, "records": records,
+              "verdicts": verdicts(records, device)}
+    stem = args.name or f"arrays_{device.type}" + ("_quick" if args.quick else "")
+    path = common.write_result(result, args.out, stem)
+    png = plot(result, os.path.join(args.out, stem + ".png"))
+    log(f"wrote {os.path.relpath(path)}" + (f" and {os.path.relpath(png)}" if png else ""))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""Host time of a step: what ``FusedEMCLOptimizer.step()`` spends outside the kernels, on the
+paper's MLP 784-100-100-10 (6 tensors) and on 1,000 x 4,096 fp32 tensors, one thread.
+
+    python -m benchmarks host [--device cpu|cuda] [--out FILE]    # the host's part of a step
+    python -m benchmarks host --key-passes                         # the plan key: C++ vs Python
+    python -m benchmarks host --triton                             # the triton backend's host path
+
+Default (``--host-only``): the backend's ``step`` replaced by a function that does nothing, so
+the kernels' memory traffic leaves the number alone; once with the same gradient tensors every
+step and once with gradients that change every step (a pool of three sets, as autograd
+allocates them anew; the time of assigning them subtracted). The fastest round
+(``*_fastest_us``) is the one least disturbed by other jobs on a shared machine.
+
+``--key-passes``: the same host time with the per-step plan key's C++ passes
+(``_C.plan_grads``, ``_C.identical``, ``_C.items_are``) and with its Python passes alone (as
+without the extension), alternating round by round in one process on the same optimizer.
+
+``--triton``: the ``triton`` backend's host path on CPU tensors with its kernel launches taken
+out (``benchmarks/triton_host.py``): the backend's step, the optimizer's step above it, the
+plan layer, and how often the launches go through Triton's JIT rather than the fast launch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from benchmarks import common
+from emcl_kernels import FusedEMCLOptimizer
+
+LAYOUTS = {"mlp": [(100, 784), (100,), (100, 100), (100,), (10, 100), (10,)],
+           "many": [(4096,)] * 1000}
+
+
+def _plans(opt):
+    runtime = getattr(opt, "_runtime", None)
+    return runtime.plans if runtime is not None else opt._plans
+
+
+def _median_us(fn, n, clock=time.perf_counter):
+    out = []
+    for _ in range(n):
+        t = clock()
+        fn()
+        out.append(clock() - t)
+    return statistics.median(out) * 1e6
+
+
+def host_only(args) -> dict:
+    """Host time of ``step()`` with the backend call replaced by a no-op, per layout, with
+    the same gradients every step and with gradients that change every step."""
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    device = torch.device(args.device)
+    out = {}
+    for name, shapes in LAYOUTS.items():
+        params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.01).to(device))
+                  for s in shapes]
+        pool = [[(torch.randn(p.shape, generator=gen) * 1e-3).to(device) for p in params]
+                for _ in range(3)]
+        for p, g in zip(params, pool[0]):
+            p.grad = g
+        opt = FusedEMCLOptimizer(params, meta_every=1, backend=args.backend)
+        opt.step()
+        backend = _plans(opt)[0].backend
+        real = backend.step
+        backend.step = lambda *a, **k: None
+        n = args.steps if name == "mlp" else max(40, args.steps // 10)
+        i = [0]
+
+        def fresh():
+            i[0] += 1
+            for p, g in zip(params, pool[i[0] % 3]):
+                p.grad = g
+            opt.step()
+
+        def swap_only():  # the same assignments without the step, subtracted
+            i[0] += 1
+            for p, g in zip(params, pool[i[0] % 3]):
+                p.grad = g
+
+        try:
+            same, changing, assign = [], [], []
+            for _ in range(args.rounds):
+                for p, g in zip(params, pool[0]):
+                    p.grad = g
+                same.append(_median_us(opt.step, n))
+                changing.append(_median_us(fresh, n))
+                assign.append(_median_us(swap_only, n))
+        finally:
+            backend.step = real
+        a = statistics.median(assign)
+        out[name] = {"same_grads_us": statistics.median(same),
+                     "changing_grads_us": statistics.median(changing) - a,
+                     "same_grads_fastest_us": min(same),
+                     "changing_grads_fastest_us": min(changing) - min(assign),
+                     "same_rounds_us": same, "changing_rounds_us": changing,
+                     "assign_rounds_us": assign}
+        print(f"{name:5s} host time of step(), backend call a no-op: same grads "
+              f"{out[name]['same_grads_us']:8.1f} us, changing grads "
+              f"{out[name]['changing_grads_us']:8.1f} us")
+    return out
+
+
+def key_passes(args) -> dict:
+    """Host time of ``step()`` (the backend call a no-op) with the plan key's C++ passes
+    (``_C.plan_grads``, ``_C.identical``, ``_C.items_are``) and with its Python passes alone,
+    alternating round by round in one process on the same optimizer, so both see the same
+    load; the same gradients every step and gradients that change every step (the time of
+    assigning them subtracted)."""
+    from emcl_kernels import plan as P
+    if P._plan_grads is None:
+        raise SystemExit("--key-passes needs the compiled extension (emcl_kernels._C)")
+    variants = {"native": (P._plan_grads, P._identical, P._items_are),
+                "python": (None, P._py_identical, P._py_items_are)}
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    device = torch.device(args.device)
+    out = {}
+    try:
+        for name, shapes in LAYOUTS.items():
+            params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.01).to(device))
+                      for s in shapes]
+            pool = [[(torch.randn(p.shape, generator=gen) * 1e-3).to(device) for p in params]
+                    for _ in range(3)]
+            opt = FusedEMCLOptimizer(params, meta_every=1, backend=args.backend)
+            n = args.steps if name == "mlp" else max(40, args.steps // 10)
+            times = {v: {"same": [], "changing": []} for v in variants}
+
+            def assign(i):
+                for p, g in zip(params, pool[i % 3]):
+                    p.grad = g
+
+            for r in range(2 * args.rounds):
+                order = list(variants) if r % 2 == 0 else list(variants)[::-1]
+                for label in order:
+                    P._plan_grads, P._identical, P._items_are = variants[label]
+                    assign(0)
+                    opt._runtime.plans = None   # built again, with this variant's key
+                    opt.step()
+                    backend = opt._runtime.plans[0].backend
+                    real, backend.step = backend.step, (lambda *a, **k: None)
+                    try:
+                        t = time.perf_counter()
+                        for _ in range(n):
+                            opt.step()
+                        times[label]["same"].append((time.perf_counter() - t) / n * 1e6)
+                        t = time.perf_counter()
+                        for i in range(n):
+                            assign(i)
+                            opt.step()
+                        stepped = time.perf_counter() - t
+                        t = time.perf_counter()
+                        for i in range(n):
+                            assign(i)
+                        times[label]["changing"].append(
+                            (stepped - (time.perf_counter() - t)) / n * 1e6)
+                    finally:
+                        backend.step = real
+            out[name] = {v: {m: {"min": min(x), "median": statistics.median(x), "rounds": x}
+                             for m, x in d.items()} for v, d in times.items()}
+            for v in variants:
+                print(f"{name:5s} {v:6s} key passes: same grads "
+                      f"{out[name][v]['same']['min']:7.1f} us (fastest round), "
+                      f"{out[name][v]['same']['median']:7.1f} (median); changing grads "
+                      f"{out[name][v]['changing']['min']:7.1f}, "
+                      f"{out[name][v]['changing']['median']:7.1f}")
+    finally:
+        P._plan_grads, P._identical, P._items_are = variants["native"]
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks host",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", default="auto", help="default: auto (cpu on the CPU)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--steps", type=int, default=400, help="calls per round (MLP; fewer on many)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default=None, help="write the record to this JSON file")
+    ap.add_argument("--note", default="", help="recorded in the file")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--host-only", action="store_true",
+                      help="the host's part of a step alone, the backend call a no-op (default)")
+    mode.add_argument("--key-passes", action="store_true",
+                      help="the same with the key's C++ passes against its Python passes")
+    mode.add_argument("--triton", action="store_true",
+                      help="the triton backend's own host path, its launches taken out "
+                           "(CPU tensors, no GPU needed)")
+    ap.add_argument("--block", type=int, default=10,
+                    help="--triton: steps of one optimizer before the other's")
+    ap.add_argument("--json", action="store_true", help="print the record as JSON on stdout")
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.rounds < 1:
+        ap.error("--steps and --rounds must be at least 1")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no GPU here")
+    if args.triton and torch.device(args.device).type != "cpu":
+        ap.error("--triton times the host path on CPU tensors: leave --device out")
+    if args.triton:
+        from benchmarks import triton_host
+        res = {"load_before": common.load_average(), "threads": 1, "steps": args.steps,
+               "rounds": args.rounds, **triton_host.measure(args),
+               "load_after": common.load_average()}
+    else:
+        torch.set_num_threads(1)
+        measure = key_passes if args.key_passes else host_only
+        res = {"what": measure.__doc__.split("\n\n")[0].replace("\n    ", " "),
+               "backend": args.backend, "device": args.device, "threads": 1,
+               "load_before": common.load_average(), "layouts": measure(args),
+               "load_after": common.load_average()}
+    res.update(machine=common.machine_info(), command=common.command_line(sys.argv), note=args.note)
+    if args.out:
+        folder, name = os.path.split(os.path.abspath(args.out))
+        common.write_result(res, folder, os.path.splitext(name)[0])
+    if args.json:
+        print(json.dumps(res))
+    return res
