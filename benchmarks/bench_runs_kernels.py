@@ -1,8 +1,8 @@
-"""Arrays of runs in the ``cpu`` backend: what one call over N runs costs against N calls of one
-run each, and whether a single run's call got slower.
+"""Arrays of runs in the ``cpu`` backend's kernels: what one native call over N runs costs
+against N calls of one run each, and whether a single run's call got slower.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_runs_kernels.py array --out FILE.json
-    OMP_NUM_THREADS=1 python benchmarks/bench_runs_kernels.py single --trees A B --out FILE.json
+    OMP_NUM_THREADS=1 python -m benchmarks array-kernels array --out FILE.json
+    OMP_NUM_THREADS=1 python -m benchmarks array-kernels single --trees OLD NEW --out FILE.json
 
 ``array``: per model (``tiny``: 2 tensors, 2,080 elements per run; ``mlp``: the 784-100-100-10
 MLP, 89,610 elements per run) and number of runs N, the fp32 ``step`` (op inner_meta, inverse
@@ -16,8 +16,10 @@ call for a build before arrays of runs) or ``torch.ops.emcl.step_`` (``--entry o
 parses the schema, which gained ``runs``), timed in child processes that alternate between the
 source trees given (each tree's own ``emcl_kernels._C``), several rounds; medians of each tree.
 
-The machine is a shared 2-core VM: timings are upper bounds, and only the ratios inside one
-process (``array``) or across alternating processes (``single``) mean something.
+Where the machine is shared with other jobs, timings are upper bounds, and only the ratios
+inside one process (``array``) or across alternating processes (``single``) mean something; the
+file records the load average. (``python -m benchmarks arrays`` times the same question through
+the optimizer, against HFTA's way and the bytes' floor.)
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -130,18 +133,26 @@ def measure_single(blocks: int, per_block: int, entry: str) -> dict:
     return {"block_medians_us": [round(x, 2) for x in out], "so": _C.__file__}
 
 
-def _machine() -> dict:
-    sys.path.insert(0, REPO)
+def _machine(argv) -> dict:
     from benchmarks import common
     import torch
-    return {"machine": common.machine_info(), "load_average": common.load_average(),
-            "torch_threads": torch.get_num_threads(), "commit": common.git_commit(),
-            "note": "shared 2-core VM (other engineers' jobs running): timings are upper "
-                    "bounds; compare only within a file"}
+    return {"command": common.command_line(argv), "machine": common.machine_info(),
+            "load_average": common.load_average(), "torch_threads": torch.get_num_threads(),
+            "note": "compare only within this file: on a machine shared with other jobs the "
+                    "times are upper bounds"}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _unavailable() -> Optional[str]:
+    """Why the cpu backend cannot run here, or None."""
+    from emcl_kernels.backends import backend_status
+    status = backend_status()["cpu"]
+    return None if status == "available" else status
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks array-kernels",
+                                 description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="mode", required=True)
     a = sub.add_parser("array")
     a.add_argument("--runs", type=int, nargs="+", default=[2, 8, 32])
@@ -160,23 +171,31 @@ def main() -> None:
     c.add_argument("--blocks", type=int, required=True)
     c.add_argument("--per-block", type=int, required=True)
     c.add_argument("--entry", choices=("direct", "ops"), required=True)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import torch
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if args.mode == "child":
-        print(json.dumps(measure_single(args.blocks, args.per_block, args.entry)))
-        return
-    sys.path.insert(0, REPO)
-    if args.mode == "array":
+        out = measure_single(args.blocks, args.per_block, args.entry)
+        print(json.dumps(out))
+        return out
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    from benchmarks import common
+    command = [sys.argv[0]] + argv
+    why = _unavailable() if args.mode == "array" else None
+    if why is not None:
+        print(f"array-kernels: the cpu backend is not available: {why}")
+        result = {"kind": "runs_array_vs_separate_cpu", **_machine(command), "rows": [],
+                  "skipped": why}
+    elif args.mode == "array":
         rows = []
         for model in args.models:
             for runs in args.runs:
                 row = measure_array(model, runs, args.blocks, args.per_block)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-        result = {"kind": "runs_array_vs_separate_cpu", **_machine(), "rows": rows,
-                  "load_average_end": None}
+        result = {"kind": "runs_array_vs_separate_cpu", **_machine(command), "rows": rows}
     else:
         per_tree = {t: [] for t in args.trees}
         so = {}
@@ -192,21 +211,32 @@ def main() -> None:
                 got = json.loads(proc.stdout.strip().splitlines()[-1])
                 per_tree[tree] += got["block_medians_us"]
                 so[tree] = got["so"]
-        rows = [{"tree": t, "extension": so[t], "median_us": round(statistics.median(v), 2),
-                 "min_block_us": round(min(v), 2), "blocks": len(v)}
-                for t, v in per_tree.items()]
+        def name(path):  # inside this repository: relative; else the folder's name
+            rel = common.relative(path)
+            return os.path.basename(os.path.normpath(path)) if os.path.isabs(rel) else rel
+
+        def commit(tree):
+            got = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"],
+                                 capture_output=True, text=True)
+            return got.stdout.strip() or None
+
+        rows = [{"tree": name(t), "tree_commit": commit(t),
+                 "extension": os.path.join(name(t), os.path.relpath(so[t], t)),
+                 "median_us": round(statistics.median(v), 2), "min_block_us": round(min(v), 2),
+                 "blocks": len(v)} for t, v in per_tree.items()]
         for row in rows:
             print(json.dumps(row), flush=True)
-        result = {"kind": "runs1_step_cpu_trees", **_machine(), "model": "mlp",
+        result = {"kind": "runs1_step_cpu_trees", **_machine(command), "model": "mlp",
                   "entry": args.entry, "rounds": args.rounds,
                   "call": "inner_meta fp32 inverse prox check finalize, runs=1",
                   "rows": rows}
-    from benchmarks import common
     result["load_average_end"] = common.load_average()
     if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
             f.write("\n")
+    return result
 
 
 if __name__ == "__main__":

@@ -66,6 +66,11 @@ REGISTRY = {b.name: b for b in (
               "What does one step of N runs of the paper's MLP cost as one array, against N "
               "separate optimizers, HFTA's way and the bytes' floor?",
               ("--quick", "--out", "{out}")),
+    Benchmark("array-kernels", "bench_runs_kernels",
+              "What does one native cpu call over N runs cost against N single-run calls, and "
+              "is a single run's call as fast as before arrays?",
+              ("array", "--runs", "2", "--models", "tiny", "--blocks", "1", "--per-block", "2",
+               "--out", "{out}/array-kernels.json")),
     Benchmark("imports", "bench_imports",
               "How much does `import emcl_kernels` cost beyond `import torch`?",
               ("--runs", "1", "--out", "{out}/imports.json")),
