@@ -479,9 +479,28 @@ void update_typed(const Lists& l, const double* raw, const float* grad_scale, in
   const bool scaled = grad_scale != nullptr;
   const acc_t scale = scaled ? static_cast<acc_t>(*grad_scale) : acc_t(1);
 
-  // Elements [begin, end) of tensor k with the hyper-parameters hp.
+  const auto& offsets =
+      flat_offsets(l.params.size(), [&](size_t k) { return l.params[k].numel(); });
+  if (runs == 1) {  // the single run's pass, written out as before arrays existed
+    const Hyper<Vec> hp = make_hyper<acc_t>(raw, scale, scaled).template as<Vec>();
+    for_each_range(offsets, [&](size_t k, int64_t begin, int64_t end) {
+      // data_ptr() once per range: a few loads from the TensorImpl.
+      const Pointers<scalar_t, acc_t> ptrs{
+          static_cast<scalar_t*>(l.params[k].data_ptr()),
+          static_cast<const scalar_t*>(l.grads[k].data_ptr()),
+          static_cast<acc_t*>(l.anchors[k].data_ptr()),
+          static_cast<acc_t*>(l.importances[k].data_ptr()),
+          kReadsAlpha ? static_cast<acc_t*>(l.meta_lrs[k].data_ptr()) : nullptr};
+      if constexpr (std::is_same_v<scalar_t, acc_t>) {
+        update_full<kOp, kProx, kImp, kLr>(ptrs, begin, end, hp);
+      } else {
+        update_reduced<kOp, kProx, kImp, kLr>(ptrs, begin, end, hp);
+      }
+    });
+    return;
+  }
+  // Elements [begin, end) of tensor k with the hyper-parameters hp (an array's parts).
   auto update_range = [&](size_t k, int64_t begin, int64_t end, const Hyper<Vec>& hp) {
-    // data_ptr() once per range: a few loads from the TensorImpl.
     const Pointers<scalar_t, acc_t> ptrs{
         static_cast<scalar_t*>(l.params[k].data_ptr()),
         static_cast<const scalar_t*>(l.grads[k].data_ptr()),
@@ -494,16 +513,6 @@ void update_typed(const Lists& l, const double* raw, const float* grad_scale, in
       update_reduced<kOp, kProx, kImp, kLr>(ptrs, begin, end, hp);
     }
   };
-
-  const auto& offsets =
-      flat_offsets(l.params.size(), [&](size_t k) { return l.params[k].numel(); });
-  if (runs == 1) {
-    const Hyper<Vec> hp = make_hyper<acc_t>(raw, scale, scaled).template as<Vec>();
-    for_each_range(offsets, [&](size_t k, int64_t begin, int64_t end) {
-      update_range(k, begin, end, hp);
-    });
-    return;
-  }
   // Run r's hyper-parameters, from row r of `hyper`, kept as scalars and broadcast into vectors
   // per part of a range, on the stack: a std::vector of Hyper<Vec> is not allocated at the
   // alignment of AVX-512 vectors here (the aligned copy in update_full faulted).

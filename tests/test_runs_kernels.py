@@ -503,7 +503,7 @@ def _launch_counter(name):
         from emcl_kernels.backends.extension import launch_count
         return launch_count
     if name == "triton":
-        tb = _triton_module()
+        tb = triton_module()
         return lambda: sum(tb.launch_counts.values())
     return None
 

@@ -932,6 +932,8 @@ def step(params, grads, anchors, importances, meta_lrs, steps, hyper, counters, 
         if runs > 1:             # the array's chunks: none crosses a run boundary
             chunks, n_chunks = _chunk_table(
                 device, block, tuple(n for n in map(_numel, params) if n), capturing, runs)
+            if capturing:        # a captured graph reads it at every replay: never freed
+                _keep_for_graph(chunks)
         if cuda and not capturing:
             _ensure_reserve(device, plan.need + 3 * n_chunks)
             _used_here(device, stream, (chunks, plan.tensors, plan.grads))
