@@ -152,7 +152,8 @@ def plot(path: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks run-arrays",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--methods", nargs="+", default=list(arrays.ARRAY_LEARNERS), choices=list(arrays.ARRAY_LEARNERS))
     p.add_argument("--widths", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--warm", type=int, default=3)
