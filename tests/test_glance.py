@@ -253,7 +253,8 @@ _TRITON_SCRIPT = textwrap.dedent("""
     sys.path[:0] = {path!r}
     from emcl_kernels.backends import glance_triton
     assert glance_triton.INTERPRETED, "not interpreted"
-    from tests.test_glance import _net, _samples, _clone, HYPER
+    from test_glance import _net, _samples, _clone, HYPER  # tests/ is on the path: an installed
+    # package named `tests` (some wheels ship one) would shadow tests/ as a namespace package
     from emcl_kernels.glance import mlp_glance_array_
     for widths, runs, n, prox, masked in [((13, 7, 5), 2, 3, True, True),
                                           ((150, 9, 3), 1, 2, False, False),
@@ -284,7 +285,7 @@ def test_triton_kernel_through_the_interpreter():
     pytest.importorskip("triton")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1")
-    path = [root, os.path.join(root, "python")]
+    path = [root, os.path.join(root, "python"), os.path.join(root, "tests")]
     proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT.format(path=path)], env=env,
                           cwd=root, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and "TRITON GLANCE OK" in proc.stdout, proc.stderr[-4000:]
