@@ -7,6 +7,6 @@ Modules: :mod:`.data` (offline loaders), :mod:`.streams` (task streams), :mod:`.
 baselines), :mod:`.train` (one run), :mod:`.metrics` (ACC, BWT), :mod:`.report` and
 :mod:`.plots` (results files), :mod:`.cli`.
 """
-from .streams import Stream, StreamInfo, TaskData, make_stream
+from .data.streams import Stream, StreamInfo, TaskData, make_stream
 
 __all__ = ["Stream", "StreamInfo", "TaskData", "make_stream"]
