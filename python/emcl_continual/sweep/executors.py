@@ -485,9 +485,10 @@ def _ray():
 def _import_paths() -> list:
     """The folders this process imports emcl_continual and emcl_kernels from (a Ray worker gets
     them on its PYTHONPATH: a cluster whose nodes share this checkout's path imports the same code)."""
+    import emcl_continual
     import emcl_kernels
 
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(emcl_continual.__file__)))
     kern = os.path.dirname(os.path.dirname(os.path.abspath(emcl_kernels.__file__)))
     return list(dict.fromkeys([here, kern]))
 
