@@ -1,4 +1,4 @@
-"""``python -m emcl_continual.ablation``: the ablation of SPEC section 2's open defaults and the paper's Table IV switches.
+"""``python -m emcl_continual.ablation``: SPEC section 2's open defaults and the Table IV switches.
 
 The command only; what it runs is :mod:`emcl_continual.reports.ablation` (``--help`` for its options)."""
 import sys

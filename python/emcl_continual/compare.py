@@ -1,4 +1,4 @@
-"""``python -m emcl_continual.compare``: every method on one stream, a table beside the paper's Table III and its Figure 2.
+"""``python -m emcl_continual.compare``: every method on one stream beside the paper's Table III.
 
 The command only; what it runs is :mod:`emcl_continual.reports.compare` (``--help`` for its options)."""
 import sys

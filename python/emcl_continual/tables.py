@@ -1,4 +1,4 @@
-"""``python -m emcl_continual.tables``: every results table and README snippet, rebuilt from the committed files.
+"""``python -m emcl_continual.tables``: every results table and README snippet, from the committed files.
 
 The command only; what it runs is :mod:`emcl_continual.reports.tables` (``--help`` for its options)."""
 import sys
