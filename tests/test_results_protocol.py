@@ -196,9 +196,10 @@ def test_processor_records_the_lowered_cpu_capability_and_its_variable():
 
 
 def test_command_line_names_the_module():
+    import emcl_continual
     from emcl_continual.core import provenance
 
-    here = os.path.dirname(provenance.__file__)
+    here = os.path.dirname(emcl_continual.__file__)  # the package folder, where the commands are
     assert provenance.command_line([os.path.join(here, "selection.py"), "--stream", "x y"]) == \
         "python -m emcl_continual.selection --stream 'x y'"
     assert provenance.command_line([os.path.join(here, "__main__.py"), "--seeds", "0"]) == \
