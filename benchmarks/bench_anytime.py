@@ -41,10 +41,11 @@ for p in (ROOT, os.path.join(ROOT, "python")):
 
 import torch  # noqa: E402
 
-from emcl_continual import presets, train  # noqa: E402
+from emcl_continual.core import presets  # noqa: E402
+from emcl_continual.training import train  # noqa: E402
 from emcl_continual.methods import METHODS  # noqa: E402
-from emcl_continual.provenance import code_version, processor  # noqa: E402
-from emcl_continual.streams import make_stream  # noqa: E402
+from emcl_continual.core.provenance import code_version, processor  # noqa: E402
+from emcl_continual.data.streams import make_stream  # noqa: E402
 
 SEED = presets.REPORT_SEEDS[0]
 

@@ -27,7 +27,7 @@ each block's time per step is taken as wall time and as process CPU time (on a s
 the CPU time is the steadier), and the medians over the blocks are reported.
 
 **The main job** (``--main-job-tasks``, default 5: EMCL on Permuted MNIST, its first tasks,
-seed 0, the CPU): ``emcl_continual.train.run``'s ``train_time_s`` with ``fused_glance`` True and
+seed 0, the CPU): ``emcl_continual.training.train.run``'s ``train_time_s`` with ``fused_glance`` True and
 False, alternating, ``--main-job-rounds`` times each. **Paired runs** (``--paired-seeds``,
 default 0 1 2): whole 20-task runs of both paths per seed; ACC and BWT of each and their
 differences, to set against the reproducibility floor of docs/results.md ("What reproduces
@@ -60,7 +60,7 @@ FLOOR_BYTES_PER_PARAM = 16  # θ read and written, θ₀ and h read
 
 
 def _mlp(seed: int = 0):
-    from emcl_continual import models, streams
+    from emcl_continual.data import models, streams
     info = streams.StreamInfo("permuted-mnist", 1, (WIDTHS[0],), WIDTHS[-1],
                               [(0, WIDTHS[-1])], False)
     torch.manual_seed(seed)
@@ -170,7 +170,7 @@ def time_inner_step(device: torch.device, rounds: int, block_s: float) -> dict:
 
 
 def time_main_job(tasks: int, rounds: int, samples: Optional[int]) -> dict:
-    from emcl_continual import train
+    from emcl_continual.training import train
     runs = {True: [], False: []}
     for r in range(rounds):
         for fused in ((True, False) if r % 2 == 0 else (False, True)):
@@ -189,7 +189,7 @@ def time_main_job(tasks: int, rounds: int, samples: Optional[int]) -> dict:
 
 
 def paired_runs(seeds) -> dict:
-    from emcl_continual import train
+    from emcl_continual.training import train
     rows = []
     for seed in seeds:
         row = {"seed": seed}

@@ -129,11 +129,11 @@ def _prod(shape) -> int:
 
 
 def model_shapes(which: str) -> list:
-    """Parameter shapes of the project's models (``emcl_continual.models``, the one source of
+    """Parameter shapes of the project's models (``emcl_continual.data.models``, the one source of
     truth): the 784-100-100-10 MLP, or the reduced ResNet-18 (nf=20) on 3x32x32 inputs with
     100 outputs (Split CIFAR-100)."""
-    from emcl_continual.models import MLP, ReducedResNet18
-    from emcl_continual.streams import StreamInfo
+    from emcl_continual.data.models import MLP, ReducedResNet18
+    from emcl_continual.data.streams import StreamInfo
 
     if which == "mlp":
         model = MLP(StreamInfo("permuted-mnist", 1, (784,), 10, [(0, 10)], False))
@@ -158,7 +158,7 @@ def build_layouts(choices, sizes) -> tuple[list, dict]:
             try:
                 layouts.append(Layout(LAYOUT_NAMES[choice], model_shapes(choice)))
             except ImportError as exc:
-                skipped[LAYOUT_NAMES[choice]] = (f"emcl_continual.models is not importable "
+                skipped[LAYOUT_NAMES[choice]] = (f"emcl_continual.data.models is not importable "
                                                  f"({exc}); layout skipped")
     return layouts, skipped
 

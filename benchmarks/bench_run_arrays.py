@@ -34,11 +34,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
 
 from emcl_continual import arrays  # noqa: E402
-from emcl_continual.config import build_config  # noqa: E402
+from emcl_continual.training.config import build_config  # noqa: E402
 from emcl_continual.methods import get_method  # noqa: E402
-from emcl_continual.models import build_model  # noqa: E402
-from emcl_continual.provenance import code_version, processor  # noqa: E402
-from emcl_continual.streams import make_stream  # noqa: E402
+from emcl_continual.data.models import build_model  # noqa: E402
+from emcl_continual.core.provenance import code_version, processor  # noqa: E402
+from emcl_continual.data.streams import make_stream  # noqa: E402
 
 STREAM = "permuted-mnist"
 #: batches timed per method (the slow methods take ~100 one-sample steps per incoming sample)

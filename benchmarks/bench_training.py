@@ -19,7 +19,7 @@ backend available for the device (Triton on CPU tensors runs only through its in
 is left out unless ``--cpu-triton``; ``--backends`` chooses); on a GPU each backend twice, its
 glances replayed from CUDA graphs (``graph``, the default there) and eagerly (``eager``;
 ``--emcl-graph on|off|both``). Every baseline whose module is present once. On the
-permutation streams the time is ``emcl_continual.train.run``'s ``train_time_s`` (the
+permutation streams the time is ``emcl_continual.training.train.run``'s ``train_time_s`` (the
 ``observe`` calls, evaluation excluded and recorded apart) with ACC and BWT. Each run is
 warmed up first on a two-batch stream (lazy imports, compilation, allocator), so only
 training is timed; a graphed EMCL run still captures its own graphs, inside its time.
@@ -30,7 +30,7 @@ synchronized around it) over ``--image-batches`` batches of one task; ``ms_per_b
 mean, ``ms_per_batch_steady`` the median after the first ``STEADY_SKIP`` batches (the ones
 that warm up and capture EMCL's graphs). Without ``--data-root`` the data files are written
 in their real formats (CIFAR-100 python pickles, miniImageNet cache pickles) with random
-pixels into a temporary folder and read back through ``emcl_continual.data``; their ACC
+pixels into a temporary folder and read back through ``emcl_continual.data.sources``; their ACC
 means nothing and is not tabulated. ``--image-methods`` picks the methods (default: the ones
 whose batch costs seconds, not minutes, on a CPU).
 
@@ -48,7 +48,7 @@ CPU. One counted pass per row (:class:`CostCounter`: forward passes, backward pa
 updates per incoming sample, counted by hooks on the run itself) then ``--rounds`` timed rounds,
 every row once per round, odd rounds reversed, each run's load average recorded.
 ``python -m emcl_continual.tables`` turns the file into the efficiency page and the tables' time
-columns (:mod:`emcl_continual.efficiency`).
+columns (:mod:`emcl_continual.reports.efficiency`).
 
 Every run here is without anytime evaluation; what ``--eval-every`` adds to a run, per method at
 the presets' K, is ``benchmarks/bench_anytime.py`` (``benchmarks/results/anytime_cost_cpu.json``).
@@ -84,9 +84,9 @@ STEADY_SKIP = 4  # image streams: batches before the steady per-batch median (EM
 def _import_continual():
     """``emcl_continual``'s train loop, streams and method registry, or a clear stop."""
     try:
-        from emcl_continual import train
+        from emcl_continual.training import train
         from emcl_continual.methods import METHODS, get_method
-        from emcl_continual.streams import STREAMS, make_stream
+        from emcl_continual.data.streams import STREAMS, make_stream
     except ImportError as exc:
         raise SystemExit(
             "bench_training.py needs the emcl_continual package (python/emcl_continual in this "
@@ -162,7 +162,7 @@ def devices_for(choice: str) -> tuple[list, Optional[str]]:
 # ---------------------------------------------------------------------------------------------
 
 def write_image_files(root: str, stream: str, samples_per_task: int, seed: int = 0) -> str:
-    """Write ``stream``'s data files under ``root`` in the formats ``emcl_continual.data``
+    """Write ``stream``'s data files under ``root`` in the formats ``emcl_continual.data.sources``
     reads, with random pixels and enough images per class for ``samples_per_task`` samples in
     each task: ``cifar-100-python/{train,test}`` (pickled dicts with ``data`` uint8 (n, 3072)
     and ``fine_labels``) or ``miniimagenet/mini-imagenet-cache-{train,val,test}.pkl`` (dicts
@@ -427,7 +427,7 @@ class CostCounter:
 def run_prefix(train, get_method, method: str, overrides: dict, stream, seed: int, n_tasks: int,
                batch_size: int, device: torch.device = torch.device("cpu"), count: bool = False) -> dict:
     """Train ``method`` (its configuration: its defaults for ``stream`` updated with
-    ``overrides``) on the first ``n_tasks`` tasks of ``stream`` as ``emcl_continual.train.run``
+    ``overrides``) on the first ``n_tasks`` tasks of ``stream`` as ``emcl_continual.training.train.run``
     does (``begin_task``, one ``observe`` per batch, ``end_task``; the model built and
     initialised alike), without evaluating. The stream stays whole, so that a method that sizes
     itself by the number of tasks (GEM's memory per task) is the configuration of the full run.
@@ -436,7 +436,7 @@ def run_prefix(train, get_method, method: str, overrides: dict, stream, seed: in
     ``cpu_time_s`` (the process's CPU time over the same calls, which a loaded machine
     stretches less than the wall clock), ``incoming_samples`` and, with ``count``, the :class:`CostCounter` counts (the counting
     hooks cost time: a counted run is not a timed one)."""
-    from emcl_continual.models import build_model
+    from emcl_continual.data.models import build_model
 
     info = stream.info
     if not 1 <= n_tasks <= info.n_tasks:
@@ -483,8 +483,8 @@ def time_batches(train, get_method, method: str, stream, seed: int, overrides: d
                  device: torch.device, batch_size: int) -> list:
     """Seconds of each ``observe`` of ``method`` over ``stream``'s first task (device
     synchronized around each), set up and bracketed by ``begin_task``/``end_task`` as
-    ``emcl_continual.train.run`` does (the boundaries themselves are not timed)."""
-    from emcl_continual.models import build_model
+    ``emcl_continual.training.train.run`` does (the boundaries themselves are not timed)."""
+    from emcl_continual.data.models import build_model
 
     info = stream.info
     config = train.build_config(method, info.name, seed, overrides)
@@ -702,7 +702,7 @@ def plot(result: dict, path: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 # the rows timed by --heldout, in the tables' order: each method's headline row, then the rows
-# that vary the visits per sample (emcl_continual.tables: "headline" and "visits")
+# that vary the visits per sample (emcl_continual.reports.tables: "headline" and "visits")
 HELDOUT_ROWS = ("sgd", "ewc", "agem", "er", "gem", "mer", "lamaml/own-script", "lamaml", "emcl",
                 "emcl/glances=2", "emcl/glances=5", "lamaml/glances=1")
 HELDOUT_SAMPLES = 2000  # incoming samples timed per stream (2 tasks of 1,000; 10 of 200)
@@ -714,7 +714,7 @@ def heldout_rows(folder: str, names=None) -> list:
     and ``overrides`` exactly as the sweep ran them. A row whose full configuration equals an
     earlier one's (La-MAML selected at its own script's values) is timed once: it is listed
     in that row's ``same_as``."""
-    from emcl_continual.config import build_config
+    from emcl_continual.training.config import build_config
 
     path = os.path.join(folder, "plan.json")
     if not os.path.exists(path):

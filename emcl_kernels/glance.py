@@ -9,7 +9,7 @@ and moves only Î¸ (read for the forward pass, read and written by the update), Î
 
 The network: ``L`` linear layers ``z_l = W_l a_{l-1} + b_l`` with ReLU between them (none
 after the last), the logits ``z_L``; classes marked ``True`` in the sample's ``mask`` are
-excluded (the task's logit mask of ``emcl_continual.models.TaskMasked``: their logits do not
+excluded (the task's logit mask of ``emcl_continual.data.models.TaskMasked``: their logits do not
 enter the softmax and get no gradient). The loss is the cross-entropy of one sample, the
 update every mode of the inner step (``prox`` and not), fp32.
 

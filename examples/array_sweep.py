@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, stack_module_state, vmap
 
-from emcl_continual.data import load_embedded_mnist
+from emcl_continual.data.sources import load_embedded_mnist
 from emcl_kernels import FusedEMCLOptimizer, available_backends
 
 

@@ -15,8 +15,8 @@ from avalanche.training.supervised.lamaml_v2 import LaMAML  # not re-exported by
 from avalanche.training.plugins import EvaluationPlugin
 
 from emcl_continual.avalanche import EMCLStrategy, avalanche_benchmark
-from emcl_continual.models import build_model
-from emcl_continual.streams import make_stream
+from emcl_continual.data.models import build_model
+from emcl_continual.data.streams import make_stream
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--tasks", type=int, default=5)

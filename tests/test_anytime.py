@@ -1,4 +1,4 @@
-"""Anytime evaluation (emcl_continual.anytime) and the metrics computed from its record
+"""Anytime evaluation (emcl_continual.training.anytime) and the metrics computed from its record
 (metrics.anytime_metrics): a run trains the same bits with and without it, for every method; the
 record has the points it promises; every metric against a record computed by hand."""
 from __future__ import annotations
@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from emcl_continual import metrics as M
-from emcl_continual import streams, train
-from emcl_continual.anytime import AnytimeEvaluator, subset_indices
+from emcl_continual.core import metrics as M
+from emcl_continual.data import streams
+from emcl_continual.training import train
+from emcl_continual.training.anytime import AnytimeEvaluator, subset_indices
 from emcl_continual.methods import METHODS
 
 
@@ -285,7 +286,9 @@ def test_tables_carry_the_anytime_runs(tmp_path, monkeypatch):
     import json
     import os
 
-    from emcl_continual import presets, selection, tables
+    from emcl_continual.core import presets
+    from emcl_continual.reports import tables
+    from emcl_continual.sweep import selection
 
     monkeypatch.setattr(presets, "VALIDATION_SEEDS", (100,))
     monkeypatch.setattr(presets, "REPORT_SEEDS", (10, 11))

@@ -19,7 +19,7 @@ def test_absent_avalanche_names_the_install_command():
     """Importing the module without avalanche-lib raises an ImportError that says how to install
     it; the rest of the package never imports it."""
     code = ("import sys; sys.modules['avalanche'] = None\n"
-            "import emcl_continual, emcl_continual.streams, emcl_continual.train\n"
+            "import emcl_continual, emcl_continual.data.streams, emcl_continual.training.train\n"
             "assert 'avalanche' not in [m.split('.')[0] for m in sys.modules if sys.modules[m] is not None]\n"
             "try:\n    import emcl_continual.avalanche\nexcept ImportError as e:\n    print(e)\n"
             "else:\n    raise SystemExit('imported without avalanche')\n")
@@ -46,10 +46,10 @@ if avalanche is not None:
 else:
     MultiTaskModule = SupervisedPlugin = object
 
-from emcl_continual import metrics  # noqa: E402
-from emcl_continual.models import build_model  # noqa: E402
-from emcl_continual.streams import make_stream  # noqa: E402
-from emcl_continual.train import run  # noqa: E402
+from emcl_continual.core import metrics  # noqa: E402
+from emcl_continual.data.models import build_model  # noqa: E402
+from emcl_continual.data.streams import make_stream  # noqa: E402
+from emcl_continual.training.train import run  # noqa: E402
 
 N_TASKS, PER_TASK = 3, 60
 

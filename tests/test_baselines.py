@@ -18,7 +18,7 @@ from torch import nn
 
 from emcl_continual.methods import get_method
 from emcl_continual.methods._qp import agem_project, gem_project, solve_gem_dual
-from emcl_continual.replay import ReservoirBuffer
+from emcl_continual.methods.replay import ReservoirBuffer
 
 BASELINES = ["sgd", "ewc", "gem", "agem", "er", "mer", "lamaml"]
 D_IN, N_CLASSES, N_TASKS = 20, 5, 3
@@ -294,8 +294,8 @@ def test_lamaml_second_order_differs_from_first_order():
 def _package_mlp(multi_head: bool):
     """The package's MNIST model (models.MLP) at the tiny stream's sizes; multi-head: one head
     of 2 classes per task over 6 classes."""
-    from emcl_continual.models import MLP
-    from emcl_continual.streams import StreamInfo
+    from emcl_continual.data.models import MLP
+    from emcl_continual.data.streams import StreamInfo
 
     heads = [(2 * k, 2 * k + 2) for k in range(N_TASKS)] if multi_head else [(0, N_CLASSES)] * N_TASKS
     info = StreamInfo("tiny", N_TASKS, (D_IN,), 2 * N_TASKS if multi_head else N_CLASSES, heads, multi_head)

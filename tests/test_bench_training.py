@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import bench_training  # noqa: E402
 
-from emcl_continual import data, streams  # noqa: E402
+from emcl_continual.data import sources as data, streams  # noqa: E402
 from emcl_continual.methods import METHODS  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -181,7 +181,7 @@ def test_image_stream_reports_time_per_batch(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 def _counted(method, overrides, n_tasks=2, per_task=30):
-    from emcl_continual import train
+    from emcl_continual.training import train
     from emcl_continual.methods import get_method
 
     stream = streams.make_stream("permuted-mnist", 3, n_tasks=n_tasks, samples_per_task=per_task)
@@ -239,9 +239,9 @@ def test_counted_cost_is_what_each_algorithm_does(method, overrides, forward, ba
 
 
 def test_counter_leaves_the_learner_as_it_was():
-    from emcl_continual import train
+    from emcl_continual.training import train
     from emcl_continual.methods import get_method
-    from emcl_continual.models import build_model
+    from emcl_continual.data.models import build_model
 
     stream = streams.make_stream("permuted-mnist", 0, n_tasks=1, samples_per_task=10)
     config = train.build_config("emcl", "permuted-mnist", 0, {})

@@ -187,8 +187,8 @@ def test_layouts_come_from_the_project_models():
     assert ("single", 1024) in by_name and ("single", 4096) in by_name
     mlp = by_name[("mlp-2x100", 784 * 100 + 100 + 100 * 100 + 100 + 100 * 10 + 10)]
     assert mlp.n_tensors == 6
-    from emcl_continual.models import ReducedResNet18
-    from emcl_continual.streams import StreamInfo
+    from emcl_continual.data.models import ReducedResNet18
+    from emcl_continual.data.streams import StreamInfo
     model = ReducedResNet18(StreamInfo("x", 20, (3, 32, 32), 100, [(5 * t, 5 * t + 5) for t in range(20)], True))
     resnet = [l for l in layouts if l.name == "resnet18-reduced"][0]
     assert resnet.numel == sum(p.numel() for p in model.parameters())

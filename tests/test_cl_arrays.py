@@ -18,14 +18,16 @@ import os
 import pytest
 import torch
 
-from emcl_continual import arrays, presets, selection, sweep
+from emcl_continual import arrays
+from emcl_continual.core import presets
+from emcl_continual.sweep import executors as sweep, selection
 from emcl_continual.arrays import base as array_base
 from emcl_continual.arrays.train import run_array
 from emcl_continual.methods import get_method
 from emcl_continual.methods.base import Method
-from emcl_continual.models import build_model
-from emcl_continual.streams import make_stream
-from emcl_continual.train import run
+from emcl_continual.data.models import build_model
+from emcl_continual.data.streams import make_stream
+from emcl_continual.training.train import run
 
 STREAM = "permuted-mnist"
 SMALL = dict(n_tasks=2, samples_per_task=30)
@@ -190,7 +192,7 @@ def test_arrays_refuse_what_they_cannot_train(streams):
     with pytest.raises(ValueError, match="differ only in seed and lr"):
         run_array("sgd", STREAM, [{"seed": 0, "overrides": {}}, {"seed": 0, "overrides": {"init": "xavier"}}],
                   streams=streams)
-    from emcl_continual.streams import StreamInfo
+    from emcl_continual.data.streams import StreamInfo
     resnet = StreamInfo("split-cifar100", 20, (3, 32, 32), 100, [(i * 5, i * 5 + 5) for i in range(20)], True)
     assert "batch norm" in arrays.supports_stream(resnet)
 
@@ -326,7 +328,7 @@ def test_dropping_a_run_keeps_every_other_runs_state(method, streams):
     """An array of three that drops its middle run after a task trains runs 0 and 2 as an array
     of those two trained from the start does (every per-run state sliced alike: weights, memories,
     generators, Fisher terms, learning rates)."""
-    from emcl_continual.config import build_config
+    from emcl_continual.training.config import build_config
 
     info = streams[0].info
     seeds = [0, 1, 0]

@@ -9,7 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from emcl_continual import metrics, models, replay, streams, train
+from emcl_continual.core import metrics
+from emcl_continual.data import models, streams
+from emcl_continual.methods import replay
+from emcl_continual.training import train
 from emcl_continual.methods import METHODS, get_method
 
 
@@ -162,7 +165,7 @@ def test_emcl_observe_follows_algorithm_1():
     anchors = [p.detach().clone() for p in params]
     imps = [torch.zeros_like(p) for p in params]
     buf_gen = torch.Generator().manual_seed(0 * 1000003 + 1)
-    from emcl_continual.replay import ReservoirBuffer
+    from emcl_continual.methods.replay import ReservoirBuffer
     buf = ReservoirBuffer(5, (784,), buf_gen)
     hp_inner = dict(inner_lr=cfg["inner_lr"], reg=cfg["reg"], gamma=cfg["gamma"], prox=True)
     hp_meta = dict(meta_lr=cfg["meta_lr"], reg=cfg["reg"], decay=0.5, lr_scale=1 / cfg["reg"], lr_mode="inverse",
@@ -303,7 +306,7 @@ def test_cli_show_config_and_errors(capsys):
 
 
 def test_ablation_script_resumes_and_tables(tmp_path, capsys):
-    from emcl_continual import ablation
+    from emcl_continual.reports import ablation
 
     out = str(tmp_path / "abl")
     args = ["--seeds", "0", "1", "--n-tasks", "2", "--samples-per-task", "20", "--out", out,
@@ -327,7 +330,8 @@ def test_ablation_script_resumes_and_tables(tmp_path, capsys):
 def test_ablation_default_rows_from_a_compare_results_file(tmp_path, capsys):
     """--default-from takes the EMCL runs of a results.json that also holds baselines, and
     refuses EMCL runs made with another configuration."""
-    from emcl_continual import ablation, report
+    from emcl_continual.output import report
+    from emcl_continual.reports import ablation
 
     s = _tiny_stream(n_tasks=2, per_task=20)
     emcl = train.run("emcl", s, 0, overrides={"backend": "foreach"}, progress=False)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from emcl_continual import data, streams
+from emcl_continual.data import sources as data, streams
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from emcl_continual import config, streams, train
-from emcl_continual.config import ConfigError
+from emcl_continual.data import streams
+from emcl_continual.training import config, train
+from emcl_continual.training.config import ConfigError
 from emcl_continual.methods import METHODS, Method, get_method
-from emcl_continual.schema import float_rule, int_rule
+from emcl_continual.core.schema import float_rule, int_rule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "python", "emcl_continual")
@@ -126,7 +127,7 @@ def test_ewc_consolidates_in_end_task_not_by_guessing_from_the_task_id():
     stream = _tiny_stream()
     cfg = config.build_config("ewc", "permuted-mnist", 0)
     torch.manual_seed(0)
-    from emcl_continual.models import build_model
+    from emcl_continual.data.models import build_model
 
     ewc = get_method("ewc")(build_model(stream.info), stream.info, cfg, "cpu")
     for x, y in stream.batches(0, 10):
@@ -187,7 +188,7 @@ def test_no_import_circles_in_the_package():
         if m not in state:
             visit(m, [m])
     assert not circles, " ; ".join(" -> ".join(c) for c in circles)
-    for leaf in ("emcl_continual.errors", "emcl_continual.schema", "emcl_continual.fileio"):
-        assert graph[leaf] <= {"emcl_continual.errors"}, (leaf, graph[leaf])
-    assert "emcl_continual.compare" not in graph["emcl_continual.rundir"]
-    assert "emcl_continual.train" not in graph["emcl_continual.config"]
+    for leaf in ("emcl_continual.core.errors", "emcl_continual.core.schema", "emcl_continual.core.fileio"):
+        assert graph[leaf] <= {"emcl_continual.core.errors"}, (leaf, graph[leaf])
+    assert "emcl_continual.reports.compare" not in graph["emcl_continual.output.rundir"]
+    assert "emcl_continual.training.train" not in graph["emcl_continual.training.config"]

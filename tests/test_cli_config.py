@@ -11,8 +11,9 @@ import sys
 import pytest
 import torch
 
-from emcl_continual import cli, config, train
-from emcl_continual.config import ConfigError, SEED_LIMIT
+from emcl_continual import cli
+from emcl_continual.training import config, train
+from emcl_continual.training.config import ConfigError, SEED_LIMIT
 from emcl_testing import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,7 +77,7 @@ def test_every_default_key_has_a_type_and_passes_its_own_check():
     """Each method's defaults on each stream are accepted as they are (the schema agrees with
     the presets), and every key gets a rule."""
     from emcl_continual.methods import METHODS, get_method
-    from emcl_continual.streams import STREAMS
+    from emcl_continual.data.streams import STREAMS
 
     for m in METHODS:
         for s in STREAMS:
@@ -180,7 +181,7 @@ def test_seed_limit_is_what_the_methods_generators_accept():
 def test_largest_seed_runs_every_method(capsys):
     """Every method starts and finishes a tiny run at the largest seed (the replay methods
     draw from their generators)."""
-    from emcl_continual.streams import make_stream
+    from emcl_continual.data.streams import make_stream
 
     s = make_stream("permuted-mnist", SEED_LIMIT - 1, n_tasks=2, samples_per_task=10)
     for m in ("sgd", "er", "emcl"):

@@ -13,8 +13,10 @@ import textwrap
 import pytest
 import torch
 
-from emcl_continual import fileio, replay, rundir
-from emcl_continual.errors import WriteError
+from emcl_continual.core import fileio
+from emcl_continual.methods import replay
+from emcl_continual.output import rundir
+from emcl_continual.core.errors import WriteError
 from cli_testing import TINY, run_cli
 from emcl_testing import child_env
 
@@ -25,7 +27,7 @@ def _holder(out) -> subprocess.Popen:
     """Another process that took the lock of ``out`` as a command does, and waits."""
     code = textwrap.dedent(f"""
         import sys, time
-        from emcl_continual.rundir import RunDir
+        from emcl_continual.output.rundir import RunDir
         out = RunDir({str(out)!r}, identity={{"stream": "permuted-mnist", "configs": {{}}, "data": {{}}}},
                      plan=[], command="python -m emcl_continual --method sgd --out FIRST")
         out.check()
@@ -85,7 +87,7 @@ def test_an_unreadable_old_lock_is_taken_over(tmp_path, capsys):
 
 
 def test_compare_run_all_takes_the_lock_too(tmp_path):
-    from emcl_continual import compare
+    from emcl_continual.reports import compare
 
     out = tmp_path / "o"
     first = _holder(out)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from emcl_continual.rundir import load_runs
+from emcl_continual.output.rundir import load_runs
 from cli_testing import TINY, run_cli
 from emcl_testing import child_env
 

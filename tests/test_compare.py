@@ -1,5 +1,5 @@
 """Tests of ``--method all``: the comparison table beside Table III, the training-time figure,
-and the resumable sweep of :mod:`emcl_continual.compare`."""
+and the resumable sweep of :mod:`emcl_continual.reports.compare`."""
 from __future__ import annotations
 
 import json
@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from emcl_continual import compare
+from emcl_continual.reports import compare
 from emcl_continual.cli import main as cli_main
 from emcl_continual.methods import METHODS
-from emcl_continual.rundir import OutputError
+from emcl_continual.output.rundir import OutputError
 
 
 def _fake_run(method, seed, acc, bwt, t, stream="permuted-mnist"):
@@ -68,7 +68,7 @@ def test_cli_method_all_on_a_tiny_stream(tmp_path):
 
 def test_run_all_resumes(tmp_path, monkeypatch):
     torch.set_num_threads(1)
-    import emcl_continual.streams as streams
+    import emcl_continual.data.streams as streams
 
     real = streams.make_stream
     monkeypatch.setattr(streams, "make_stream", lambda name, seed, **kw: real(name, seed, n_tasks=2, samples_per_task=20))
@@ -86,7 +86,7 @@ def test_compare_refuses_a_folder_of_another_configuration(tmp_path, monkeypatch
     """compare keeps its folder with the main CLI's protocol: resumes by default, refuses runs
     of another configuration, --force starts over."""
     torch.set_num_threads(1)
-    import emcl_continual.streams as streams
+    import emcl_continual.data.streams as streams
 
     real = streams.make_stream
     monkeypatch.setattr(streams, "make_stream", lambda name, seed, **kw: real(name, seed, n_tasks=2, samples_per_task=20))
@@ -103,7 +103,7 @@ def test_compare_refuses_a_folder_of_another_configuration(tmp_path, monkeypatch
 
 
 def test_compare_table_only_keeps_the_status(tmp_path, monkeypatch, capsys):
-    import emcl_continual.streams as streams
+    import emcl_continual.data.streams as streams
 
     real = streams.make_stream
     monkeypatch.setattr(streams, "make_stream", lambda name, seed, **kw: real(name, seed, n_tasks=2, samples_per_task=20))

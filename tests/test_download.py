@@ -3,8 +3,8 @@ files in the real formats: MNIST's gzipped IDX files, CIFAR-100's python ``tar.g
 ``train``, ``test`` and ``meta`` pickles under ``cifar-100-python/``). No other network.
 
 torchvision checks the MD5 of what it downloads; the official checksums cannot match files
-written here, so the tests give :func:`emcl_continual.download.fetch` a
-:class:`~emcl_continual.download.Source` with the local URL and these files' checksums (the
+written here, so the tests give :func:`emcl_continual.data.download.fetch` a
+:class:`~emcl_continual.data.download.Source` with the local URL and these files' checksums (the
 command-line tests put that source in place of torchvision's). The official checksums are
 used where a test checks that a mismatch is refused.
 """
@@ -28,8 +28,9 @@ import numpy as np
 import pytest
 import torch
 
-from emcl_continual import data, download, selection, streams
-from emcl_continual.errors import DownloadError
+from emcl_continual.data import download, sources as data, streams
+from emcl_continual.sweep import selection
+from emcl_continual.core.errors import DownloadError
 from cli_testing import TINY, run_cli
 from emcl_testing import child_env
 

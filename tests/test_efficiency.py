@@ -1,4 +1,4 @@
-"""The efficiency page and the tables' time columns (emcl_continual.efficiency, tables): built
+"""The efficiency page and the tables' time columns (emcl_continual.reports.efficiency, tables): built
 from a controlled benchmark file of `bench_training.py --heldout`, and labelled for what they are
 without one."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import bench_training  # noqa: E402
 
-from emcl_continual import efficiency, tables  # noqa: E402
+from emcl_continual.reports import efficiency, tables  # noqa: E402
 
 REPO = bench_training.common.REPO
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from emcl_continual import models, train
+from emcl_continual.data import models
+from emcl_continual.training import train
 from emcl_continual.methods import get_method
 from emcl_continual.methods.emcl_fused import fused_plan
 from emcl_kernels.glance import glance_unavailable_reason

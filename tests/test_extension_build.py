@@ -245,6 +245,8 @@ def test_no_extension_installs_pure_python_without_torch(tmp_path):
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert (target / "emcl_kernels" / "functional.py").is_file()
     assert (target / "emcl_continual" / "__init__.py").is_file()
+    subs = sorted(p.parent.name for p in (tmp_path / "python" / "emcl_continual").glob("*/__init__.py"))
+    assert "core" in subs and [s for s in subs if not (target / "emcl_continual" / s / "__init__.py").is_file()] == []
     assert not list(target.glob("emcl_kernels/_C*"))
 
 

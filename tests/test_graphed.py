@@ -17,7 +17,9 @@ import warnings
 import pytest
 import torch
 
-from emcl_continual import models, replay, streams, train
+from emcl_continual.data import models, streams
+from emcl_continual.methods import replay
+from emcl_continual.training import train
 from emcl_continual.methods import emcl_graphed as graphed
 from emcl_continual.methods import METHODS, get_method
 

@@ -12,7 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from emcl_continual import metrics, models, presets, selection, streams, tables, train
+from emcl_continual.core import metrics, presets
+from emcl_continual.data import models, streams
+from emcl_continual.reports import tables
+from emcl_continual.sweep import selection
+from emcl_continual.training import train
 from emcl_continual.methods import get_method
 from emcl_testing import REPO
 
@@ -182,7 +186,7 @@ def test_processor_records_the_lowered_cpu_capability_and_its_variable():
     import subprocess
     import sys
 
-    code = "import json; from emcl_continual.provenance import processor; print(json.dumps(processor()))"
+    code = "import json; from emcl_continual.core.provenance import processor; print(json.dumps(processor()))"
     env = dict(os.environ, ATEN_CPU_CAPABILITY="default", PYTHONPATH=os.pathsep.join(
         [REPO, os.path.join(REPO, "python"), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
@@ -192,9 +196,10 @@ def test_processor_records_the_lowered_cpu_capability_and_its_variable():
 
 
 def test_command_line_names_the_module():
-    from emcl_continual import provenance
+    import emcl_continual
+    from emcl_continual.core import provenance
 
-    here = os.path.dirname(provenance.__file__)
+    here = os.path.dirname(emcl_continual.__file__)  # the package folder, where the commands are
     assert provenance.command_line([os.path.join(here, "selection.py"), "--stream", "x y"]) == \
         "python -m emcl_continual.selection --stream 'x y'"
     assert provenance.command_line([os.path.join(here, "__main__.py"), "--seeds", "0"]) == \
@@ -287,7 +292,7 @@ def test_uniform_pull_control_pulls_every_element_alike():
 
 
 def test_emcl_variants_are_changes_of_known_keys():
-    from emcl_continual.config import known_keys
+    from emcl_continual.training.config import known_keys
 
     known = set(known_keys("emcl", "permuted-mnist")) | {"lr_scale_times_inv_reg"}
     for name, spec in presets.EMCL_VARIANTS.items():
@@ -303,7 +308,7 @@ def test_same_budget_for_every_method():
     for stream, grids in presets.GRIDS.items():
         assert {len(g) for g in grids.values()} == {4}, stream
         for method, g in grids.items():
-            from emcl_continual.config import known_keys
+            from emcl_continual.training.config import known_keys
 
             known = set(known_keys(method, stream))
             assert all(set(c) <= known for c in g), (stream, method)

@@ -1,4 +1,4 @@
-"""The held-out selection's devices, GPU placement and executors (emcl_continual.sweep).
+"""The held-out selection's devices, GPU placement and executors (emcl_continual.sweep.executors).
 
 CPU paths run for real; the placement arithmetic runs with its real functions and a memory
 reading given by the test (the one input a machine without a GPU cannot give); the runs on a
@@ -17,8 +17,9 @@ import warnings
 import pytest
 import torch
 
-from emcl_continual import presets, selection, sweep, sweep_diff
-from emcl_continual.config import build_config
+from emcl_continual.core import presets
+from emcl_continual.sweep import executors as sweep, selection, sweep_diff
+from emcl_continual.training.config import build_config
 from emcl_continual.methods.emcl import glance_plan
 
 GIB = 1 << 30
@@ -138,7 +139,7 @@ def _task(key, method="sgd", overrides=None, want="cpu", seed=0):
 def test_execute_runs_cpu_runs_behind_a_gpu_run_that_never_fits():
     """A run waiting for GPU memory does not hold the CPU runs behind it; when nothing of the
     sweep runs and it still does not fit, it is reported failed (and nothing ran on a GPU)."""
-    from emcl_continual.provenance import code_version
+    from emcl_continual.core.provenance import code_version
 
     ex = sweep.LocalExecutor(1, 1, gpu_need=4 * GIB, cuda_count=1, mem_info=Memory(cuda_0=(GIB, 8 * GIB)))
     kept, failed = [], []
@@ -179,7 +180,7 @@ class PlacedOnCpu(sweep.LocalExecutor):
 
 
 def test_a_gpu_run_that_does_not_fit_waits_and_the_cpu_runs_behind_it_start():
-    from emcl_continual.provenance import code_version
+    from emcl_continual.core.provenance import code_version
 
     ex = PlacedOnCpu(Memory(cuda_0=(3 * GIB, 8 * GIB)))  # room for one run of 2 GiB at a time
     kept = []
@@ -337,8 +338,8 @@ def test_placer_reads_the_real_gpu_memory():
 @needs_cuda
 def test_emcl_built_on_a_gpu_captures_exactly_where_auto_says_it_pays():
     from emcl_continual.methods import get_method
-    from emcl_continual.models import build_model
-    from emcl_continual.streams import make_stream
+    from emcl_continual.data.models import build_model
+    from emcl_continual.data.streams import make_stream
 
     info = make_stream("permuted-mnist", 0, n_tasks=1, samples_per_task=10).info
     for overrides in ({}, {"importance_norm": "global", "gamma": 1e-3}, {"cuda_graph": False},
@@ -518,7 +519,7 @@ def test_a_signal_while_a_record_is_written_still_counts_that_record(tmp_path, o
 
     monkeypatch.setattr(os, "fsync", fsync_then_signal)
     rows = selection.validation_rows_a("permuted-mnist", ("sgd",))
-    from emcl_continual.errors import CommandInterrupted
+    from emcl_continual.core.errors import CommandInterrupted
 
     with pytest.raises(CommandInterrupted, match="SIGTERM"):
         selection.run_rows(rows, str(path), "permuted-mnist", "validation", jobs=1, n_tasks=2,

@@ -15,7 +15,9 @@ import struct
 
 import pytest
 
-from emcl_continual import cli, selection, trackers
+from emcl_continual import cli
+from emcl_continual.output import trackers
+from emcl_continual.sweep import selection
 
 HAVE_TB = importlib.util.find_spec("tensorboard") is not None
 HAVE_WANDB = importlib.util.find_spec("wandb") is not None

@@ -144,9 +144,9 @@ def run_transformer(spec: dict, seed: int, steps: int) -> dict:
 
 
 def run_permuted(spec: dict, seed: int, steps_unused: int) -> dict:
-    from emcl_continual import metrics
-    from emcl_continual.models import build_model
-    from emcl_continual.streams import make_stream
+    from emcl_continual.core import metrics
+    from emcl_continual.data.models import build_model
+    from emcl_continual.data.streams import make_stream
     stream = make_stream("permuted-mnist", seed)
     torch.manual_seed(seed)
     model = build_model(stream.info)

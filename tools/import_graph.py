@@ -203,7 +203,8 @@ def _report(graph: dict, groups: dict, order) -> dict:
     return {
         "modules": len(graph),
         "edges": {k: sum(1 for ts in graph.values() for v in ts.values() if v == k) for k in ("top", "function")},
-        "graph": {m or "__init__": {t or "__init__": k for t, k in sorted(ts.items())} for m, ts in sorted(graph.items())},
+        "graph": {m or "__init__": {t or "__init__": k for t, k in sorted(ts.items())}
+                  for m, ts in sorted(graph.items())},
         "module_cycles": strongly_connected(graph),
         "groups": {g: sorted(ms) for g, ms in sorted(members.items())},
         "group_edges": [{"from": a, "to": b, "kind": k, "imports": n}

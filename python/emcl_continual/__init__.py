@@ -2,11 +2,13 @@
 
 ``python -m emcl_continual --method emcl --stream permuted-mnist --seeds 0 1 2 3 4 --out DIR``
 
-Modules: :mod:`.data` (offline loaders), :mod:`.streams` (task streams), :mod:`.models`
-(MLP, reduced ResNet-18), :mod:`.replay` (reservoir buffer), :mod:`.methods` (EMCL and the
-baselines), :mod:`.train` (one run), :mod:`.metrics` (ACC, BWT), :mod:`.report` and
-:mod:`.plots` (results files), :mod:`.cli`.
+Sub-packages, each importing only those before it: :mod:`.core` (errors, rules, presets,
+metrics, provenance), :mod:`.data` (data files, task streams, models), :mod:`.methods` (EMCL
+and the baselines, the replay buffer), :mod:`.training` (configuration, one run, anytime
+evaluation), :mod:`.arrays` (run arrays), :mod:`.output` (``--out``, results files, plots,
+trackers), :mod:`.sweep` (the held-out selection), :mod:`.reports` (the reported tables). The
+commands are :mod:`.cli` and the top-level modules named after them.
 """
-from .streams import Stream, StreamInfo, TaskData, make_stream
+from .data.streams import Stream, StreamInfo, TaskData, make_stream
 
 __all__ = ["Stream", "StreamInfo", "TaskData", "make_stream"]

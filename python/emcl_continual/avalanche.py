@@ -21,7 +21,7 @@ per incoming mini-batch, exactly as :class:`emcl_continual.methods.emcl.EMCL` (`
   adapted weights, ``opt.meta_step()`` (θ = θ₀ after it); ``glances`` > 1 repeats inner loop and
   meta step on the same batch; then the batch is offered to the reservoir.
 
-The replay memory is this project's :class:`~emcl_continual.replay.ReservoirBuffer`, updated
+The replay memory is this project's :class:`~emcl_continual.methods.replay.ReservoirBuffer`, updated
 after every batch and drawn from within the current experience (Avalanche's own storage
 policies update at the end of an experience, and LaMAML's never replays the current one). With
 the same model, seed, hyper-parameters and batch order (``train(exp, shuffle=False)``,
@@ -29,7 +29,7 @@ the same model, seed, hyper-parameters and batch order (``train(exp, shuffle=Fal
 (``tests/test_avalanche.py``).
 
 Models. The forward is ``model(x, t)`` for an Avalanche :class:`MultiTaskModule` and for this
-project's models (:mod:`emcl_continual.models`, whose multi-head variant masks the logits by
+project's models (:mod:`emcl_continual.data.models`, whose multi-head variant masks the logits by
 task), ``model(x)`` for any other module. A parameter that takes no part in a sample's loss (a
 multi-head model's other heads) gets a zero gradient rather than none, as the masked logits of
 this project's multi-head models give it: every parameter is then stepped every time (its pull
@@ -60,9 +60,9 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from . import presets
-from .replay import ReservoirBuffer
+from .core import presets
 from .methods.emcl import TABLE_II as EMCL_TABLE_II
+from .methods.replay import ReservoirBuffer
 
 INSTALL_HINT = ("pip install avalanche-lib==0.6.0 quadprog  (from a clone: "
                 "pip install --no-build-isolation -e '.[avalanche]', or make setup-avalanche)")
@@ -298,12 +298,12 @@ class EMCLStrategy(SupervisedMetaLearningTemplate):
 
 def _takes_task(model: nn.Module) -> bool:
     """This project's models (``model(x, task)``, multi-head ones masking the logits by task)."""
-    from .models import TaskMasked
+    from .data.models import TaskMasked
     return isinstance(model, TaskMasked)
 
 
 def avalanche_benchmark(stream):
-    """An Avalanche benchmark of this project's :class:`~emcl_continual.streams.Stream`: one
+    """An Avalanche benchmark of this project's :class:`~emcl_continual.data.streams.Stream`: one
     experience per task, task label = task index, the training samples in the stream's order."""
     from avalanche.benchmarks import tensors_benchmark
     n = len(stream.train)

@@ -37,24 +37,24 @@ import time
 
 import torch
 
-from . import report
-from .anytime import settings
-from .trackers import Trackers, parse_log
-from .command import guarded, make_parser, one_line
-from .compare import ALL_METHODS, comparison_table, write_comparison
-from .config import (ConfigError, build_config, check_seeds, parse_overrides as _parse_overrides, resolve_device,
-                     split_overrides, validate_config, RUN_DEFAULTS)
-from .data import DataFileError, check_labels
-from .download import check_request, download_for_stream
-from .errors import EXIT_CODES, CommandInterrupted, Interrupted, PlotError, RunFailed, UsageError
+from .core.command import guarded, make_parser, one_line
+from .core.errors import EXIT_CODES, CommandInterrupted, Interrupted, PlotError, RunFailed, UsageError
+from .core.presets import BATCH_SIZE
+from .data.download import check_request, download_for_stream
+from .data.models import build_model
+from .data.sources import DataFileError, check_labels
+from .data.streams import STREAMS, make_stream
 from .methods import METHODS, get_method
-from .models import build_model
-from .presets import BATCH_SIZE
-from .rundir import RunDir, execute, execute_arrays, interrupts
-from .streams import STREAMS, make_stream
-from .train import run
+from .output import report
+from .output.rundir import RunDir, execute, execute_arrays, interrupts
+from .output.trackers import Trackers, parse_log
+from .reports.compare import ALL_METHODS, comparison_table, write_comparison
+from .training.anytime import settings
+from .training.config import (ConfigError, build_config, check_seeds, parse_overrides as _parse_overrides,
+                              resolve_device, split_overrides, validate_config, RUN_DEFAULTS)
+from .training.train import run
 
-__all__ = ["main", "build_parser", "make_parser", "parse_overrides", "guarded", "NAMED", "EXIT_CODES",
+__all__ = ["main", "build_parser", "make_parser", "guarded", "NAMED", "EXIT_CODES",
            "UsageError", "PlotError", "RunFailed"]
 
 # Named flags for the common hyper-parameters (anything else: --set key=value).
@@ -62,15 +62,6 @@ NAMED = {
     "meta_lr": float, "inner_lr": float, "reg": float, "gamma": float, "decay": float,
     "lr_scale": float, "lr_mode": str, "importance": str, "memory": int, "replay": int, "lr": float,
 }
-
-def parse_overrides(items: list) -> dict:
-    """``["reg=10", "prox=False"]`` -> ``{"reg": 10, "prox": False}`` (raises SystemExit on a
-    malformed item; used by :mod:`.ablation`)."""
-    try:
-        return _parse_overrides(items)[0]
-    except ConfigError as exc:
-        raise SystemExit(f"error: {exc}") from None
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = make_parser(

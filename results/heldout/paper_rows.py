@@ -6,7 +6,7 @@ stream's other rows.
     PYTHONPATH=$PWD:$PWD/python nice -n 10 python results/heldout/paper_rows.py --stream permuted-mnist
 
 Why a script here and not rows in ``presets.py``: the code tree a run records is a hash of
-``python/``, ``emcl_kernels/``, ``csrc/`` and ``setup.py`` (``emcl_continual.provenance``), so adding
+``python/``, ``emcl_kernels/``, ``csrc/`` and ``setup.py`` (``emcl_continual.core.provenance``), so adding
 row definitions there makes a new code version, and the selection command refuses to append its
 runs to a stream's files. ``results/`` is outside that hash and outside the dirty check, so this
 script, which only names configurations and hands them to the commit's ``selection.run_rows``,
@@ -49,8 +49,9 @@ import json
 import os
 import sys
 
-from emcl_continual import presets, selection
-from emcl_continual.selection import (DEFAULT_OUT, Row, _check_version, _choose, _write_json, load_runs,
+from emcl_continual.core import presets
+from emcl_continual.sweep import selection
+from emcl_continual.sweep.selection import (DEFAULT_OUT, Row, _check_version, _choose, _write_json, load_runs,
                                       run_rows)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reproducibility"))

@@ -1,7 +1,7 @@
 """The report stage's runs again, with anytime evaluation: the rows of the committed tables
 (``results/heldout/STREAM/plan.json``: the same configurations and report seeds) through
-``emcl_continual.selection.run_rows`` with the stream's anytime preset
-(:data:`emcl_continual.presets.ANYTIME`), into ``results/online/STREAM/report.jsonl``.
+``emcl_continual.sweep.selection.run_rows`` with the stream's anytime preset
+(:data:`emcl_continual.core.presets.ANYTIME`), into ``results/online/STREAM/report.jsonl``.
 
     PYTHONPATH=$PWD:$PWD/python python results/online/anytime_rows.py permuted-mnist [ROW ...]
 
@@ -19,7 +19,8 @@ import json
 import os
 import sys
 
-from emcl_continual import presets, selection
+from emcl_continual.core import presets
+from emcl_continual.sweep import selection
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HELDOUT = os.path.join(os.path.dirname(HERE), "heldout")

@@ -78,11 +78,11 @@ def _load(path: str) -> list:
 def run(args) -> int:
     import torch
 
-    from emcl_continual.selection import run_key
     try:  # the sweep commit
-        from emcl_continual.selection import _run_task
+        from emcl_continual.selection import _run_task, run_key
     except ImportError:  # later code runs a task through its executors' run_task
-        from emcl_continual.sweep import run_task as _run_task
+        from emcl_continual.sweep.executors import run_task as _run_task
+        from emcl_continual.sweep.selection import run_key
 
     torch.set_num_threads(args.threads)
     selected = json.load(open(os.path.join(ROOT, "results", "heldout", args.stream, "selected.json")))

@@ -102,7 +102,7 @@ def clip_per_run_(grads: Sequence[Tensor], max_norm: Tensor, max_floats: Sequenc
 
 
 class ArrayReservoir:
-    """The reservoir memory (:class:`~emcl_continual.replay.ReservoirBuffer`) of every run of an
+    """The reservoir memory (:class:`~emcl_continual.methods.replay.ReservoirBuffer`) of every run of an
     array, stored together (``x[N, capacity, ...]``) and drawn per run from that run's generator,
     with the draws of the buffer alone: while it fills, sample ``i`` goes to slot ``i`` (every
     run alike); then each run draws its slot ``randint(0, seen + 1)`` per sample; ``sample(k)``

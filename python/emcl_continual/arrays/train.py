@@ -1,15 +1,15 @@
 """Training an array of runs: :func:`run_array`, the array counterpart of
-:func:`emcl_continual.train.run`.
+:func:`emcl_continual.training.train.run`.
 
 Per run, as alone: the stream of its seed, its model built after ``torch.manual_seed(seed)``,
 the untrained model's accuracy, then per task ``begin_task``, one ``observe`` per batch of its
 stream's order, ``end_task``, and the evaluation of every task. The runs' weights are stacked
 (:mod:`.base`) and each batch is the runs' batches stacked; evaluation copies a run's slice into
-its own model and runs :func:`emcl_continual.metrics.evaluate` on it, the code of the run alone.
+its own model and runs :func:`emcl_continual.core.metrics.evaluate` on it, the code of the run alone.
 
 A run whose loss or weights stop being finite is dropped from the array (every per-run state,
 :meth:`~.base.ArrayLearner.keep`) and returned as failed with the task and batch; the others go
-on. Each finished run gives the record of the run alone (:func:`emcl_continual.train.make_record`)
+on. Each finished run gives the record of the run alone (:func:`emcl_continual.training.train.make_record`)
 plus ``array``: the array's ``id``, its ``width`` when it started, the run's ``index`` in it, and
 the array's whole ``train_time_s`` (the record's own ``train_time_s`` is that divided by the
 runs it trained, its share).
@@ -21,13 +21,13 @@ import time
 
 import torch
 
-from .. import metrics
-from ..config import RUN_DEFAULTS, build_config
-from ..models import build_model
-from ..presets import BATCH_SIZE
-from ..streams import make_stream
-from ..train import make_record
 from . import array_signature, get_learner, supports_stream
+from ..core import metrics
+from ..core.presets import BATCH_SIZE
+from ..data.models import build_model
+from ..data.streams import make_stream
+from ..training.config import RUN_DEFAULTS, build_config
+from ..training.train import make_record
 
 __all__ = ["run_array"]
 

@@ -7,9 +7,8 @@ import argparse
 import sys
 import traceback
 
-from .data import DataFileError
-from .errors import (EXIT_CODES, CommandInterrupted, ConfigError, DownloadError, PlotError, RunFailed, UsageError,
-                     WriteError)
+from .errors import (EXIT_CODES, CommandInterrupted, ConfigError, DataFileError, DownloadError, PlotError, RunFailed,
+                     UsageError, WriteError)
 
 __all__ = ["make_parser", "guarded", "one_line"]
 

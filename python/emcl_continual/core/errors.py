@@ -16,7 +16,7 @@ from __future__ import annotations
 import signal
 
 __all__ = ["EXIT_CODES", "ConfigError", "UsageError", "OutputError", "PlotError", "RunFailed", "WriteError",
-           "DownloadError", "Interrupted", "CommandInterrupted"]
+           "DataFileError", "DownloadError", "Interrupted", "CommandInterrupted"]
 
 EXIT_CODES = {"ok": 0, "error": 1, "usage": 2, "interrupted": 130}
 
@@ -52,6 +52,11 @@ class WriteError(OSError):
 
     def __str__(self) -> str:
         return self.strerror
+
+
+class DataFileError(FileNotFoundError):
+    """A data file is missing or malformed; the message names the file and where it belongs
+    (exit code 1)."""
 
 
 class DownloadError(RuntimeError):

@@ -2,7 +2,7 @@
 
 ``R[i][j]`` is the test accuracy (%) on task ``j`` after training on task ``i`` (0-based, ``T``
 tasks). ``b[j]`` is the accuracy on task ``j`` of the model before any training (the random
-initialisation): the evaluation row that :func:`emcl_continual.train.run` records as
+initialisation): the evaluation row that :func:`emcl_continual.training.train.run` records as
 ``acc_before``. Every metric is in percentage points.
 
 ==================  ==========================================================================
@@ -29,7 +29,7 @@ initialisation): the evaluation row that :func:`emcl_continual.train.run` record
 For a single task the transfer and forgetting metrics are 0 (nothing to transfer to or forget).
 
 **Anytime metrics** (:func:`anytime_metrics`), from the record of
-:class:`emcl_continual.anytime.AnytimeEvaluator`: points ``e`` at ``s_e`` samples seen, while task
+:class:`emcl_continual.training.anytime.AnytimeEvaluator`: points ``e`` at ``s_e`` samples seen, while task
 ``k_e`` was being trained, with ``a_e[j]`` the accuracy on task ``j ≤ k_e`` (on the fixed
 evaluation subset); the last point is the end of the stream, and there is a point at every task
 boundary (labelled with the task that just ended).

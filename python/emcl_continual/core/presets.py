@@ -3,7 +3,7 @@ protocol (validation and report seeds, the grid each method is tuned over) and E
 variants, as plain data.
 
 Each method declares its own hyper-parameters, Table II's among them, in its file
-(``methods/<name>.py``: ``DEFAULTS``, ``TABLE_II``); :mod:`emcl_continual.selection` runs the
+(``methods/<name>.py``: ``DEFAULTS``, ``TABLE_II``); :mod:`emcl_continual.sweep.selection` runs the
 protocol.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ MEMORY = {"permuted-mnist": 200, "rotated-mnist": 200, "many-permutations": 500,
 BATCH_SIZE = 10
 
 # --------------------------------------------------------------------------- anytime evaluation
-# Images per task of the fixed evaluation subset (emcl_continual.anytime) when nothing else is said.
+# Images per task of the fixed evaluation subset (emcl_continual.training.anytime) when nothing else is said.
 ANYTIME_SUBSET = 200
 # The streams where evaluation during the stream is cheap next to training (an MLP's forward pass on
 # a few hundred images per seen task): evaluate every `every` incoming samples on `subset` images of

@@ -28,10 +28,11 @@ CODE_PATHS = ("python", "emcl_kernels", "csrc", "setup.py")
 # Paths whose changes do not make a run "dirty": results and scratch outputs.
 OUTPUT_PATHS = ("results", "runs")
 # Modules no training run executes (tables and plots from result files): not part of the code tree.
-OUTPUT_ONLY = ("python/emcl_continual/tables.py", "python/emcl_continual/plots.py",
-               "python/emcl_continual/report.py")
+OUTPUT_ONLY = ("python/emcl_continual/tables.py", "python/emcl_continual/reports/tables.py",
+               "python/emcl_continual/output/plots.py", "python/emcl_continual/output/report.py")
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+# The folder of the emcl_continual package (this module is in its core/ sub-package).
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Environment variables that choose the arithmetic a run does (torch's kernels, MKL's BLAS path, threads).
 ARITHMETIC_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _ISA_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile")
@@ -43,8 +44,8 @@ def _git(root: str, *args: str, strip: bool = True) -> str:
         raise RuntimeError(out.stderr.strip() or f"git {' '.join(args)} failed")
     return out.stdout.strip() if strip else out.stdout
 
-# The efficiency page (emcl_continual.efficiency) is made from result files too.
-OUTPUT_ONLY = OUTPUT_ONLY + ("python/emcl_continual/efficiency.py",)
+# The efficiency page (emcl_continual.reports.efficiency) is made from result files too.
+OUTPUT_ONLY = OUTPUT_ONLY + ("python/emcl_continual/reports/efficiency.py",)
 
 
 def _extension_hash() -> str | None:

@@ -5,7 +5,7 @@
 
 torchvision's :class:`~torchvision.datasets.MNIST` and :class:`~torchvision.datasets.CIFAR100`
 download the files, check the MD5 checksum of each and unpack them into the layout that
-:mod:`emcl_continual.data` reads: ``ROOT/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte``
+:mod:`emcl_continual.data.sources` reads: ``ROOT/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte``
 and ``ROOT/cifar-100-python/{train,test,meta}``. Where the files come from is each class's own
 class attributes (MNIST: ``mirrors`` and ``resources``, the file names with their MD5;
 CIFAR100: ``url``, ``tgz_md5`` and the MD5 of each unpacked file in ``train_list``,
@@ -17,7 +17,7 @@ the same files from another server (:func:`mirrored`, checked against the same c
 A data set that is already there (every file its loader reads is found) is not downloaded
 again; nothing is fetched when no run needs the data. A download that fails (no network, a
 server that does not answer within :data:`TIMEOUT_S`, a file that does not match its checksum)
-raises :class:`~emcl_continual.errors.DownloadError`, one line naming the URL and what to do.
+raises :class:`~emcl_continual.core.errors.DownloadError`, one line naming the URL and what to do.
 
 miniImageNet has no download: torchvision does not have it, and its pickles
 (``mini-imagenet-cache-{train,val,test}.pkl``) are fetched by hand (docs/continual-learning.md,
@@ -33,8 +33,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from urllib.error import URLError
 
-from . import data as _data
-from .errors import DownloadError, UsageError
+from . import sources as _data
+from ..core.errors import DownloadError, UsageError
 
 __all__ = ["DATASETS", "TIMEOUT_S", "Source", "dataset_of", "default_source", "mirrored", "fetch",
            "check_request", "download_for_stream"]
@@ -181,7 +181,7 @@ def fetch(dataset: str, root: str, source: Source | None = None, log=print) -> b
 
     Returns True when something was downloaded. ``source``: where from (default: torchvision's
     URLs and checksums). ``log``: one line before a download starts and one when it is done.
-    Raises :class:`~emcl_continual.errors.DownloadError` naming the URL when it fails.
+    Raises :class:`~emcl_continual.core.errors.DownloadError` naming the URL when it fails.
     """
     source = default_source(dataset) if source is None else source
     if source.dataset != dataset:
@@ -216,7 +216,7 @@ def check_request(stream: str, data_root: str | None, task_file: str | None = No
                   mirror: str | None = None) -> None:
     """Refuse a ``--download`` that cannot be done, before any work: no ``--data-root`` to
     download into, a ``--task-file`` (which replaces the data), split-miniimagenet (no download),
-    a mirror that is not an http(s) URL. Raises :class:`~emcl_continual.errors.UsageError`."""
+    a mirror that is not an http(s) URL. Raises :class:`~emcl_continual.core.errors.UsageError`."""
     if data_root is None:
         raise UsageError("--download needs --data-root DIR, the folder to download into")
     if task_file is not None:

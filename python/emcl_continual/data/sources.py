@@ -1,8 +1,8 @@
 """Offline data sources for the continual-learning streams.
 
-Every loader reads files that are already on disk; ``--download`` (:mod:`emcl_continual.download`)
+Every loader reads files that are already on disk; ``--download`` (:mod:`emcl_continual.data.download`)
 puts MNIST and CIFAR-100 there first, through torchvision, in the layouts below. Each loader
-returns plain tensors (``x`` float32 in [0, 1], ``y`` int64) that :mod:`emcl_continual.streams`
+returns plain tensors (``x`` float32 in [0, 1], ``y`` int64) that :mod:`emcl_continual.data.streams`
 turns into task streams.
 
 Sources and where their files go (``ROOT`` is ``--data-root``):
@@ -35,6 +35,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from ..core.errors import DataFileError
+
 __all__ = [
     "DataFileError",
     "check_labels",
@@ -49,10 +51,6 @@ __all__ = [
     "MINIIMAGENET_FILES",
     "missing_files",
 ]
-
-
-class DataFileError(FileNotFoundError):
-    """A data file is missing or malformed; the message names the file and where it belongs."""
 
 
 # --------------------------------------------------------------------------- checks shared by the loaders

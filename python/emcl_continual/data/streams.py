@@ -47,7 +47,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from . import data as _data
+from . import sources as _data
 
 __all__ = ["StreamInfo", "TaskData", "Stream", "STREAMS", "SPLITS", "SPLIT_SEED", "make_stream",
            "stream_from_tasks", "rotate_images", "rotation_map", "rotation_angles"]
@@ -304,7 +304,7 @@ def make_stream(name: str, seed: int = 0, *, data_root: str | None = None, task_
     """Build stream ``name`` (see :data:`STREAMS`) reproducibly from ``seed``.
 
     ``data_root``: where torchvision's MNIST / CIFAR-100 files or the miniImageNet
-    pickles are (see :mod:`emcl_continual.data`); left out, the MNIST streams
+    pickles are (see :mod:`emcl_continual.data.sources`); left out, the MNIST streams
     use the embedded MNIST digits. ``task_file``: a GEM / La-MAML ``.pt`` file instead.
     ``n_tasks`` / ``samples_per_task`` shrink the stream (for quick runs and tests).
     ``split``: ``"test"`` evaluates on the test images, ``"validation"`` on images held out of

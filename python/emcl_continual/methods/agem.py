@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..core.schema import float_rule, int_rule
 from ._qp import agem_project
-from ..schema import float_rule, int_rule
 from ._utils import TaskRingMemory, flat_grad, mixed_task_loss, set_flat_grad
 from .base import Method
 

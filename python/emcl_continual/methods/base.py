@@ -5,14 +5,14 @@ A method is one file: a :class:`Method` subclass that declares
 * ``name`` (its ``--method`` name, registered in :data:`emcl_continual.methods.METHODS`);
 * ``DEFAULTS``: its hyper-parameters per stream (the paper's Table II values among them), read
   by :meth:`defaults`; ``OPTIONAL``: keys it reads with a fallback, left out of the defaults;
-* ``RULES``: the type and domain of each of those keys (:class:`~emcl_continual.schema.Rule`),
+* ``RULES``: the type and domain of each of those keys (:class:`~emcl_continual.core.schema.Rule`),
   and :meth:`validate` for rules between keys;
 * :meth:`make_optimizer` (plain SGD on ``lr`` unless it says otherwise) and :meth:`observe`;
   :meth:`begin_task` / :meth:`end_task` when it acts at task boundaries.
 
 The base owns the model, the checked configuration, the device, the method's random
 generator and its optimizer. ``train.run`` builds the model, creates the method with the
-configuration of :func:`emcl_continual.config.build_config` (defaults, overrides, ``seed``),
+configuration of :func:`emcl_continual.training.config.build_config` (defaults, overrides, ``seed``),
 then per task calls ``begin_task(t)``, ``observe(x, y, t)`` once per incoming batch, and
 ``end_task(t)``.
 """
@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..errors import ConfigError
-from ..schema import Rule, check_value
-from ..streams import StreamInfo
+from ..core.errors import ConfigError
+from ..core.schema import Rule, check_value
+from ..data.streams import StreamInfo
 
 __all__ = ["Method"]
 
@@ -36,7 +36,7 @@ class Method:
     DEFAULTS: dict = {}
     #: keys read with a fallback, not in ``defaults(stream)``: key -> the fallback value
     OPTIONAL: dict = {}
-    #: key -> :class:`~emcl_continual.schema.Rule`, for every key of ``DEFAULTS`` and ``OPTIONAL``
+    #: key -> :class:`~emcl_continual.core.schema.Rule`, for every key of ``DEFAULTS`` and ``OPTIONAL``
     RULES: dict[str, Rule] = {}
     #: the generator is seeded with ``seed * 1_000_003 + GENERATOR_OFFSET``
     GENERATOR_OFFSET: int = 17
@@ -64,7 +64,7 @@ class Method:
     @classmethod
     def check(cls, config: dict, where=None) -> dict:
         """``config`` with every key of :attr:`RULES` checked and normalized by its rule, then
-        :meth:`validate`. Raises :class:`~emcl_continual.errors.ConfigError` with
+        :meth:`validate`. Raises :class:`~emcl_continual.core.errors.ConfigError` with
         ``where(key)`` (default: the method's name) before the message."""
         where = where or (lambda key: cls.name)
         out = dict(config)

@@ -21,7 +21,7 @@ the inner loop in a random order instead of the incoming ones first.
 
 Defaults and where they differ from the paper (docs/results.md, "Deviations from the paper", lists
 each with its measured effect): Table II's α₀, λ, γ; β chosen on validation data from the grid
-of :data:`emcl_continual.presets.GRIDS` (Table II's 0.15 is one of the candidates); a 200/500-sample
+of :data:`emcl_continual.core.presets.GRIDS` (Table II's 0.15 is one of the candidates); a 200/500-sample
 reservoir memory with 10 replayed samples visited by the inner loop and the meta-loss (the
 paper's meta-loss over tasks 1..t implies stored past samples, its training details do not list
 EMCL among the methods that store them: this is the first reading); ``lr_mode="inverse"``
@@ -75,13 +75,13 @@ from emcl_kernels.functional import check_hyperparameters
 from emcl_kernels.interface import IMPORTANCE_KINDS, LR_MODES
 from emcl_kernels.interface import resolve_lr_scale
 
-from ..presets import BATCH_SIZE, MEMORY
-from ..replay import ReservoirBuffer
-from ..schema import BOOL, Rule, float_rule, int_rule
-from ..streams import StreamInfo
+from ..core.presets import BATCH_SIZE, MEMORY
+from ..core.schema import BOOL, Rule, float_rule, int_rule
+from ..data.streams import StreamInfo
 from .base import Method
 from .emcl_fused import FusedGlance, fused_plan
 from .emcl_graphed import GlanceRoutine, graph_plan
+from .replay import ReservoirBuffer
 
 __all__ = ["EMCL", "OPTIMIZER_KEYS", "glance_plan"]
 

@@ -9,7 +9,7 @@ cross-entropy backward, the inner update of every layer, with the optimizer's ow
 forward/backward and ``opt.meta_step()``).
 
 **When it runs** (``fused_glance``, default ``"auto"``): the model is the MLP
-(:class:`emcl_continual.models.MLP`) with fp32 parameters, the glance runs on the eager path
+(:class:`emcl_continual.data.models.MLP`) with fp32 parameters, the glance runs on the eager path
 (on the CPU by default; on a GPU only with ``cuda_graph=False``, where the extension's CUDA
 kernel or Triton runs it), and the inner step is EMCL's own. Otherwise the inner loop stays on
 autograd, and :func:`fused_plan` says why:
@@ -45,7 +45,7 @@ def fused_plan(config: dict, model, device, *, eager: bool) -> tuple[bool, Optio
     glance on ``device`` (``eager``: the glance runs on the eager path, not the CUDA-graph
     routine); ``why_not`` says why not (None when it runs, or when ``fused_glance=False``).
     Raises when ``fused_glance=True`` and it cannot run."""
-    from ..models import MLP
+    from ..data.models import MLP
 
     choice = config.get("fused_glance", "auto")
     if not (choice is True or choice is False or choice == "auto"):

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..replay import ReservoirBuffer
-from ..schema import float_rule, int_rule
+from ..core.schema import float_rule, int_rule
 from ._utils import mixed_task_loss
 from .base import Method
+from .replay import ReservoirBuffer
 
 _DEFAULTS = {
     "permuted-mnist": {"lr": 0.1, "memory": 200, "replay_batch": 10},

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..schema import float_rule, int_rule
+from ..core.schema import float_rule, int_rule
 from .base import Method
 
 _DEFAULTS = {

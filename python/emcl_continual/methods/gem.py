@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from ..core.schema import BOOL, float_rule, int_rule
 from ._qp import gem_project
-from ..schema import BOOL, float_rule, int_rule
 from ._utils import TaskRingMemory, flat_grad, set_flat_grad
 from .base import Method
 

@@ -41,10 +41,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from ..replay import ReservoirBuffer
-from ..schema import BOOL, float_rule, int_rule
+from ..core.schema import BOOL, float_rule, int_rule
 from ._utils import mixed_task_loss
 from .base import Method
+from .replay import ReservoirBuffer
 
 _DEFAULTS = {
     "permuted-mnist": {"alpha_init": 0.15, "eta": 0.3, "memory": 200, "replay_batch": 10, "glances": 5,

@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..replay import ReservoirBuffer
-from ..schema import BOOL, float_rule, int_rule
+from ..core.schema import BOOL, float_rule, int_rule
 from .base import Method
+from .replay import ReservoirBuffer
 
 _DEFAULTS = {
     "permuted-mnist": {"lr": 0.03, "beta": 0.03, "gamma": 1.0, "memory": 200, "replay_batch": 10,

@@ -6,14 +6,14 @@ GEM, A-GEM) on CIFAR100/miniImageNet and the batch-size-10 counterpart of the ME
 ``online`` baseline (lr 0.003 at batch size 1, ``mer_examples.sh``); 0.03 for the two image
 streams (Table II). Rotated MNIST takes the MNIST Permutations values (here and in every baseline:
 the paper has no rotation stream). The reported runs use the lr chosen on validation
-(:mod:`emcl_continual.selection`).
+(:mod:`emcl_continual.sweep.selection`).
 """
 from __future__ import annotations
 
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..schema import float_rule
+from ..core.schema import float_rule
 from .base import Method
 
 _DEFAULTS = {

@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 
-from .fileio import write_atomic  # noqa: E402
+from ..core.fileio import write_atomic  # noqa: E402
 
 __all__ = ["plot_avg_accuracy", "plot_acc_bwt", "plot_anytime_accuracy", "plot_stability_gap", "write_plots",
            "save_figure", "ANYTIME_PLOTS"]

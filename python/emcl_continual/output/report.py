@@ -12,8 +12,8 @@ import io
 import json
 import os
 
-from .fileio import write_atomic
-from .metrics import mean_std
+from ..core.fileio import write_atomic
+from ..core.metrics import mean_std
 
 __all__ = ["summarize", "write_results", "format_table", "write_atomic", "PLOT_FILES"]
 

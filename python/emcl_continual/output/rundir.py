@@ -40,8 +40,8 @@ import time
 import warnings
 
 from . import report
-from .errors import Interrupted, OutputError
-from .fileio import append_line, write_atomic
+from ..core.errors import Interrupted, OutputError
+from ..core.fileio import append_line, write_atomic
 
 __all__ = ["OutputError", "Interrupted", "RunDir", "execute", "execute_arrays", "interrupts", "deferred_interrupts", "load_runs",
            "RESULT_FILES", "COMPARISON_FILES", "LOCK_FILE", "TRACKER_DIRS"]
@@ -550,9 +550,9 @@ def execute_arrays(seeds: list, methods: list, widths: dict, make_stream, train_
     seed's stream (once, shared by the methods); ``train_array(method, streams, seeds)`` returns
     ``(records, failures)`` (:func:`emcl_continual.arrays.train.run_array`); each record is saved
     and reported as :func:`execute` does, the summaries rewritten after every array. Runs that
-    diverged raise :class:`~emcl_continual.errors.RunFailed` naming them once their array's
+    diverged raise :class:`~emcl_continual.core.errors.RunFailed` naming them once their array's
     other runs are saved. Returns the new runs."""
-    from .errors import RunFailed
+    from ..core.errors import RunFailed
 
     done = out.done if out is not None else set()
     streams: dict = {}

@@ -3,7 +3,7 @@ and reproduces the paper's Table IV switches, on Permuted MNIST over several see
 
     python -m emcl_continual.ablation --seeds 0 1 2 3 4 --out results/ablation_permuted_mnist
 
-The reported controls and ablations are made by :mod:`emcl_continual.selection`, not here: it runs
+The reported controls and ablations are made by :mod:`emcl_continual.sweep.selection`, not here: it runs
 them on report seeds that no choice used, against an EMCL configuration chosen on validation data
 (docs/results.md, "Results" and "Deviations from the paper"). This script stays for quick screens of any
 configuration; its committed table (seeds 0-4, chosen on the same seeds) is kept as a record.
@@ -25,7 +25,7 @@ import json
 import os
 import time
 
-from .metrics import mean_std
+from ..core.metrics import mean_std
 
 __all__ = ["CONFIGS", "main"]
 
@@ -110,7 +110,7 @@ def _write(out: str, done: dict, meta: dict) -> None:
                      f"{r['train_time_s_mean']:.1f} |")
     with open(os.path.join(out, "ablation.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
-    from .plots import plot_acc_bwt
+    from ..output.plots import plot_acc_bwt
 
     labelled = [dict(r, method=k.split("|")[0]) for k, r in done.items()]
     if labelled:
@@ -140,13 +140,14 @@ def main(argv: list | None = None) -> int:
 
     import torch
 
-    from .cli import parse_overrides
-    from .streams import make_stream
-    from .train import build_config, run
+    from ..core.errors import ConfigError
+    from ..data.streams import make_stream
+    from ..training.config import parse_overrides
+    from ..training.train import build_config, run
 
     if args.download:
-        from .download import check_request, download_for_stream
-        from .errors import DownloadError, UsageError
+        from ..core.errors import DownloadError, UsageError
+        from ..data.download import check_request, download_for_stream
 
         try:
             check_request(args.stream, args.data_root)
@@ -162,7 +163,10 @@ def main(argv: list | None = None) -> int:
     for n in args.only or []:
         if n not in names:
             raise SystemExit(f"error: unknown configuration {n!r}; choose from {names}")
-    base_ov = parse_overrides(args.set)
+    try:
+        base_ov = parse_overrides(args.set)[0]
+    except ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
     if args.backend:
         base_ov["backend"] = args.backend
     base = build_config("emcl", args.stream, 0, base_ov)
@@ -205,7 +209,3 @@ def main(argv: list | None = None) -> int:
     _write(args.out, done, meta)
     print(open(os.path.join(args.out, "ablation.md")).read())
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -26,17 +26,17 @@ import time
 
 import torch
 
-from .command import guarded, make_parser
-from .config import build_config, check_seeds
-from .errors import CommandInterrupted, Interrupted, OutputError, PlotError
-from .fileio import write_atomic
-from .methods import METHODS
-from .metrics import mean_std
-from .presets import BATCH_SIZE
-from .report import write_results
-from .rundir import RunDir, execute, interrupts, load_runs
-from .streams import STREAMS, make_stream
-from .train import run
+from ..core.command import guarded, make_parser
+from ..core.errors import CommandInterrupted, Interrupted, OutputError, PlotError
+from ..core.fileio import write_atomic
+from ..core.metrics import mean_std
+from ..core.presets import BATCH_SIZE
+from ..data.streams import STREAMS, make_stream
+from ..methods import METHODS
+from ..output.report import write_results
+from ..output.rundir import RunDir, execute, interrupts, load_runs
+from ..training.config import build_config, check_seeds
+from ..training.train import run
 
 __all__ = ["ALL_METHODS", "PAPER_TABLE_III", "PAPER_NAMES", "comparison_table", "plot_training_time",
            "write_comparison", "run_all", "load_runs", "main"]
@@ -149,7 +149,7 @@ def plot_training_time(runs: list, stream: str, path: str) -> str:
     ax.grid(axis="x", alpha=0.3)
     ax.set_xlim(0, max(mu) * 1.18 if mu else 1)
     fig.tight_layout()
-    from .plots import save_figure
+    from ..output.plots import save_figure
 
     return save_figure(fig, path)
 
@@ -276,7 +276,3 @@ def _stale_exit(errors: dict, out: str) -> int:
         return 0
     raise PlotError(f"could not write {', '.join(sorted(errors))} in {out} ({'; '.join(errors.values())}); "
                     f"results.json and results.csv are up to date and list them under stale_plots")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -136,7 +136,7 @@ def plot_pareto(sr, controlled: dict, path: str) -> str | None:
     """Two panels: report ACC (mean ± std over seeds) against the controlled seconds per 1,000
     samples and against the forward + backward passes per sample (log axes), the Pareto front
     of the first drawn as a step line; EMCL's rows in red. Returns the path, or None."""
-    from .plots import plt, save_figure
+    from ..output.plots import plt, save_figure
 
     rows = _rows(sr, controlled)
     if not rows:
@@ -228,7 +228,7 @@ def results_dir_of(folder: str) -> str:
 
 
 def stream_blocks(sr) -> dict:
-    """``STREAM/efficiency`` of one stream (:class:`emcl_continual.tables.StreamResults`): its
+    """``STREAM/efficiency`` of one stream (:class:`emcl_continual.reports.tables.StreamResults`): its
     table and the whole-stream sentence (:func:`whole_stream_note`); empty without the
     controlled file."""
     if not sr.controlled:

@@ -120,7 +120,7 @@ def gpu_pays(method: str, config: dict) -> bool:
     Asks :func:`~emcl_continual.methods.emcl.glance_plan` for a CUDA device, which needs no GPU."""
     if method != "emcl":
         return False
-    from .methods.emcl import glance_plan
+    from ..methods.emcl import glance_plan
 
     return bool(glance_plan(config, "cuda")[1])
 
@@ -132,7 +132,7 @@ def want_device(method: str, overrides: dict, stream: str, word: str, cuda_count
         return word
     if cuda_count == 0:
         return "cpu"
-    from .config import build_config
+    from ..training.config import build_config
 
     return "cuda" if gpu_pays(method, build_config(method, stream, 0, overrides)) else "cpu"
 
@@ -241,8 +241,8 @@ def run_task(task: dict) -> dict:
         return run_array_task(task)
     import torch
 
-    from .streams import make_stream
-    from .train import run
+    from ..data.streams import make_stream
+    from ..training.train import run
 
     started = time.perf_counter()
     device = task.get("device", "cpu")
@@ -277,7 +277,7 @@ def run_array_task(task: dict) -> dict:
     :func:`run_task` completes a run's (its ``wall_time_s`` is the array's)."""
     import torch
 
-    from .arrays.train import run_array
+    from ..arrays.train import run_array
 
     started = time.perf_counter()
     device = task.get("device", "cpu")
@@ -325,8 +325,8 @@ def make_arrays(tasks: list, word, stream: str, log=None) -> list:
     unit's, so that one starts at once), then the runs alone in their order."""
     import hashlib
 
-    from . import arrays
-    from .config import build_config
+    from .. import arrays
+    from ..training.config import build_config
 
     if word == "off":
         return list(tasks)
@@ -335,7 +335,7 @@ def make_arrays(tasks: list, word, stream: str, log=None) -> list:
     for t in tasks:
         why = arrays.refusal(t["method"])
         if why is None:
-            from .streams import STREAMS
+            from ..data.streams import STREAMS
             spec = STREAMS.get(stream, {})
             if spec.get("kind") == "split":
                 why = f"--array: {stream} trains the reduced ResNet-18 (batch norm); arrays serve the MLP streams"
@@ -485,9 +485,10 @@ def _ray():
 def _import_paths() -> list:
     """The folders this process imports emcl_continual and emcl_kernels from (a Ray worker gets
     them on its PYTHONPATH: a cluster whose nodes share this checkout's path imports the same code)."""
+    import emcl_continual
     import emcl_kernels
 
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(emcl_continual.__file__)))
     kern = os.path.dirname(os.path.dirname(os.path.abspath(emcl_kernels.__file__)))
     return list(dict.fromkeys([here, kern]))
 

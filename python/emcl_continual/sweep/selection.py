@@ -6,12 +6,12 @@ number from seeds and images no choice ever saw.
     python -m emcl_continual.selection --stream permuted-mnist --plan              # print the plan and what is done
     python -m emcl_continual.selection --stream permuted-mnist --jobs 2 --array auto   # a method's runs as run arrays
 
-The protocol (numbers from :mod:`emcl_continual.presets`):
+The protocol (numbers from :mod:`emcl_continual.core.presets`):
 
 1. ``validate-a``: every method × each of its 4 grid configurations (:data:`presets.GRIDS`, the
    same budget for every method, over the learning-rate hyper-parameters) on the validation
    seeds (:data:`presets.VALIDATION_SEEDS`) with the validation split (images held out of the
-   training images, :mod:`emcl_continual.streams`); also the 4 (r, lr_max) cells of EMCL's
+   training images, :mod:`emcl_continual.data.streams`); also the 4 (r, lr_max) cells of EMCL's
    "Algorithm 1 as written" (:data:`presets.ALGORITHM_1_GRID`).
 2. ``select-a``: per method the configuration with the highest mean validation ACC (ties: the
    first in grid order) -> ``selected.json``.
@@ -27,18 +27,18 @@ The protocol (numbers from :mod:`emcl_continual.presets`):
 
 Runs are stored one JSON object per line in ``OUT/validation.jsonl`` / ``OUT/report.jsonl``
 (``OUT`` = ``results/heldout/STREAM``), each with the full run record of
-:func:`emcl_continual.train.run` (config, data source, split, git commit, code tree, command)
+:func:`emcl_continual.training.train.run` (config, data source, split, git commit, code tree, command)
 and its ``role``. A run is identified by (method, overrides, seed, split, data root): two rows
 with the same configuration share their runs, and a finished run is never run again, so the
 command resumes where it stopped. ``OUT/plan.json`` holds every row as run, so that
-:mod:`emcl_continual.tables` rebuilds every table from the committed files alone.
+:mod:`emcl_continual.reports.tables` rebuilds every table from the committed files alone.
 
 One code version: a stage refuses to start on a working tree that differs from its commit
 (``dirty``), or when the file already holds runs of another code tree (the hash of the code
-directories at the commit, :mod:`emcl_continual.provenance`), unless told otherwise; a finished
+directories at the commit, :mod:`emcl_continual.core.provenance`), unless told otherwise; a finished
 run whose record names another code tree than this command's is not kept.
 
-Where runs train and what executes them (:mod:`emcl_continual.sweep`): ``--device`` (``cpu``,
+Where runs train and what executes them (:mod:`emcl_continual.sweep.executors`): ``--device`` (``cpu``,
 ``cuda``, ``cuda:N``, ``auto``; per method as ``METHOD=DEVICE``), ``--jobs N`` runs at a time
 placed on the host and the GPUs by their free memory (``--gpu-memory-mib`` per run), or
 ``--executor ray`` (``--ray-address``) with each run a Ray task. Whatever executes the runs, this
@@ -57,9 +57,9 @@ import os
 import sys
 import time
 
-from . import presets
-from .methods import METHODS
-from .metrics import mean_std
+from ..core import presets
+from ..core.metrics import mean_std
+from ..methods import METHODS
 
 __all__ = ["STAGES", "RUN_STAGES", "Row", "run_key", "load_runs", "validation_rows_a", "validation_rows_b", "select_a",
            "select_b", "report_rows", "run_rows", "RunsFailed", "main"]
@@ -116,7 +116,7 @@ def load_runs(path: str) -> list:
 
 def _resolve(method: str, stream: str, base: dict, extra: dict) -> dict:
     """``base`` updated by ``extra``; the pseudo-key ``lr_scale_times_inv_reg`` becomes lr_scale."""
-    from .train import build_config
+    from ..training.train import build_config
 
     ov = dict(base)
     ov.update({k: v for k, v in extra.items() if k != "lr_scale_times_inv_reg"})
@@ -298,14 +298,14 @@ def report_rows(stream: str, selected: dict, methods=ALL_METHODS) -> list:
 
 def _same_config(method: str, stream: str, a: dict, b: dict) -> bool:
     """Whether two override sets give ``method`` the same configuration on ``stream``."""
-    from .train import build_config
+    from ..training.train import build_config
 
     return build_config(method, stream, 0, a) == build_config(method, stream, 0, b)
 
 
 # --------------------------------------------------------------------------- running
 def _check_version(path: str, allow_dirty: bool, allow_mixed: bool) -> dict:
-    from .provenance import code_version
+    from ..core.provenance import code_version
 
     cv = code_version()
     if cv.get("dirty") and not allow_dirty:
@@ -342,23 +342,23 @@ def run_rows(rows: list, path: str, stream: str, split: str, *, jobs: int | None
              devices: dict | None = None, executor: str = "local", ray_address: str | None = None,
              gpu_memory_mib: float = 1024, runs_per_gpu: int | None = None, eval_every: int | None = None,
              eval_subset: int | None = None, trackers=None, array="off", log=_log) -> list:
-    """Run every (row, seed) not in ``path`` yet through the executor (:mod:`emcl_continual.sweep`:
+    """Run every (row, seed) not in ``path`` yet through the executor (:mod:`emcl_continual.sweep.executors`:
     ``local``, ``jobs`` at a time, or ``ray``), each on the device its method's ``devices`` word
     gives (default cpu), under ``array`` (``off``, ``auto`` or a width: runs of one method trained
-    together as one task, :func:`emcl_continual.sweep.make_arrays`), appending each record to
+    together as one task, :func:`emcl_continual.sweep.executors.make_arrays`), appending each record to
     ``path`` as it finishes (flushed and synced).
     A failed run is logged and appended to ``failed.jsonl`` beside ``path``; the others go on,
     then :class:`RunsFailed` is raised. SIGINT or SIGTERM (a ``timeout`` around the command) stops
     the runs in flight, still writes the stage's timing line (``interrupted``, ``done``) and raises
-    :class:`~emcl_continual.errors.CommandInterrupted`; the records written are kept and the same
+    :class:`~emcl_continual.core.errors.CommandInterrupted`; the records written are kept and the same
     command runs the rest. ``eval_every`` / ``eval_subset``: each run with anytime evaluation
-    (:class:`~emcl_continual.anytime.AnytimeEvaluator`; the run key is the same, since the training
-    is). ``trackers``: a :class:`~emcl_continual.trackers.Trackers` that logs each new record.
+    (:class:`~emcl_continual.training.anytime.AnytimeEvaluator`; the run key is the same, since the training
+    is). ``trackers``: a :class:`~emcl_continual.output.trackers.Trackers` that logs each new record.
     Returns every record of ``path``."""
-    from . import sweep
-    from .errors import CommandInterrupted, Interrupted
-    from .provenance import code_version, command_line
-    from .rundir import deferred_interrupts, interrupts
+    from . import executors as sweep
+    from ..core.errors import CommandInterrupted, Interrupted
+    from ..core.provenance import code_version, command_line
+    from ..output.rundir import deferred_interrupts, interrupts
 
     done = {r["key"] for r in load_runs(path)}
     devices = devices or {}
@@ -490,7 +490,7 @@ def _load_average() -> list | None:
 
 def _host() -> dict:
     """The machine the sweep ran on: CPU model and count, GPUs by name."""
-    from .provenance import processor
+    from ..core.provenance import processor
 
     cpu = processor()
     gpus = []
@@ -519,8 +519,8 @@ def _write_json(path: str, obj) -> None:
 def _download(parser: argparse.ArgumentParser, args) -> None:
     """``--download``: refuse what cannot be done (a usage error, exit 2), then fetch the stream's
     data set into ``--data-root`` once, here, before any worker starts (a failure: exit 1)."""
-    from .download import check_request, download_for_stream
-    from .errors import DownloadError, UsageError
+    from ..core.errors import DownloadError, UsageError
+    from ..data.download import check_request, download_for_stream
 
     try:
         if not args.download:
@@ -592,7 +592,7 @@ def main(argv: list | None = None) -> int:
     p.add_argument("--allow-mixed-versions", action="store_true",
                    help="append to files that hold runs of another code version")
     args = p.parse_args(argv)
-    from . import sweep
+    from . import executors as sweep
 
     if args.ray_address and args.executor != "ray":
         p.error("--ray-address goes with --executor ray")
@@ -605,7 +605,7 @@ def main(argv: list | None = None) -> int:
             sweep.check_devices({m: w for m, w in devices.items() if w.startswith("cuda:")}, 1 << 30, executor="ray")
     except ValueError as exc:
         p.error(str(exc))
-    from .arrays import parse_array
+    from ..arrays import parse_array
 
     try:
         args.array = parse_array(args.array)
@@ -618,14 +618,14 @@ def main(argv: list | None = None) -> int:
         p.error(f"--gpu-memory-mib must be positive, got {args.gpu_memory_mib:g}")
     if args.download or args.download_mirror is not None:
         _download(p, args)
-    from .anytime import settings
-    from .trackers import parse_log
+    from ..output.trackers import parse_log
+    from ..training.anytime import settings
     try:
         args.anytime = settings(args.stream, args.eval_every, args.eval_subset)
         args.log_names = parse_log(args.log)
     except ValueError as exc:
         p.error(str(exc))
-    from .errors import CommandInterrupted
+    from ..core.errors import CommandInterrupted
 
     try:
         return _main(args)
@@ -641,7 +641,7 @@ def main(argv: list | None = None) -> int:
 
 
 def _main(args) -> int:
-    from . import sweep
+    from . import executors as sweep
 
     out = args.out or os.path.join(DEFAULT_OUT, args.stream)
     os.makedirs(out, exist_ok=True)
@@ -654,7 +654,7 @@ def _main(args) -> int:
                   eval_every=(args.anytime or {}).get("every"), eval_subset=(args.anytime or {}).get("subset"),
                   array=args.array)
     if getattr(args, "log_names", None):
-        from .trackers import Trackers
+        from ..output.trackers import Trackers
         common["trackers"] = Trackers(args.log_names, out, with_config=True)
     plan = {"stream": args.stream, "data_root": args.data_root, "n_tasks": args.n_tasks,
             "samples_per_task": args.samples_per_task, "validation_seeds": list(presets.VALIDATION_SEEDS),
@@ -735,7 +735,3 @@ def _main(args) -> int:
     run_rows(rows_r, rpath, args.stream, "test", **common)
     print("done; tables: python -m emcl_continual.tables")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,13 +2,13 @@
 
     python -m emcl_continual.sweep_diff A B --out results/scale/permuted-mnist/cpu-vs-gpu
 
-``A`` and ``B`` are folders written by :mod:`emcl_continual.selection` (``validation.jsonl``, and
+``A`` and ``B`` are folders written by :mod:`emcl_continual.sweep.selection` (``validation.jsonl``, and
 ``report.jsonl`` where there is one), e.g. the validation stage on the 2-core CPU with ``--jobs 2``
 and the same stage on a GPU machine with ``--device auto --jobs 16``. Runs are matched by their key
 (method, configuration, seed, split, data); for each method the table gives how many runs both
 folders hold, how many computed the same accuracy matrix bit for bit, the largest and the mean
 difference of ACC (B − A), and whether the selection of the validation stage (each method's best
-grid configuration, :func:`emcl_continual.selection.select_a`) is the same. Training on two
+grid configuration, :func:`emcl_continual.sweep.selection.select_a`) is the same. Training on two
 machines (or two code paths of one: AVX2 against AVX-512, a GPU against a CPU) is not bitwise the
 same and SGD on a stream amplifies the first difference, so "the same results" means the same
 selection and differences of the size the reproducibility study measured
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 from . import selection
 
@@ -174,7 +173,3 @@ def main(argv: list | None = None) -> int:
         print(f"wrote {args.out}.json and {args.out}.md")
     print(text, end="")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

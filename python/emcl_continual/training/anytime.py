@@ -1,6 +1,6 @@
 """Evaluation during the stream: the anytime accuracy record and the online accuracy.
 
-:func:`emcl_continual.train.run` takes an :class:`AnytimeEvaluator` (``--eval-every K``) and calls
+:func:`emcl_continual.training.train.run` takes an :class:`AnytimeEvaluator` (``--eval-every K``) and calls
 it at three points, and nowhere else:
 
 * :meth:`AnytimeEvaluator.start` once, before the first batch (the untrained model: the record's
@@ -31,7 +31,7 @@ recorded apart (``anytime_eval_time_s``), never in ``train_time_s``.
 The evaluator is a hook on the model's forward pass, not on a method: anything that calls the three
 methods with a model that maps ``(x, task)`` to logits can use it.
 
-The record it returns (:meth:`AnytimeEvaluator.record`) is plain data; :mod:`emcl_continual.metrics`
+The record it returns (:meth:`AnytimeEvaluator.record`) is plain data; :mod:`emcl_continual.core.metrics`
 computes AAA, min-ACC, WC-Acc, the stability gap and the online accuracy from it.
 """
 from __future__ import annotations
@@ -59,10 +59,10 @@ def check_every(every, subset) -> tuple[int, int | None]:
 def settings(stream: str, every, subset=None) -> dict | None:
     """``{"every", "subset"}`` of a command's ``--eval-every`` / ``--eval-subset`` (None when
     ``every`` is None): ``every`` a positive number of incoming samples or ``"preset"`` (the
-    stream's :data:`~emcl_continual.presets.ANYTIME`); ``subset`` images per task (default: the
-    stream's preset, else :data:`~emcl_continual.presets.ANYTIME_SUBSET`). Raises ``ValueError``
+    stream's :data:`~emcl_continual.core.presets.ANYTIME`); ``subset`` images per task (default: the
+    stream's preset, else :data:`~emcl_continual.core.presets.ANYTIME_SUBSET`). Raises ``ValueError``
     naming the option and the bad value."""
-    from .presets import ANYTIME, ANYTIME_SUBSET, anytime_preset
+    from ..core.presets import ANYTIME, ANYTIME_SUBSET, anytime_preset
     if every is None:
         if subset is not None:
             raise ValueError("--eval-subset is used only with --eval-every")
@@ -104,7 +104,7 @@ def _correct(logits: torch.Tensor, y: torch.Tensor) -> int:
 class AnytimeEvaluator:
     """Evaluates a model every ``every`` incoming samples on every task seen so far.
 
-    ``tasks``: the run's evaluation sets (``stream.test``: :class:`~emcl_continual.streams.TaskData`
+    ``tasks``: the run's evaluation sets (``stream.test``: :class:`~emcl_continual.data.streams.TaskData`
     per task); ``subset``: images per task (None: all); ``device``: where the model is;
     ``batch_size``: images per forward pass of the evaluation.
     """

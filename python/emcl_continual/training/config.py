@@ -24,9 +24,9 @@ from __future__ import annotations
 import ast
 import difflib
 
-from .errors import ConfigError
-from .methods import get_method
-from .schema import Rule, check_value
+from ..core.errors import ConfigError
+from ..core.schema import Rule, check_value
+from ..methods import get_method
 
 __all__ = ["ConfigError", "Rule", "RUN_DEFAULTS", "RUN_RULES", "SEED_LIMIT", "parse_value", "parse_overrides",
            "known_keys", "rule_for", "check_value", "validate_config", "build_config", "split_overrides",
@@ -34,7 +34,7 @@ __all__ = ["ConfigError", "Rule", "RUN_DEFAULTS", "RUN_RULES", "SEED_LIMIT", "pa
 
 
 # Run-level options every method accepts (``--set init=xavier``): the linear layers' init
-# (:func:`emcl_continual.models.build_model`).
+# (:func:`emcl_continual.data.models.build_model`).
 RUN_DEFAULTS = {"init": "torch"}
 RUN_RULES: dict[str, Rule] = {
     "init": Rule(str, choices=("torch", "xavier", "kaiming"), note="the linear layers' init"),

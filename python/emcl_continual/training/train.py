@@ -15,14 +15,14 @@ import time
 
 import torch
 
-from . import metrics
+from ..core import metrics
+from ..core.presets import BATCH_SIZE
+from ..core.provenance import code_version, command_line, processor
+from ..data.models import build_model
+from ..data.streams import Stream, make_stream
+from ..methods import get_method
 from .anytime import AnytimeEvaluator
 from .config import RUN_DEFAULTS, build_config
-from .methods import get_method
-from .models import build_model
-from .presets import BATCH_SIZE
-from .provenance import code_version, command_line, processor
-from .streams import Stream, make_stream
 
 __all__ = ["run", "make_record", "build_config", "RUN_DEFAULTS"]
 
@@ -58,7 +58,7 @@ def run(method: str, stream: str | Stream, seed: int = 0, *, overrides: dict | N
     if evaluator is not None and eval_every is not None:
         raise ValueError("give eval_every or an evaluator, not both")
     if evaluator is None and eval_every is not None:
-        from .presets import ANYTIME_SUBSET
+        from ..core.presets import ANYTIME_SUBSET
         evaluator = AnytimeEvaluator(stream.test, eval_every, ANYTIME_SUBSET if eval_subset is None else eval_subset,
                                      device)
 
