@@ -9,7 +9,8 @@ itself: its own initial weights, data order and generator, the same draws as alo
 (:mod:`.base`, the tests record them), a record of today's schema with the array's id and width
 (:func:`.train.run_array`).
 
-Which methods: :data:`ARRAY_LEARNERS`; a method without an array learner is refused by name
+Which methods: :data:`ARRAY_LEARNERS`; a method without an array learner, or a configuration
+its learner cannot serve (an EMCL variant off the fused path), is refused by name
 (:func:`refusal`). Which runs can share an array: the same method, stream, split and data, and
 the same configuration but for the method's :attr:`~.base.ArrayLearner.PER_RUN` keys and the
 seed (:func:`array_signature`).
@@ -30,6 +31,7 @@ ARRAY_LEARNERS = {
     "gem": "emcl_continual.arrays.gem:GEMArray",
     "lamaml": "emcl_continual.arrays.lamaml:LaMAMLArray",
     "mer": "emcl_continual.arrays.mer:MERArray",
+    "emcl": "emcl_continual.arrays.emcl:EMCLArray",
 }
 
 #: the widest array ``--array auto`` makes of each method on the CPU: the width of the most
@@ -53,11 +55,17 @@ def get_learner(method: str) -> type:
     return getattr(importlib.import_module(module), attr)
 
 
-def refusal(method: str) -> str | None:
-    """Why ``method`` cannot train as an array, or None."""
-    if method in ARRAY_LEARNERS:
-        return None
-    return f"--array: {method} has no run array yet (arrays exist for {', '.join(ARRAY_LEARNERS)})"
+def refusal(method: str, config: dict | None = None) -> str | None:
+    """Why ``method`` (with ``config``, a checked configuration, when given) cannot train as an
+    array, or None: no array learner, or a variant the learner does not serve
+    (:meth:`~.base.ArrayLearner.refusal`, which names it)."""
+    if method not in ARRAY_LEARNERS:
+        return f"--array: {method} has no run array yet (arrays exist for {', '.join(ARRAY_LEARNERS)})"
+    if config is not None:
+        why = get_learner(method).refusal(config)
+        if why:
+            return f"--array: {method} with {why} has no run array"
+    return None
 
 
 def supports_stream(info) -> str | None:
