@@ -42,7 +42,7 @@ from emcl_continual.streams import make_stream  # noqa: E402
 
 STREAM = "permuted-mnist"
 #: batches timed per method (the slow methods take ~100 one-sample steps per incoming sample)
-BATCHES = {"sgd": 40, "ewc": 40, "agem": 40, "er": 40, "gem": 20, "lamaml": 3, "mer": 3, "emcl": 20}
+BATCHES = {"sgd": 40, "ewc": 40, "agem": 40, "er": 40, "gem": 20, "lamaml": 3, "mer": 3, "emcl": 40}
 
 
 def _data(seeds: list, warm: int, batches: int, bs: int = 10):

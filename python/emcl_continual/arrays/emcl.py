@@ -283,8 +283,8 @@ class EMCLArray(ArrayLearner):
             xm, ym = x, y
         loss = ce_per_run(mlp_forward(self.weights, xm), ym)
         grads = torch.autograd.grad(loss.sum(), self.weights)
-        for w, g in zip(self.weights, grads):
-            w.grad = g
+        for w, g in zip(self.weights, grads):     # the batched product's weight gradient is transposed
+            w.grad = g if g.is_contiguous() else g.contiguous()
         self.opt.meta_step()
         for w in self.weights:
             w.grad = None
