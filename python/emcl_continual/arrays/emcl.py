@@ -56,6 +56,24 @@ __all__ = ["EMCLArray"]
 _NUMERIC = ("inner_lr", "meta_lr", "reg", "gamma", "decay", "lr_scale", "lr_min", "lr_max", "eps")
 
 
+def _logits(weights: list, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's logits ``[N, B, classes]`` on ``x[N, B, ...]``: :func:`.base.mlp_forward` for an
+    array of one (the run alone's ops); wider, every layer as ``z = W a + b`` on activations held
+    as columns (``[N, features, B]``), so that the weight gradients autograd forms (``dz · aᵀ``)
+    come out in the weights' own layout, which the optimizer takes as they are (``a · Wᵀ`` on
+    rows gives them transposed, and a copy of the first layer's per meta step)."""
+    n = x.shape[0]
+    if n == 1:
+        return mlp_forward(weights, x)
+    h = x.reshape(n, x.shape[1], -1).transpose(1, 2)
+    layers = len(weights) // 2
+    for i in range(layers):
+        h = torch.baddbmm(weights[2 * i + 1].unsqueeze(2), weights[2 * i], h)
+        if i < layers - 1:
+            h = torch.relu(h)
+    return h.transpose(1, 2)
+
+
 class EMCLArray(ArrayLearner):
     """``N`` EMCL runs (fused glance, optimizer over stacked parameters with ``runs=N``)."""
 
@@ -281,9 +299,9 @@ class EMCLArray(ArrayLearner):
             xm, ym = torch.cat([x, xr], 1), torch.cat([y, yr], 1)
         else:
             xm, ym = x, y
-        loss = ce_per_run(mlp_forward(self.weights, xm), ym)
+        loss = ce_per_run(_logits(self.weights, xm), ym)
         grads = torch.autograd.grad(loss.sum(), self.weights)
-        for w, g in zip(self.weights, grads):     # the batched product's weight gradient is transposed
+        for w, g in zip(self.weights, grads):
             w.grad = g if g.is_contiguous() else g.contiguous()
         self.opt.meta_step()
         for w in self.weights:
