@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--array", default="off", metavar="auto|N|off",
                    help="train each method's seeds together as run arrays of up to N runs (MLP streams; "
                         "emcl_continual.arrays): auto takes the width measured fastest per method and runs the "
-                        "methods without an array alone; off (default) trains every run alone")
+                        "methods (or configurations: EMCL's variants off its fused path) without an array alone; off "
+                        "(default) trains every run alone")
     p.add_argument("--n-tasks", type=int, default=None, help="use only the first N tasks")
     p.add_argument("--samples-per-task", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=BATCH_SIZE)
