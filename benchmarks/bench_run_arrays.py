@@ -6,7 +6,7 @@ thread (the curve ``--array auto`` reads, and where the CPU's roof is).
     python -m benchmarks run-arrays --plot results/arrays/throughput_cpu.json   # the figure only
 
 For each method: the run alone (the method's own ``observe``, as ``train.run`` steps it; MER with
-its NumPy stepper) and arrays of each width (:mod:`emcl_continual.arrays`), each run of an array
+its NumPy stepper, EMCL with its fused glance) and arrays of each width (:mod:`emcl_continual.arrays`), each run of an array
 with its own seed and the method's default configuration, on Permuted-MNIST batches (the
 embedded digits). Each first trains ``--warm`` batches of the first task (the memories fill,
 lazy work is done, the task is consolidated: EWC's penalty, A-GEM's reference gradient and GEM's
@@ -42,7 +42,7 @@ from emcl_continual.data.streams import make_stream  # noqa: E402
 
 STREAM = "permuted-mnist"
 #: batches timed per method (the slow methods take ~100 one-sample steps per incoming sample)
-BATCHES = {"sgd": 40, "ewc": 40, "agem": 40, "er": 40, "gem": 20, "lamaml": 3, "mer": 3}
+BATCHES = {"sgd": 40, "ewc": 40, "agem": 40, "er": 40, "gem": 20, "lamaml": 3, "mer": 3, "emcl": 40}
 
 
 def _data(seeds: list, warm: int, batches: int, bs: int = 10):

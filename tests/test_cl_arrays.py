@@ -2,7 +2,7 @@
 
 What is checked, on tiny Permuted-MNIST streams (2 tasks of 30 samples) with the real
 methods: an array of one gives the run alone's bits (every method but MER, whose run alone
-steps with NumPy's BLAS); inside a wider array every run makes exactly the draws it makes
+steps with NumPy's BLAS; EMCL in each variant its array serves); inside a wider array every run makes exactly the draws it makes
 alone (every generator call recorded both ways), starts from the same weights and sees the
 same batches in the same order, and ends within rounding of its run alone; a run that
 diverges is dropped and reported while the others finish; the selection's ``--array``
@@ -31,11 +31,12 @@ from emcl_continual.training.train import run
 
 STREAM = "permuted-mnist"
 SMALL = dict(n_tasks=2, samples_per_task=30)
-BITWISE = ["sgd", "er", "ewc", "agem", "gem", "lamaml"]
+BITWISE = ["sgd", "er", "ewc", "agem", "gem", "lamaml", "emcl"]
 EVERY = BITWISE + ["mer"]
 #: a second configuration of each method (a per-run key changed)
 OTHER = {"sgd": {"lr": 0.01}, "er": {"lr": 0.03}, "gem": {"lr": 0.1}, "ewc": {"lr": 0.03, "reg": 1.0}, "agem": {"lr": 0.1},
-         "lamaml": {"alpha_init": 0.3, "eta": 0.15}, "mer": {"lr": 0.01, "beta": 0.1}}
+         "lamaml": {"alpha_init": 0.3, "eta": 0.15}, "mer": {"lr": 0.01, "beta": 0.1},
+         "emcl": {"inner_lr": 0.1, "gamma": 0.2, "lr_scale": 0.05}}
 
 
 MLP_STREAMS = ("permuted-mnist", "rotated-mnist", "many-permutations")
@@ -139,7 +140,7 @@ def test_every_run_of_an_array_makes_the_draws_it_makes_alone(method, stream, mo
         assert all(torch.equal(w[r], p) for w, p in zip(captured["init"], init_alone[r]))
         assert len(captured["seen"]) == len(seen_alone[r])
         assert all(torch.equal(a[r], b) for a, b in zip(captured["seen"], seen_alone[r]))
-    if method in ("er", "lamaml", "mer"):   # SGD and EWC draw nothing, A-GEM only past ref_batch (below)
+    if method in ("er", "lamaml", "mer", "emcl"):   # SGD and EWC draw nothing, A-GEM only past ref_batch (below)
         assert all(rec.calls.get(id(g)) for g in captured["gens"])
     for r in range(3):        # and ends where the run alone ends, to rounding
         assert abs(records[r]["acc"] - alone[r]["acc"]) <= 2.0
@@ -183,8 +184,18 @@ def test_a_run_that_diverges_is_dropped_and_the_others_finish(streams):
 
 
 def test_arrays_refuse_what_they_cannot_train(streams):
-    with pytest.raises(ValueError, match="emcl has no run array"):
-        arrays.get_learner("emcl")
+    with pytest.raises(ValueError, match="nosuch has no run array"):
+        arrays.get_learner("nosuch")
+    from emcl_continual.training.config import build_config
+    for ov, word in (({"inner_lr_modulation": True}, "inner_lr_modulation"), ({"importance_norm": "tensor"}, "tensor"),
+                     ({"fused_glance": False}, "fused_glance"), ({"cuda_graph": True}, "cuda_graph"),
+                     ({"backend": "foreach"}, "foreach")):
+        why = arrays.refusal("emcl", build_config("emcl", STREAM, 0, ov))
+        assert why and word in why and "emcl with" in why, (ov, why)
+        with pytest.raises(ValueError, match=word):
+            run_array("emcl", STREAM, [{"seed": 0, "overrides": ov}], streams=streams)
+    for ov in ({}, {"importance_norm": "global"}, {"glances": 2}, {"importance": "si"}):
+        assert arrays.refusal("emcl", build_config("emcl", STREAM, 0, ov)) is None
     assert arrays.parse_array("auto") == "auto" and arrays.parse_array("1") == "off" and arrays.parse_array(8) == 8
     for bad in ("0", "-2", "wide"):
         with pytest.raises(ValueError, match="--array"):
@@ -212,20 +223,19 @@ def test_the_selection_with_arrays_gives_the_runs_and_selection_of_runs_alone(tm
     assert selection.main(["--out", off] + args) == 0
     assert selection.main(["--out", on, "--array", "4"] + args) == 0
     out = capsys.readouterr().out
-    assert "emcl has no run array" in out and "16 of them in 4 array(s)" in out
+    assert "26 of them in 7 array(s)" in out       # sgd, er: 2 arrays each; emcl: 2 of its grid, 1 of Algorithm 1
     ro = {r["key"]: r for r in selection.load_runs(os.path.join(off, "validation.jsonl"))}
     ra = {r["key"]: r for r in selection.load_runs(os.path.join(on, "validation.jsonl"))}
     assert set(ro) == set(ra) and len(ra) == (2 * 4 + 4 + 1) * 2
     for k, r in ra.items():
-        if r["method"] == "emcl":
-            assert "array" not in r
-            continue
-        assert r["array"]["width"] == 4 and abs(r["acc"] - ro[k]["acc"]) <= 1.0
+        alg1 = r["overrides"].get("lr_mode") == "recurrent"      # EMCL's Algorithm 1 row: an array of its 2 seeds
+        assert r["array"]["width"] == (2 if alg1 else 4), k
+        assert abs(r["acc"] - ro[k]["acc"]) <= 1.0
         assert set(ro[k]) <= set(r)
     so, sa = (json.load(open(os.path.join(d, "selected.json"))) for d in (off, on))
     assert {m: d["overrides"] for m, d in so["methods"].items()} == {m: d["overrides"] for m, d in sa["methods"].items()}
     timing = selection.load_runs(os.path.join(on, selection.TIMINGS_FILE))[-1]
-    assert timing["array"] == 4 and sorted(a["width"] for a in timing["arrays"]) == [4, 4, 4, 4]
+    assert timing["array"] == 4 and sorted(a["width"] for a in timing["arrays"]) == [2, 4, 4, 4, 4, 4, 4]
     # resume: two runs of an array lost; started again, only they run (as one array of two)
     path = os.path.join(on, "validation.jsonl")
     keep = [r for r in selection.load_runs(path) if not (r["method"] == "er" and r["overrides"]["lr"] == 0.01)]
@@ -301,8 +311,9 @@ def test_the_main_command_trains_seeds_as_arrays_and_names_what_it_cannot(tmp_pa
     if (on[("sgd", 2)]["array"]["width"]) == 1:
         assert on[("sgd", 2)]["acc_matrix"] == off[("sgd", 2)]["acc_matrix"]   # an array of one: the run's bits
     with pytest.raises(SystemExit) as exc:
-        cli.main(["--method", "sgd", "emcl", "--array", "4"] + common)
-    assert exc.value.code == 2 and "emcl has no run array" in capsys.readouterr().err
+        cli.main(["--method", "sgd", "emcl", "--array", "4", "--set", "inner_lr_modulation=True"] + common)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "emcl with inner_lr_modulation=True" in err and "--array auto" in err
     with pytest.raises(SystemExit) as exc:
         cli.main(["--method", "sgd", "--stream", "split-cifar100", "--array", "4", "--seeds", "0"])
     assert exc.value.code == 2 and "batch norm" in capsys.readouterr().err
@@ -310,9 +321,10 @@ def test_the_main_command_trains_seeds_as_arrays_and_names_what_it_cannot(tmp_pa
 
 def test_arrays_start_slowest_first_and_runs_without_an_array_stay_alone():
     tasks = []
-    for m in ("sgd", "emcl", "mer"):
+    for m in ("sgd", "emcl", "mer"):      # EMCL's Table IV ablation has no array: its runs stay alone
         for i, seed in enumerate((100, 101)):
-            tasks.append({"key": f"{m}|{seed}", "method": m, "overrides": {}, "seed": seed, "split": "validation",
+            tasks.append({"key": f"{m}|{seed}", "method": m, "seed": seed, "split": "validation",
+                          "overrides": {"inner_lr_modulation": True} if m == "emcl" else {},
                           "stream": STREAM, "data_root": None, "role": "validation", "row": m, "want": "cpu"})
     units = sweep.make_arrays(tasks, "auto", STREAM)
     assert [u["method"] for u in units] == ["mer", "sgd", "emcl", "emcl"]
@@ -363,3 +375,80 @@ def test_dropping_a_run_keeps_every_other_runs_state(method, streams):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), (a, b)
     for wa, wb in zip(three.weights, two.weights):
         assert torch.allclose(wa, wb, rtol=1e-4, atol=1e-5)
+
+
+#: EMCL's variants of the reported tables that its array serves (presets.EMCL_VARIANTS, the
+#: selection's Algorithm 1 grid and importance search), with a per-run key changed for a second run
+EMCL_VARIANTS = {
+    "glances=2, shuffled": ({"glances": 2, "shuffle_inner": True}, {"inner_lr": 0.1}),
+    "si": ({"importance": "si"}, {"gamma": 0.1, "decay": 0.5}),
+    "algorithm-1": ({"inner_lr": 0.15, "memory": 0, "replay": 0, "lr_mode": "recurrent", "lr_scale": 1e-4,
+                     "lr_max": 100.0}, {"lr_scale": 1e-5, "lr_max": 1000.0}),
+    "importance-off": ({"fixed_importance": 1e-4, "decay": 1.0, "prox": False}, {"inner_lr": 0.01}),
+    "importance_norm=global": ({"importance_norm": "global", "gamma": 1e-3}, {"gamma": 1e-2}),
+    "no-inner-replay": ({"inner_replay": False}, {"meta_lr": 0.1, "eps": 1e-6}),
+}
+
+
+@pytest.mark.parametrize("variant", list(EMCL_VARIANTS))
+def test_emcl_variants_array_of_one_bits_and_wider_within_rounding(variant, streams):
+    """Each served variant: an array of one gives the run alone's bits (diagnostics included);
+    an array of three (two seeds, a per-run key changed) ends within rounding of each run alone."""
+    base, other = EMCL_VARIANTS[variant]
+    alone = _alone("emcl", streams, 0, base)
+    (rec,), failed = run_array("emcl", STREAM, [{"seed": 0, "overrides": base}], streams=streams)
+    assert not failed
+    for field in ("acc", "acc_matrix", "task_losses", "config", "diagnostics"):
+        assert rec[field] == alone[field], field
+    runs = [{"seed": 0, "overrides": base}, {"seed": 1, "overrides": base}, {"seed": 1, "overrides": dict(base, **other)}]
+    records, failed = run_array("emcl", STREAM, runs, streams=streams)
+    assert not failed and [r["array"]["width"] for r in records] == [3, 3, 3]
+    for r, run_ in zip(records, runs):
+        solo = _alone("emcl", streams, run_["seed"], run_["overrides"])
+        assert r["config"] == solo["config"]
+        assert abs(r["acc"] - solo["acc"]) <= 2.0
+        for a, b in zip(r["task_losses"], solo["task_losses"]):
+            assert a == pytest.approx(b, rel=1e-3, abs=1e-4)
+        for da, db in zip(r["diagnostics"], solo["diagnostics"]):
+            assert da["h_mean"] == pytest.approx(db["h_mean"], rel=1e-2, abs=1e-9)
+
+
+def test_emcl_array_weights_stay_within_rounding_of_the_runs_alone(streams):
+    """The weights an EMCL array of four ends with, run by run, against each run alone's: within
+    a tolerance that a run's mix-up (another run's β, memory or generator) would break."""
+    from emcl_continual.training.config import build_config
+    from emcl_continual.methods import get_method
+
+    info = streams[0].info
+    runs = [(0, {}), (1, {}), (0, {"inner_lr": 0.1}), (1, {"gamma": 0.05, "lr_scale": 0.05})]
+    cfgs = [build_config("emcl", STREAM, s, ov) for s, ov in runs]
+    models = []
+    for s, _ in runs:
+        torch.manual_seed(s)
+        models.append(build_model(info))
+    weights = [torch.stack([p.detach() for p in ps]).requires_grad_(True)
+               for ps in zip(*[list(m.parameters()) for m in models])]
+    arr = arrays.get_learner("emcl")(weights, info, cfgs, "cpu")
+    solos = [get_method("emcl")(m, info, c, "cpu") for m, c in zip(models, cfgs)]
+    for t in range(2):
+        x = torch.stack([streams[s].train[t].x for s, _ in runs])
+        y = torch.stack([streams[s].train[t].y for s, _ in runs])
+        for b in range(0, y.shape[1], 10):
+            la = arr.observe(x[:, b:b + 10], y[:, b:b + 10], t)
+            ls = [solo.observe(x[r, b:b + 10], y[r, b:b + 10], t) for r, solo in enumerate(solos)]
+            assert la.tolist() == pytest.approx(ls, rel=1e-4, abs=1e-5)
+    for r, solo in enumerate(solos):
+        for w, p in zip(arr.weights, solo.model.parameters()):
+            assert torch.allclose(w[r], p, rtol=1e-4, atol=1e-5), r
+        assert not torch.equal(arr.weights[0][r], arr.weights[0][(r + 1) % 4])
+
+
+def test_a_diverging_emcl_run_is_dropped_and_the_others_finish(streams):
+    runs = [{"seed": 0, "overrides": {}}, {"seed": 1, "overrides": {"inner_lr": 1e30, "meta_lr": 1e30}},
+            {"seed": 1, "overrides": {}}]
+    records, failed = run_array("emcl", STREAM, runs, streams=streams)
+    assert [i for i, _ in failed] == [1] and "diverged" in failed[0][1]
+    assert [r["array"]["index"] for r in records] == [0, 2]
+    for r, (seed, ov) in zip(records, [(0, {}), (1, {})]):
+        alone = _alone("emcl", streams, seed, ov)
+        assert abs(r["acc"] - alone["acc"]) <= 2.0 and r["array"]["width"] == 3

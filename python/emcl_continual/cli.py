@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--array", default="off", metavar="auto|N|off",
                    help="train each method's seeds together as run arrays of up to N runs (MLP streams; "
                         "emcl_continual.arrays): auto takes the width measured fastest per method and runs the "
-                        "methods without an array alone; off (default) trains every run alone")
+                        "methods (or configurations: EMCL's variants off its fused path) without an array alone; off "
+                        "(default) trains every run alone")
     p.add_argument("--n-tasks", type=int, default=None, help="use only the first N tasks")
     p.add_argument("--samples-per-task", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=BATCH_SIZE)
@@ -238,7 +239,7 @@ def _main(argv: list) -> int:
     device, device_note = resolve_device(args.device)
     if device_note:
         print(f"note: {device_note}", file=sys.stderr, flush=True)
-    widths = _array_widths(args, methods, device)
+    widths = _array_widths(args, methods, device, configs)
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -390,9 +391,11 @@ def _train(args, method: str, stream, seed: int, overrides: dict, device) -> dic
         raise RunFailed(f"{method} seed {seed} failed: {type(exc).__name__}: {one_line(exc)}") from exc
 
 
-def _array_widths(args, methods: list, device) -> dict:
+def _array_widths(args, methods: list, device, configs: dict | None = None) -> dict:
     """``--array``'s width per method (1: trained alone). A width names every method it cannot
-    serve (no array learner, or not an MLP stream) as a usage error; ``auto`` trains those alone."""
+    serve (no array learner, a configuration its learner does not serve (``configs``: each
+    method's checked configuration), or not an MLP stream) as a usage error; ``auto`` trains
+    those alone."""
     from . import arrays
 
     try:
@@ -415,13 +418,14 @@ def _array_widths(args, methods: list, device) -> dict:
             print(f"note: {why}; every run trains alone", file=sys.stderr, flush=True)
             return {m: 1 for m in methods}
         raise UsageError(why)
-    refused = [m for m in methods if arrays.refusal(m)]
+    reasons = {m: arrays.refusal(m, configs.get(m) if configs else None) for m in methods}
+    refused = [m for m in methods if reasons[m]]
     if refused and word != "auto":
-        raise UsageError(f"--array {word}: {', '.join(refused)} {'has' if len(refused) == 1 else 'have'} no run array "
-                         f"yet (arrays exist for {', '.join(arrays.ARRAY_LEARNERS)}); use --array auto to train "
-                         f"{'it' if len(refused) == 1 else 'them'} alone, or --array off")
+        raise UsageError(f"--array {word}: " + "; ".join(reasons[m].removeprefix("--array: ") for m in refused)
+                         + f"; use --array auto to train {'it' if len(refused) == 1 else 'them'} alone, or --array off")
     if refused:
-        print(f"note: --array auto: {', '.join(refused)} train{'s' if len(refused) == 1 else ''} alone (no run array yet)", file=sys.stderr, flush=True)
+        print(f"note: --array auto: {', '.join(refused)} train{'s' if len(refused) == 1 else ''} alone ("
+              + "; ".join(reasons[m].removeprefix("--array: ") for m in refused) + ")", file=sys.stderr, flush=True)
     return {m: (1 if m in refused else (word if isinstance(word, int) else arrays.auto_width(m, str(device))))
             for m in methods}
 

@@ -9,7 +9,8 @@ itself: its own initial weights, data order and generator, the same draws as alo
 (:mod:`.base`, the tests record them), a record of today's schema with the array's id and width
 (:func:`.train.run_array`).
 
-Which methods: :data:`ARRAY_LEARNERS`; a method without an array learner is refused by name
+Which methods: :data:`ARRAY_LEARNERS`; a method without an array learner, or a configuration
+its learner cannot serve (an EMCL variant off the fused path), is refused by name
 (:func:`refusal`). Which runs can share an array: the same method, stream, split and data, and
 the same configuration but for the method's :attr:`~.base.ArrayLearner.PER_RUN` keys and the
 seed (:func:`array_signature`).
@@ -30,16 +31,18 @@ ARRAY_LEARNERS = {
     "gem": "emcl_continual.arrays.gem:GEMArray",
     "lamaml": "emcl_continual.arrays.lamaml:LaMAMLArray",
     "mer": "emcl_continual.arrays.mer:MERArray",
+    "emcl": "emcl_continual.arrays.emcl:EMCLArray",
 }
 
 #: the widest array ``--array auto`` makes of each method on the CPU: the width of the most
 #: run-samples per second on the measured curves (results/arrays/throughput_cpu.json, one thread,
 #: the 2-core Xeon VM shared with other jobs; docs/continual-learning.md). Past it the runs'
 #: weights leave the core's cache and the curve is flat or falls.
-AUTO_WIDTH_CPU = {"sgd": 8, "ewc": 16, "agem": 4, "er": 32, "gem": 32, "lamaml": 4, "mer": 16}
+AUTO_WIDTH_CPU = {"sgd": 8, "ewc": 16, "agem": 4, "er": 32, "gem": 32, "lamaml": 4, "mer": 16, "emcl": 8}
 #: the run alone's run-samples per second on the same curves: how long each method's units take
 #: relative to the others, so that the executor starts the longest first
-ALONE_RATE_CPU = {"sgd": 21900, "ewc": 8200, "agem": 8600, "er": 14400, "gem": 3800, "lamaml": 184, "mer": 173}
+ALONE_RATE_CPU = {"sgd": 21900, "ewc": 8200, "agem": 8600, "er": 14400, "gem": 3800, "lamaml": 184, "mer": 173,
+                  "emcl": 5920}
 #: on a GPU the device is idle and a run is all launches: the width is bounded by memory only
 AUTO_WIDTH_GPU = 32
 
@@ -53,11 +56,17 @@ def get_learner(method: str) -> type:
     return getattr(importlib.import_module(module), attr)
 
 
-def refusal(method: str) -> str | None:
-    """Why ``method`` cannot train as an array, or None."""
-    if method in ARRAY_LEARNERS:
-        return None
-    return f"--array: {method} has no run array yet (arrays exist for {', '.join(ARRAY_LEARNERS)})"
+def refusal(method: str, config: dict | None = None) -> str | None:
+    """Why ``method`` (with ``config``, a checked configuration, when given) cannot train as an
+    array, or None: no array learner, or a variant the learner does not serve
+    (:meth:`~.base.ArrayLearner.refusal`, which names it)."""
+    if method not in ARRAY_LEARNERS:
+        return f"--array: {method} has no run array yet (arrays exist for {', '.join(ARRAY_LEARNERS)})"
+    if config is not None:
+        why = get_learner(method).refusal(config)
+        if why:
+            return f"--array: {method} with {why} has no run array"
+    return None
 
 
 def supports_stream(info) -> str | None:

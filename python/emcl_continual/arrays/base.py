@@ -232,6 +232,12 @@ class ArrayLearner:
     method: type = None          # the Method class this learner is the array of
     PER_RUN: tuple = ("lr",)
 
+    @classmethod
+    def refusal(cls, config: dict) -> str | None:
+        """Why a run of ``config`` cannot train in this array (the variant, named), or None; the
+        selection and the main command ask it before they make arrays."""
+        return None
+
     def __init__(self, weights: list, info, configs: list, device):
         self.weights = weights
         self.info = info

@@ -10,6 +10,7 @@ its own model and runs :func:`emcl_continual.core.metrics.evaluate` on it, the c
 A run whose loss or weights stop being finite is dropped from the array (every per-run state,
 :meth:`~.base.ArrayLearner.keep`) and returned as failed with the task and batch; the others go
 on. Each finished run gives the record of the run alone (:func:`emcl_continual.training.train.make_record`)
+(with the learner's per-task ``diagnostics`` where it has them, as the run alone's)
 plus ``array``: the array's ``id``, its ``width`` when it started, the run's ``index`` in it, and
 the array's whole ``train_time_s`` (the record's own ``train_time_s`` is that divided by the
 runs it trained, its share).
@@ -89,6 +90,8 @@ def run_array(method: str, stream_name: str, runs: list, *, split: str = "test",
     width = len(runs)
     alive = list(range(width))              # the runs still in the array, by index in ``runs``
     matrices = {i: [] for i in alive}
+    diagnose = getattr(learner, "diagnostics", None)      # per run, after every task, as train.run records it
+    diagnostics = {i: [] for i in alive}
     losses = {i: [] for i in alive}
     eval_time = {i: 0.0 for i in alive}
     failures = []
@@ -148,8 +151,11 @@ def run_array(method: str, stream_name: str, runs: list, *, split: str = "test",
             dead = [alive[k] for k in bad]
             drop(dead, {i: f"diverged: non-finite weights after task {t}" for i in dead})
             sums = [s for k, s in enumerate(sums) if k not in bad]
+        found = diagnose() if diagnose is not None and alive else None
         for k, i in enumerate(alive):
             losses[i].append(sums[k] / max(1, n))
+            if found is not None:
+                diagnostics[i].append(found[k])
             with torch.no_grad():
                 for p, w in zip(models[i].parameters(), learner.weights):
                     p.copy_(w[k])
@@ -165,6 +171,8 @@ def run_array(method: str, stream_name: str, runs: list, *, split: str = "test",
         rec = make_record(method, streams[int(runs[i]["seed"])], int(runs[i]["seed"]), configs[i], matrices[i],
                           before[i], losses[i], train_time=train_time / width, eval_time=eval_time[i],
                           eval_before_time=before_time[i], batch_size=batch_size, device=device)
+        if diagnostics[i]:
+            rec["diagnostics"] = diagnostics[i]
         rec["array"] = {"id": array_id, "width": width, "index": i, "train_time_s": train_time}
         records.append(rec)
     return records, failures

@@ -348,6 +348,11 @@ def make_arrays(tasks: list, word, stream: str, log=None) -> list:
         except ValueError:      # a configuration the method refuses: the run fails alone, as without arrays
             order.append(("run", t))
             continue
+        why = arrays.refusal(t["method"], cfg)     # a variant the array does not serve: the run trains alone
+        if why:
+            notes.add(why)
+            order.append(("run", t))
+            continue
         gk = (t["method"], t["want"], t["split"], t.get("data_root"), t.get("n_tasks"), t.get("samples_per_task"),
               arrays.array_signature(t["method"], cfg))
         if gk not in groups:

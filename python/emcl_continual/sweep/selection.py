@@ -565,7 +565,8 @@ def main(argv: list | None = None) -> int:
     p.add_argument("--array", default="off", metavar="auto|N|off",
                    help="train the runs of one method together as arrays of up to N runs (one task of the "
                         "executor each): auto takes the width measured fastest per method and device; off (default) "
-                        "trains every run alone. Methods without an array (named when the stage starts) train alone")
+                        "trains every run alone. Methods, or configurations (EMCL's variants off its fused path), without an "
+                        "array train alone, named when the stage starts")
     p.add_argument("--executor", default="local", choices=["local", "ray"],
                    help="local processes (default) or Ray tasks (pip install -r requirements-ray.txt)")
     p.add_argument("--ray-address", default=None,
