@@ -45,19 +45,21 @@ class MERArray(ArrayLearner):
         ``W1 <- W1 + beta (W1_S - W1)`` is then one rank-``S`` update. The same arithmetic as a
         write per step, in another order (to rounding), with ``W1`` read once and written once per
         batch instead of twice per sample: ``W1`` of every run of a wide array no longer fits a
-        core's cache, and these passes were most of a step. Returns nothing; every layer after
-        the first is stepped as it goes (the caller interpolates them)."""
+        core's cache, and these passes were most of a step. The first bias is deferred the same
+        way (``b1_j = b1 + sum_{k<j} s_k``: ``P`` carries ``b1`` and ``G`` holds ``x_k . x_j + 1``,
+        so one product gives the step's first layer; its Reptile step is ``b1 <- b1 + beta
+        sum_k s_k``). Returns nothing; every layer after the first is stepped as it goes (the
+        caller interpolates them)."""
         W = self.weights
         layers = len(W) // 2
         n, S, _ = bx.shape
         cols = bx.transpose(1, 2)                                    # [N, D, S]
-        P = torch.bmm(W[0], cols)                                    # [N, H, S]
-        G = torch.bmm(bx, cols)                                      # [N, S, S]
+        P = torch.baddbmm(W[1].unsqueeze(2), W[0], cols)             # [N, H, S]: W1 x_j + b1
+        G = torch.baddbmm(bx.new_ones(()).expand(n, S, S), bx, cols)  # [N, S, S]: x_k . x_j + 1
         steps = bx.new_zeros((n, W[0].shape[1], S))                  # s_k, one column per step
         onehot = F.one_hot(by, self.n_classes).to(bx.dtype).unsqueeze(3)   # [N, S, C, 1]
-        b1 = W[1].unsqueeze(2)
         for j in range(S):
-            h = torch.baddbmm(P[:, :, j:j + 1], steps, G[:, :, j:j + 1]).add_(b1).relu_()
+            h = torch.baddbmm(P[:, :, j:j + 1], steps, G[:, :, j:j + 1]).relu_()
             acts = [None, h]
             for i in range(1, layers):
                 h = torch.baddbmm(W[2 * i + 1].unsqueeze(2), W[2 * i], h)
@@ -75,19 +77,19 @@ class MERArray(ArrayLearner):
                 deltas[i - 1] = delta
             scale = neg_lr
             if self.grad_clip > 0:
-                sq = (deltas[0] * deltas[0]).sum(1) * (1.0 + G[:, j, j].unsqueeze(1))
+                sq = (deltas[0] * deltas[0]).sum(1) * G[:, j, j].unsqueeze(1)
                 for d, a in zip(deltas[1:], acts[1:-1]):
                     sq = sq + (d * d).sum(1) * (1.0 + (a * a).sum(1))
                 norm = sq.sqrt().unsqueeze(2)
                 scale = torch.where(norm > self.grad_clip, -lr * self.grad_clip / (norm + 1e-6), neg_lr)
-            s0 = deltas[0] * scale
-            steps[:, :, j:j + 1] = s0
-            W[1].add_(s0.squeeze(2))
+            torch.mul(deltas[0], scale, out=steps[:, :, j:j + 1])
             for i in range(1, layers):
                 si = deltas[i] * scale
                 W[2 * i].addcmul_(si, acts[i].transpose(1, 2))
                 W[2 * i + 1].add_(si.squeeze(2))
-        W[0].baddbmm_(steps.mul_(run_view(beta, 3)), bx)           # W1's within-batch Reptile
+        steps.mul_(run_view(beta, 3))                                # W1's and b1's within-batch Reptile
+        W[0].baddbmm_(steps, bx)
+        W[1].add_(steps.sum(2))
 
     def observe(self, x, y, task):
         n = self.width
@@ -97,7 +99,9 @@ class MERArray(ArrayLearner):
         gamma = float(self.configs[0]["gamma"])
         use_gamma = gamma != 1.0
         W = self.weights
-        snap = [None] + [torch.empty_like(w) for w in W[1:]]      # W1's Reptile is _batch's own
+        upper = W[2:]                                   # the first layer's Reptile is _batch's own
+        snap = [torch.empty_like(w) for w in upper]
+        betas = [run_view(beta, w.dim()) for w in upper]
         start = [torch.empty_like(w) for w in W] if use_gamma else None
         losses = x.new_zeros((n, 1, 1))
         count = 0
@@ -108,8 +112,7 @@ class MERArray(ArrayLearner):
                     for a0, w in zip(start, W):
                         a0.copy_(w)
                 for _ in range(self.steps):
-                    for w0, w in zip(snap[1:], W[1:]):
-                        w0.copy_(w)
+                    torch._foreach_copy_(snap, upper)
                     if len(self.buffer) > 0:
                         mx, my = self.buffer.sample(self.replay_batch)
                         bx = torch.cat((xi.reshape(n, 1, -1), mx.reshape(n, mx.shape[1], -1)), 1)
@@ -118,8 +121,9 @@ class MERArray(ArrayLearner):
                         bx, by = xi.reshape(n, 1, -1), yi
                     self._batch(bx.contiguous(), by, neg_lr, lr, beta, losses)
                     count += bx.shape[1]
-                    for w, w0 in zip(W[1:], snap[1:]):        # within-batch Reptile
-                        w.sub_(w0).mul_(run_view(beta, w.dim())).add_(w0)
+                    torch._foreach_sub_(upper, snap)        # within-batch Reptile
+                    torch._foreach_mul_(upper, betas)
+                    torch._foreach_add_(upper, snap)
                 if use_gamma:
                     for w, a0 in zip(W, start):       # across-batch Reptile
                         w.sub_(a0).mul_(gamma).add_(a0)
