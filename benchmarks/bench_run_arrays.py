@@ -4,6 +4,8 @@ thread (the curve ``--array auto`` reads, and where the CPU's roof is).
     python -m benchmarks run-arrays                                         # every array method, widths 1..32
     python -m benchmarks run-arrays --methods mer lamaml --widths 1 2 4 8
     python -m benchmarks run-arrays --plot results/arrays/throughput_cpu.json   # the figure only
+    python -m benchmarks run-arrays --methods lamaml mer --out /tmp/t.json --merge results/arrays/throughput_cpu.json
+    python -m benchmarks run-arrays --roof --methods lamaml mer --widths 1 4 8 16     # the roof, profiled steps
 
 For each method: the run alone (the method's own ``observe``, as ``train.run`` steps it; MER with
 its NumPy stepper) and arrays of each width (:mod:`emcl_continual.arrays`), each run of an array
