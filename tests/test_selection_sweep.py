@@ -563,3 +563,11 @@ def test_a_cancelled_local_executor_ends_the_runs_in_flight():
     while any(map(_alive, pids)) and time.time() - t0 < 30:
         time.sleep(0.05)
     assert not any(map(_alive, pids))
+
+
+def test_sweep_diff_names_the_folders_relative_to_where_it_runs(tmp_path, monkeypatch):
+    # results files name the repository's folders as `results/...`, not this machine's absolute path
+    monkeypatch.chdir(tmp_path)
+    assert sweep_diff._shown(str(tmp_path / "results" / "x")) == os.path.join("results", "x")
+    outside = os.path.abspath(os.path.join(str(tmp_path), os.pardir, "elsewhere"))
+    assert sweep_diff._shown(outside) == outside

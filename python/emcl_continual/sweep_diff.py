@@ -43,6 +43,13 @@ def _runs(folder: str) -> dict:
     return out
 
 
+def _shown(path: str) -> str:
+    """``path`` as a results file names it: relative to the working directory (the repository,
+    when the command runs there), absolute only when it lies outside it."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
 def _timing(folder: str) -> dict | None:
     path = os.path.join(folder, selection.TIMINGS_FILE)
     if not os.path.exists(path):
@@ -98,7 +105,7 @@ def diff(a: str, b: str) -> dict:
     sel_a = _selection(stream, {k: ra[k] for k in both})
     sel_b = _selection(stream, {k: rb[k] for k in both})
     ta, tb = _timing(a), _timing(b)
-    return {"a": os.path.abspath(a), "b": os.path.abspath(b), "stream": stream, "runs_in_both": len(both),
+    return {"a": _shown(a), "b": _shown(b), "stream": stream, "runs_in_both": len(both),
             "only_a": len(set(ra) - set(rb)), "only_b": len(set(rb) - set(ra)),
             "devices_a": sorted({ra[k]["device"] for k in both}), "devices_b": sorted({rb[k]["device"] for k in both}),
             "methods": table,
