@@ -58,18 +58,22 @@ class MERArray(ArrayLearner):
         P = torch.baddbmm(W[1].unsqueeze(1), bx, W[0].transpose(1, 2))    # [N, S, H]: W1 x_j + b1
         G = torch.baddbmm(bx.new_ones(()).expand(n, S, S), bx, bx.transpose(1, 2))  # x_j . x_k + 1
         steps = bx.new_zeros((n, S, W[0].shape[1]))                  # s_k, one row per step
-        onehot = F.one_hot(by, self.n_classes).to(bx.dtype).unsqueeze(2)   # [N, S, 1, C]
-        for j in range(S):
-            h = torch.baddbmm(P[:, j:j + 1], G[:, j:j + 1], steps).relu_()
+        onehot = F.one_hot(by, self.n_classes).to(bx.dtype)         # [N, S, C]
+        logps = onehot.new_empty(onehot.shape)                       # each step's log-probabilities
+        # every per-step view made once per batch (views are a dispatch each)
+        rows = zip(P.split(1, 1), G.split(1, 1), steps.split(1, 1), onehot.split(1, 1), logps.split(1, 1))
+        bias = [None] + [W[2 * i + 1].unsqueeze(1) for i in range(1, layers)]
+        weight_t = [None] + [W[2 * i].transpose(1, 2) for i in range(1, layers)]
+        for j, (p_j, g_j, s_j, oh, lp_j) in enumerate(rows):
+            h = torch.baddbmm(p_j, g_j, steps).relu_()
             acts = [None, h]
             for i in range(1, layers):
-                h = torch.baddbmm(W[2 * i + 1].unsqueeze(1), h, W[2 * i].transpose(1, 2))
+                h = torch.baddbmm(bias[i], h, weight_t[i])
                 if i < layers - 1:
                     h = h.relu_()
                 acts.append(h)
             logp = torch.log_softmax(h, dim=2)
-            oh = onehot[:, j]
-            losses.sub_((logp * oh).sum(2, keepdim=True))
+            lp_j.copy_(logp)
             delta = logp.exp_().sub_(oh)
             deltas = [None] * layers
             deltas[-1] = delta
@@ -83,11 +87,12 @@ class MERArray(ArrayLearner):
                     sq = sq + (d * d).sum(2) * (1.0 + (a * a).sum(2))
                 norm = sq.sqrt().unsqueeze(2)
                 scale = torch.where(norm > self.grad_clip, -lr * self.grad_clip / (norm + 1e-6), neg_lr)
-            torch.mul(deltas[0], scale, out=steps[:, j:j + 1])
+            torch.mul(deltas[0], scale, out=s_j)
             for i in range(1, layers):
                 si = deltas[i] * scale
                 W[2 * i].baddbmm_(si.transpose(1, 2), acts[i])
-                W[2 * i + 1].add_(si.squeeze(1))
+                bias[i].add_(si)
+        losses.sub_((logps * onehot).sum((1, 2), keepdim=True))
         steps.mul_(run_view(beta, 3))                                # W1's and b1's within-batch Reptile
         W[0].baddbmm_(steps.transpose(1, 2), bx)
         W[1].add_(steps.sum(1))
