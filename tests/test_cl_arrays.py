@@ -4,7 +4,8 @@ What is checked, on tiny Permuted-MNIST streams (2 tasks of 30 samples) with the
 methods: an array of one gives the run alone's bits (every method but MER, whose run alone
 steps with NumPy's BLAS; EMCL in each variant its array serves); inside a wider array every run makes exactly the draws it makes
 alone (every generator call recorded both ways), starts from the same weights and sees the
-same batches in the same order, and ends within rounding of its run alone; a run that
+same batches in the same order, and ends within rounding of its run alone; La-MAML's
+hand-written meta-gradients equal autograd's (float64) to rounding; a run that
 diverges is dropped and reported while the others finish; the selection's ``--array``
 through the local executor gives the runs, numbers and selection of ``--array off``, records
 the array, and resumes only the unfinished runs; Ray runs an array as one task (skips
@@ -146,6 +147,58 @@ def test_every_run_of_an_array_makes_the_draws_it_makes_alone(method, stream, mo
         assert abs(records[r]["acc"] - alone[r]["acc"]) <= 2.0
         for a, b in zip(records[r]["task_losses"], alone[r]["task_losses"]):
             assert a == pytest.approx(b, rel=1e-3, abs=1e-4)
+
+
+@pytest.mark.parametrize("learn_lr", [True, False])
+def test_lamamls_hand_written_meta_gradients_are_autograds(streams, learn_lr):
+    """La-MAML's array computes the first-order meta-gradients by hand, the first layer's fast
+    weights implicit (arrays/lamaml.py): against autograd through the inner loop in float64, on
+    three runs whose learning rates have both signs (the relu and its mask matter), with and
+    without a replay part in the meta batch; with ``learn_lr`` off no learning-rate gradient is
+    made and an update leaves the learning rates as they are."""
+    from emcl_continual.arrays.base import ce_per_run, mlp_forward
+    from emcl_continual.config import build_config
+    info = streams[0].info
+    models = []
+    for s in range(3):
+        torch.manual_seed(s)
+        models.append(build_model(info))
+    weights = [torch.stack([p.detach() for p in ps]).requires_grad_(True) for ps in zip(*[m.parameters() for m in models])]
+    configs = [build_config("lamaml", STREAM, s, {"learn_lr": learn_lr}) for s in range(3)]
+    arr = arrays.get_learner("lamaml")(weights, info, configs, "cpu")
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for a in arr.alpha:
+            a.add_(torch.randn(a.shape, generator=gen) * 0.2)
+    n = 10
+    x, y = torch.rand(3, n, 784, generator=gen), torch.randint(0, 10, (3, n), generator=gen)
+    for replay in (0, 10):
+        bx = torch.cat((torch.rand(3, replay, 784, generator=gen), x), 1)
+        by = torch.cat((torch.randint(0, 10, (3, replay), generator=gen), y), 1)
+        W = [w.detach().double().requires_grad_(True) for w in arr.weights]
+        A = [a.detach().double().requires_grad_(True) for a in arr.alpha]
+        fast, losses = list(W), []
+        for i in range(n):
+            g = torch.autograd.grad(ce_per_run(mlp_forward(fast, x[:, i:i + 1].double()), y[:, i:i + 1]).sum(), fast)
+            fast = [w - gi * torch.relu(a) for w, gi, a in zip(fast, g, A)]
+            losses.append(ce_per_run(mlp_forward(fast, bx.double()), by))
+        meta = torch.stack(losses, 1).mean(1)
+        grads = torch.autograd.grad(meta.sum(), W + A)
+        got, wg, ag, scale = arr._meta_grads_first_order(x, y, bx, by)
+        assert torch.allclose(got.double(), meta.detach(), rtol=1e-5, atol=0)
+        for mine, ref in zip(wg, grads[:len(W)]):
+            assert (mine.double() * scale - ref).abs().max() <= 1e-5 * ref.abs().max()
+        if learn_lr:
+            assert any(bool((a < 0).any()) for a in arr.alpha)
+            for mine, ref in zip(ag, grads[len(W):]):
+                assert (-mine.double() * scale - ref).abs().max() <= 1e-5 * ref.abs().max()
+        else:
+            assert ag is None
+    before = [a.detach().clone() for a in arr.alpha]
+    w0 = [w.detach().clone() for w in arr.weights]
+    arr.observe(x, y, 0)
+    assert all(torch.equal(a, b) for a, b in zip(arr.alpha, before)) != learn_lr
+    assert not any(torch.equal(w, v) for w, v in zip(arr.weights, w0))
 
 
 def test_agem_draws_its_reference_batch_per_run_when_the_memory_outgrows_it(streams, monkeypatch):

@@ -38,10 +38,10 @@ ARRAY_LEARNERS = {
 #: run-samples per second on the measured curves (results/arrays/throughput_cpu.json, one thread,
 #: the 2-core Xeon VM shared with other jobs; docs/continual-learning.md). Past it the runs'
 #: weights leave the core's cache and the curve is flat or falls.
-AUTO_WIDTH_CPU = {"sgd": 8, "ewc": 16, "agem": 4, "er": 32, "gem": 32, "lamaml": 4, "mer": 16, "emcl": 8}
+AUTO_WIDTH_CPU = {"sgd": 8, "ewc": 16, "agem": 4, "er": 32, "gem": 32, "lamaml": 16, "mer": 16, "emcl": 8}
 #: the run alone's run-samples per second on the same curves: how long each method's units take
 #: relative to the others, so that the executor starts the longest first
-ALONE_RATE_CPU = {"sgd": 21900, "ewc": 8200, "agem": 8600, "er": 14400, "gem": 3800, "lamaml": 184, "mer": 173,
+ALONE_RATE_CPU = {"sgd": 21900, "ewc": 8200, "agem": 8600, "er": 14400, "gem": 3800, "lamaml": 142, "mer": 174,
                   "emcl": 5920}
 #: on a GPU the device is idle and a run is all launches: the width is bounded by memory only
 AUTO_WIDTH_GPU = 32
