@@ -50,8 +50,7 @@ every row once per round, odd rounds reversed, each run's load average recorded.
 ``python -m emcl_continual.tables`` turns the file into the efficiency page and the tables' time
 columns (:mod:`emcl_continual.efficiency`).
 
-Every run here is without anytime evaluation; what ``--eval-every`` adds to a run, per method at
-the presets' K, is ``benchmarks/bench_anytime.py`` (``benchmarks/results/anytime_cost_cpu.json``).
+Every run here is without anytime evaluation.
 """
 from __future__ import annotations
 

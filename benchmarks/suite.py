@@ -71,11 +71,6 @@ REGISTRY = {b.name: b for b in (
               "train against the run alone, per width, on one thread?",
               ("--methods", "sgd", "--widths", "1", "2", "--repeats", "1", "--warm", "1",
                "--out", "{out}/arrays.json"), requires=("mlxtend",)),
-    Benchmark("array-kernels", "bench_runs_kernels",
-              "What does one native cpu call over N runs cost against N single-run calls, and "
-              "is a single run's call as fast as before arrays?",
-              ("array", "--runs", "2", "--models", "tiny", "--blocks", "1", "--per-block", "2",
-               "--out", "{out}/array-kernels.json")),
     Benchmark("imports", "bench_imports",
               "How much does `import emcl_kernels` cost beyond `import torch`?",
               ("--runs", "1", "--out", "{out}/imports.json")),
