@@ -5,19 +5,7 @@ paper's MLP 784-100-100-10 (6 tensors) and on 1,000 x 4,096 fp32 tensors, one th
     python -m benchmarks host --key-passes                         # the plan key: C++ vs Python
     python -m benchmarks host --triton                             # the triton backend's host path
 
-Default (``--host-only``): the backend's ``step`` replaced by a function that does nothing, so
-the kernels' memory traffic leaves the number alone; once with the same gradient tensors every
-step and once with gradients that change every step (a pool of three sets, as autograd
-allocates them anew; the time of assigning them subtracted). The fastest round
-(``*_fastest_us``) is the one least disturbed by other jobs on a shared machine.
-
-``--key-passes``: the same host time with the per-step plan key's C++ passes
-(``_C.plan_grads``, ``_C.identical``, ``_C.items_are``) and with its Python passes alone (as
-without the extension), alternating round by round in one process on the same optimizer.
-
-``--triton``: the ``triton`` backend's host path on CPU tensors with its kernel launches taken
-out (``benchmarks/triton_host.py``): the backend's step, the optimizer's step above it, the
-plan layer, and how often the launches go through Triton's JIT rather than the fast launch.
+What each mode times: benchmarks/README.md, ``host``.
 """
 from __future__ import annotations
 

@@ -1,34 +1,12 @@
-"""Kernel benchmark: every available backend on the same inputs, in one run.
+"""Kernel benchmark: every available backend on the same inputs, in one run, against the memory
+roof measured in the same run.
 
     python -m benchmarks kernels            # full run (~10 min on a 2-core CPU)
     python -m benchmarks kernels --quick    # under a minute on a 2-core CPU
 
-For each device (the GPU when there is one, else the CPU; ``--device cpu cuda`` for both),
-each layout (one tensor of 2**10 .. 2**26 elements, 2**28 on a GPU; the parameters of the
-2x100 MLP; those of the reduced ResNet-18; 1,000 tensors of 4,096 elements), each dtype
-(fp32, bf16) and each operation (inner step, meta step, combined step) it times every backend
-that is available for the device at run time (``emcl_kernels.backends``), and reports:
-
-* the median time of many repeats (CUDA events on a GPU, ``time.perf_counter`` on CPU), with
-  the inputs rotated over several sets whose total exceeds the last-level cache;
-* the achieved GB/s under SPEC section 5's byte model and the ratio to the memory roof measured
-  in the same run: the best of several streaming kernels (copy, ``torch._foreach_copy_``, a
-  STREAM triad, in-place axpy, scale and addcmul, a sum; ``common.measure_roof``), at sizes up
-  to the largest layout timed, every one counted by the
-  bytes it moves to and from memory, write-allocate reads included on CPU (the EMCL kernels
-  update their tensors in place, so SPEC section 5's bytes are their traffic). A ratio above
-  1.0 is a bug in the benchmark or the byte model, never a result: the run says so;
-* the speedup over the ``reference`` and ``foreach`` backends;
-* kernel launches per step (GPU, by ``torch.profiler``).
-
-Outputs: a table on the terminal, ``benchmarks/results/kernels_<stamp>_<devices>.json`` (one
-record per measurement) and ``kernels_<stamp>_<device>.png`` per device (GB/s against size,
-one line per backend, the roof dashed). ``benchmarks/make_readme_table.py``
-turns the JSON into the README's table.
-
-Left out by default, and said so in the output: Triton on CPU tensors (it runs there only
-through the Triton interpreter; ``--cpu-triton`` includes it), and the reference backend above
-``--reference-cap`` elements (it is slow; it is also timed with fewer repeats).
+The layouts, the input rotation, the byte model and the roof: benchmarks/README.md, ``kernels``
+and "The memory roof". A record above the roof is a bug in the benchmark or the byte model,
+never a result: the run says so.
 """
 from __future__ import annotations
 

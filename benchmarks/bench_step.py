@@ -1,40 +1,13 @@
-"""Optimizer-step benchmark: ``FusedEMCLOptimizer.step()`` against torch's own optimizers.
+"""Optimizer-step benchmark: ``FusedEMCLOptimizer.step()`` against torch's own optimizers, host
+time included, on the MLP, ResNet-18, 1,000 x 4,096 and GPT-2-124M layouts.
 
     python -m benchmarks step             # the GPU if there is one, else the CPU (1, 2 threads)
     python -m benchmarks step --quick              # fewer rounds (a few minutes on 2 cores)
     python -m benchmarks step --device cuda --out benchmarks/results
     python -m benchmarks step --layouts mlp resnet18 --dtypes fp32 --threads 1
 
-For every layout (the MLP 784-100-100-10, torchvision's ResNet-18, 1,000 x 4,096, GPT-2-124M's
-parameter shapes), dtype (fp32, bf16) and, on CPU, thread count, it builds one set of
-parameters with gradients and times, on those same tensors and interleaved round by round:
-
-* ``torch.optim.Adam(fused=True)`` three ways, the peers of SPEC section 7: plain
-  (``adam_fused``, checks nothing), skipping non-finite steps as torch does
-  (``adam_fused_checked``: GradScaler's finite check, ``torch._amp_foreach_non_finite_check_and_unscale_``
-  with an inverse scale of 1, feeding ``found_inf`` to the fused step), and under a
-  ``torch.amp.GradScaler`` (``adam_fused_scaler``: ``scaler.step(opt); scaler.update()``);
-  ``Adam(foreach=True)``, ``SGD(foreach=True, momentum=0.9)``;
-* ``FusedEMCLOptimizer(meta_every=1, backend=b)`` for every backend ``b`` available on the
-  device, once with its defaults (``check_finite=True``) and once with ``check_finite=False``;
-  each is timed through ``step()`` (with ``meta_every=1`` every step is the fused inner+meta
-  step: 28 B per fp32 element, Adam's bytes) and through ``inner_step()`` (the inner step
-  alone: 20 B); the default one also under its own ``GradScaler`` (``step() scaler``).
-
-Each EMCL row has its like-for-like peer and goal (``PEERS``, SPEC section 7): ``step()
-nocheck`` <= 1.0x ``adam_fused``, ``step()`` <= 1.0x ``adam_fused_checked``, ``step() scaler``
-<= 1.0x ``adam_fused_scaler``, ``inner_step() nocheck`` <= 0.8x ``adam_fused``; each record
-says ``ratio_to_peer`` and whether the goal is met, tied (the interquartile ranges overlap
-the goal) or missed (``verdict``).
-
-Reported per contender: the wall time of a step (median, quartiles, min), on a GPU also the
-host time of ``step()`` without synchronizing, the device time (CUDA activity durations summed
-per step, ``torch.profiler``) and the GPU activities per step (kernels + memcpy + memset), the
-achieved GB/s under each optimizer's byte model, and its time over Adam-fused's, Adam-foreach's
-and SGD's measured in the same rounds. The memory roof (``common.measure_roof``) is measured in
-the same run at every thread count. Outputs: ``results/step[_<tag>]_<stamp>_<device>.json``,
-a ``.png`` beside it, and a table on the terminal; ``make_readme_table.py`` turns the JSON into
-the README's table.
+The contenders, their SPEC section 7 peers and goals (:data:`PEERS`), how each is timed and every
+field of a record: benchmarks/README.md, ``step``.
 """
 from __future__ import annotations
 
