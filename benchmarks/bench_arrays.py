@@ -10,17 +10,13 @@ The contenders and the goals: benchmarks/README.md, ``arrays``.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from typing import Callable, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import common, harness
 
-from benchmarks import common, harness  # noqa: E402
+import torch
 
-import torch  # noqa: E402
-
-from emcl_kernels import FusedEMCLOptimizer  # noqa: E402
+from emcl_kernels import FusedEMCLOptimizer
 
 SCHEMA = "emcl-kernels/bench_arrays/1"
 RUNS = (1, 4, 16, 64, 256)
@@ -213,6 +209,3 @@ def main(argv: Optional[list] = None) -> dict:
     result.update(records=records, verdicts=verdicts(records, device))
     stem = args.name or f"arrays_{device.type}" + ("_quick" if args.quick else "")
     return harness.finish(result, args.out, stem, plot=plot, no_plot=args.no_plot)
-
-if __name__ == "__main__":
-    main()

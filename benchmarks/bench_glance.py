@@ -13,15 +13,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import common, harness, timing  # noqa: E402
+from benchmarks import common, harness, timing
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 WIDTHS = (784, 100, 100, 10)
 HYPER = dict(lr=0.03, reg=10.0, gamma=0.3, meta_lr=0.3, prox=True)
@@ -239,7 +237,3 @@ def table(result: dict) -> str:
             lines.append(f"seed {row['seed']}: ACC fused {row['fused']['acc']:.2f}, autograd "
                          f"{row['autograd']['acc']:.2f} (diff {row['acc_diff']:+.2f})")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    main()

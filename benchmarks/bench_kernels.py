@@ -13,18 +13,15 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import common, harness  # (puts the repository on sys.path)
 
-from benchmarks import common, harness  # noqa: E402  (puts the repository on sys.path)
+import torch
 
-import torch  # noqa: E402
-
-from emcl_kernels import functional as F  # noqa: E402
+from emcl_kernels import functional as F
 
 LAYOUT_CHOICES = ("single", "mlp", "resnet18", "many")
 LAYOUT_NAMES = {"mlp": "mlp-2x100", "resnet18": "resnet18-reduced", "many": "many-1000x4096"}

@@ -13,21 +13,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import common, harness  # (puts the repository on sys.path)
 
-from benchmarks import common, harness  # noqa: E402  (puts the repository on sys.path)
+import torch
 
-import torch  # noqa: E402
-
-from emcl_kernels import FusedEMCLOptimizer  # noqa: E402
+from emcl_kernels import FusedEMCLOptimizer
 
 SCHEMA = "emcl-kernels/bench_step/1"
 LAYOUT_CHOICES = ("mlp", "resnet18", "many", "gpt2")
@@ -764,23 +760,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "last-level cache)")
     p.add_argument("--no-roof", action="store_true", help="skip the roof measurement")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tag", default=None,
-                   help="word in the file name: step_<tag>_<stamp>_<device> (e.g. before)")
-    p.add_argument("--replot", default=None, metavar="JSON",
-                   help="only redraw the .png beside an existing results file, and exit")
     return p
 
 
 def main(argv: Optional[list] = None) -> dict:
     """Run the benchmark; return the results dict (also written to ``--out``)."""
     args = build_parser().parse_args(argv)
-    if args.replot:
-        with open(args.replot) as f:
-            result = json.load(f)
-        png = os.path.splitext(args.replot)[0] + ".png"
-        plot(result, png)
-        print(f"wrote {png}")
-        return result
     settings = Settings.quick() if args.quick else Settings.full()
     if args.rounds:
         settings.min_rounds, settings.max_rounds = args.rounds
@@ -830,8 +815,7 @@ def _main(args, argv, settings: Settings, device: torch.device) -> dict:
             roof = measure_roof(device, args, emcl_backends, settings, log)
             roofs[roof["threads"]] = roof
             result["roofs"].append(roof)
-    stem = args.name or "_".join(["step"] + ([args.tag] if args.tag else []) +
-                                 [common.utc_stamp(), device.type])
+    stem = args.name or f"step_{common.utc_stamp()}_{device.type}"
     path = os.path.join(args.out, stem + ".json")
     result["complete"] = False
     for choice in args.layouts:

@@ -19,17 +19,14 @@ import json
 import os
 import pickle
 import statistics
-import sys
 import tempfile
 import time
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import common, harness  # (puts the repository on sys.path)
 
-from benchmarks import common, harness  # noqa: E402  (puts the repository on sys.path)
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
 DEVICE_CHOICES = ("cpu", "cuda", "auto")
 IMAGE_STREAMS = ("split-cifar100", "split-miniimagenet")
