@@ -181,8 +181,8 @@ def _run(args, out):
 
 
 def fast_launch_ab(layout, shapes, device, out, calls=200, blocks=8):
-    """``fast_launch`` (see the module docstring): the optimizer's step with the fast launch
-    on and off, in alternating blocks of ``calls`` calls, and fused Adam's step."""
+    """``fast_launch`` (benchmarks/README.md, ``triton``): the optimizer's step with the fast
+    launch on and off, in alternating blocks of ``calls`` calls, and fused Adam's step."""
     from emcl_kernels import FusedEMCLOptimizer
     gen = torch.Generator(device="cpu").manual_seed(1)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device) * 0.01)

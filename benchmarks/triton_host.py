@@ -39,8 +39,8 @@ class NoLaunchKernel:
 
 class JitWithoutLaunch:
     """Stands for the ``@triton.jit`` kernel ``jit``: ``kernel[grid](*args, **kwargs)`` runs the
-    Python of Triton's ``JITFunction.run`` up to the launcher (see the module docstring) and
-    returns a :class:`NoLaunchKernel`, one per Triton cache key."""
+    Python of Triton's ``JITFunction.run`` up to the launcher (benchmarks/README.md, ``host
+    --triton``) and returns a :class:`NoLaunchKernel`, one per Triton cache key."""
 
     def __init__(self, jit):
         from triton import knobs
@@ -148,7 +148,8 @@ class _Layout:
 
 
 def measure(args) -> dict:
-    """Every number of the module docstring, for the ``emcl_kernels`` this process imports."""
+    """Every number of ``host --triton`` (benchmarks/README.md), for the ``emcl_kernels`` this
+    process imports."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("run without TRITON_INTERPRET=1: the kernels must be imported compiled")
     torch.set_num_threads(1)
