@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -89,18 +90,11 @@ class Layout:
 
     @property
     def numel(self) -> int:
-        return sum(_prod(s) for s in self.shapes)
+        return sum(math.prod(s) for s in self.shapes)
 
     @property
     def n_tensors(self) -> int:
         return len(self.shapes)
-
-
-def _prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def model_shapes(which: str) -> list:
