@@ -1,7 +1,7 @@
 """What anytime evaluation (``--eval-every``) costs, per method, at the presets' K and subset.
 
-    python benchmarks/bench_anytime.py                                  # every method, Permuted MNIST prefix
-    python benchmarks/bench_anytime.py --methods sgd emcl --n-tasks 2 --samples-per-task 200 --out /tmp/x.json
+    python -m benchmarks anytime                                  # every method, Permuted MNIST prefix
+    python -m benchmarks anytime --methods sgd emcl --n-tasks 2 --samples-per-task 200 --out /tmp/x.json
 
 Two measurements, on the CPU with one torch thread:
 
@@ -30,22 +30,18 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for p in (ROOT, os.path.join(ROOT, "python")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 
-import torch  # noqa: E402
+import torch
 
-from emcl_continual.core import presets  # noqa: E402
-from emcl_continual.training import train  # noqa: E402
-from emcl_continual.methods import METHODS  # noqa: E402
-from emcl_continual.core.provenance import code_version, processor  # noqa: E402
-from emcl_continual.data.streams import make_stream  # noqa: E402
+from emcl_continual.core import presets
+from emcl_continual.training import train
+from emcl_continual.methods import METHODS
+from emcl_continual.core.provenance import code_version, processor
+from emcl_continual.data.streams import make_stream
 
 SEED = presets.REPORT_SEEDS[0]
 
@@ -136,7 +132,7 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks anytime", description=__doc__.split("\n\n")[0])
     p.add_argument("--stream", default="permuted-mnist", choices=sorted(presets.ANYTIME))
     p.add_argument("--whole", nargs="*", default=None, help="streams to time whole (default: --stream)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
@@ -180,7 +176,3 @@ def main(argv=None) -> int:
     print(table(result))
     print(f"wrote {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,43 +1,22 @@
-"""Many runs, one launch: the optimizer's step over an array of N runs of the paper's MLP.
+"""Many runs, one launch: the optimizer's step over an array of N runs of the paper's MLP,
+against N separate optimizers, HFTA's way and the bytes' floor.
 
     python -m benchmarks arrays                   # CPU at 1 and 2 threads (or the GPU)
     python -m benchmarks arrays --quick           # N = 1 and 4, 3 rounds (the smoke test)
     python -m benchmarks arrays --runs 1 16 64 --threads 1 --ops inner --name arrays_<machine>
 
-For N runs of the MLP 784-100-100-10 (89,610 fp32 elements per run), each run with its own
-learning rate and ``reg``, it times on the same machine, interleaved round by round:
-
-* ``array``: one ``FusedEMCLOptimizer`` with a param group of ``runs=N`` over the stacked weights
-  ([N, 100, 784], ...), per-run ``lr`` and ``reg``: one native call per step;
-* ``separate``: N optimizers over N MLPs, stepped one after another (today's way to run N);
-* ``hfta``: HFTA's way (Horizontally Fused Training Array, MLSys 2021): the stacked weights and
-  the per-run values as [N, 1, ...] tensors, the update written as ordinary per-parameter torch
-  ops that broadcast them (no single kernel);
-* ``floor``: a bare loop over the same bytes (``torch.ops.emcl.stream_probe_``, the streams of
-  the step: bench_step's floors), on a CPU whose extension has the probes.
-
-``--ops``: ``inner`` (``inner_step()``, 20 B per fp32 element: θ, g, θ₀, h read, θ written) and
-``step`` (``step()`` with ``meta_every=1``: the fused inner+meta step, 28 B). Each record names
-``runs``, the contender, the times (ms; median, quartiles, min), ``ratio_to_separate`` and
-``ratio_to_floor``. The goals: never slower than the separate optimizers, and from N = 16 up
-within 1.15x of the floor on the CPU (on a GPU: 64 runs in 1/20 of the separate time).
-Output: ``benchmarks/results/<name>.json`` (``--name``, default ``arrays_<device>``) and a
-``.png`` beside it.
+The contenders and the goals: benchmarks/README.md, ``arrays``.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from typing import Callable, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import common, harness
 
-from benchmarks import common, harness  # noqa: E402
+import torch
 
-import torch  # noqa: E402
-
-from emcl_kernels import FusedEMCLOptimizer  # noqa: E402
+from emcl_kernels import FusedEMCLOptimizer
 
 SCHEMA = "emcl-kernels/bench_arrays/1"
 RUNS = (1, 4, 16, 64, 256)
@@ -230,6 +209,3 @@ def main(argv: Optional[list] = None) -> dict:
     result.update(records=records, verdicts=verdicts(records, device))
     stem = args.name or f"arrays_{device.type}" + ("_quick" if args.quick else "")
     return harness.finish(result, args.out, stem, plot=plot, no_plot=args.no_plot)
-
-if __name__ == "__main__":
-    main()

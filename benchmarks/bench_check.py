@@ -4,13 +4,7 @@ the same step with ``check_finite=False``, fp32 and bf16.
 
     python -m benchmarks check [--device cpu|cuda] [--threads 1] [--repeats 20] [--numel 16777216]
 
-Two layouts of ``--numel`` elements (2**24 by default): one tensor, and 50 tensors of uneven
-sizes. The check reads the gradients once (4 B per fp32 element, 2 B per bf16 one) and writes
-one flag; the table gives its time, the gradient bytes it read per second, and what it adds to
-``inner_step()`` (20 B per fp32 element without it) and to ``step()`` with ``meta_every=1``
-(28 B). Timings are the minimum over ``--repeats`` interleaved runs (other jobs on a shared
-machine only add time; the medians are kept too); on a GPU each is bracketed by
-synchronizations. Writes ``check_finite_<stamp>_<device>.json`` into ``--out``.
+How it is timed: benchmarks/README.md, ``check``.
 """
 from __future__ import annotations
 

@@ -6,52 +6,20 @@ and the main job's training time and results with each inner loop.
     python -m benchmarks glance --paired-seeds               # no paired full runs
     python -m benchmarks glance --name glance_xeon-2core     # the current file of a machine
 
-**The inner step** (the paper's MLP 784-100-100-10, 20 samples per glance, EMCL's defaults on
-Permuted MNIST: β = 0.03, λ = 10, γ = 0.3, prox), per one-sample step:
-
-* ``autograd``: what the method ran before the fused glance, per sample
-  ``F.cross_entropy(model(x), y).backward(); opt.inner_step()`` and the gradients cleared
-  (``FusedEMCLOptimizer``, backend ``auto``);
-* ``fused_glance``: ``torch.ops.emcl.mlp_glance_`` on the 20 samples, one call per glance;
-* ``fused_one_step``: the same op called once per sample (its per-call cost included);
-* ``floor``: the bytes every one-sample step must move, at the machine's measured rate for
-  them: the update reads θ, θ₀ and h and writes θ, 16 B per parameter, 89,610 parameters
-  (1.43 MB, cache-resident); the forward pass's read of θ and the backward signals' read of the
-  hidden layers' weights come on top unless the kernel takes them from L1 (the CPU kernel does
-  for the first layer's forward pass, [note: next forward]). The rate is the best of
-  ``stream_probe_`` kind 1 (a ← a + 1e-6·b, 12 B per element, the CPU kernels' own streaming
-  probe) on two arrays of the MLP's size, the working set the step has.
-
-Rounds alternate the contenders (blocks of glances, the order reversed every other round);
-each block's time per step is taken as wall time and as process CPU time (on a shared machine
-the CPU time is the steadier), and the medians over the blocks are reported.
-
-**The main job** (``--main-job-tasks``, default 5: EMCL on Permuted MNIST, its first tasks,
-seed 0, the CPU): ``emcl_continual.training.train.run``'s ``train_time_s`` with ``fused_glance`` True and
-False, alternating, ``--main-job-rounds`` times each. **Paired runs** (``--paired-seeds``,
-default 0 1 2): whole 20-task runs of both paths per seed; ACC and BWT of each and their
-differences, to set against the reproducibility floor of docs/results.md ("What reproduces
-where": EMCL's per-seed ACC moves by ~0.4, up to 1.14, with the arithmetic path).
-
-Writes ``benchmarks/results/<name>.json`` (``--name``, default ``glance_cpu``; the current file
-of a machine is ``glance_<machine>``, benchmarks/results/README.md) with the command, the
-machine (:func:`benchmarks.common.machine_info`, load averages before and after) and prints a
-table.
+The contenders, the floor and the main job's runs: benchmarks/README.md, ``glance``.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
-import sys
 import time
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import common, harness, timing  # noqa: E402
+from benchmarks import common, harness, timing
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 WIDTHS = (784, 100, 100, 10)
 HYPER = dict(lr=0.03, reg=10.0, gamma=0.3, meta_lr=0.3, prox=True)
@@ -269,7 +237,3 @@ def table(result: dict) -> str:
             lines.append(f"seed {row['seed']}: ACC fused {row['fused']['acc']:.2f}, autograd "
                          f"{row['autograd']['acc']:.2f} (diff {row['acc_diff']:+.2f})")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    main()

@@ -5,22 +5,11 @@ paper's MLP 784-100-100-10 (6 tensors) and on 1,000 x 4,096 fp32 tensors, one th
     python -m benchmarks host --key-passes                         # the plan key: C++ vs Python
     python -m benchmarks host --triton                             # the triton backend's host path
 
-Default (``--host-only``): the backend's ``step`` replaced by a function that does nothing, so
-the kernels' memory traffic leaves the number alone; once with the same gradient tensors every
-step and once with gradients that change every step (a pool of three sets, as autograd
-allocates them anew; the time of assigning them subtracted). The fastest round
-(``*_fastest_us``) is the one least disturbed by other jobs on a shared machine.
-
-``--key-passes``: the same host time with the per-step plan key's C++ passes
-(``_C.plan_grads``, ``_C.identical``, ``_C.items_are``) and with its Python passes alone (as
-without the extension), alternating round by round in one process on the same optimizer.
-
-``--triton``: the ``triton`` backend's host path on CPU tensors with its kernel launches taken
-out (``benchmarks/triton_host.py``): the backend's step, the optimizer's step above it, the
-plan layer, and how often the launches go through Triton's JIT rather than the fast launch.
+What each mode times: benchmarks/README.md, ``host``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -38,6 +27,30 @@ def _plans(opt):
     return runtime.plans if runtime is not None else opt._plans
 
 
+def _layouts(args):
+    """Per layout: its name, its parameters, three gradient sets to swap in (as autograd
+    allocates them anew), and the steps per round (fewer on the 1,000 tensors)."""
+    gen = torch.Generator().manual_seed(0)
+    device = torch.device(args.device)
+    for name, shapes in LAYOUTS.items():
+        params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.01).to(device))
+                  for s in shapes]
+        pool = [[(torch.randn(p.shape, generator=gen) * 1e-3).to(device) for p in params]
+                for _ in range(3)]
+        yield name, params, pool, (args.steps if name == "mlp" else max(40, args.steps // 10))
+
+
+@contextlib.contextmanager
+def _backend_noop(opt):
+    """``opt``'s backend ``step`` replaced by a function that does nothing, put back after."""
+    backend = _plans(opt)[0].backend
+    real, backend.step = backend.step, (lambda *a, **k: None)
+    try:
+        yield
+    finally:
+        backend.step = real
+
+
 def _median_us(fn, n, clock=time.perf_counter):
     out = []
     for _ in range(n):
@@ -51,22 +64,12 @@ def host_only(args) -> dict:
     """Host time of ``step()`` with the backend call replaced by a no-op, per layout, with
     the same gradients every step and with gradients that change every step."""
     torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(0)
-    device = torch.device(args.device)
     out = {}
-    for name, shapes in LAYOUTS.items():
-        params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.01).to(device))
-                  for s in shapes]
-        pool = [[(torch.randn(p.shape, generator=gen) * 1e-3).to(device) for p in params]
-                for _ in range(3)]
+    for name, params, pool, n in _layouts(args):
         for p, g in zip(params, pool[0]):
             p.grad = g
         opt = FusedEMCLOptimizer(params, meta_every=1, backend=args.backend)
         opt.step()
-        backend = _plans(opt)[0].backend
-        real = backend.step
-        backend.step = lambda *a, **k: None
-        n = args.steps if name == "mlp" else max(40, args.steps // 10)
         i = [0]
 
         def fresh():
@@ -80,7 +83,7 @@ def host_only(args) -> dict:
             for p, g in zip(params, pool[i[0] % 3]):
                 p.grad = g
 
-        try:
+        with _backend_noop(opt):
             same, changing, assign = [], [], []
             for _ in range(args.rounds):
                 for p, g in zip(params, pool[0]):
@@ -88,8 +91,6 @@ def host_only(args) -> dict:
                 same.append(_median_us(opt.step, n))
                 changing.append(_median_us(fresh, n))
                 assign.append(_median_us(swap_only, n))
-        finally:
-            backend.step = real
         a = statistics.median(assign)
         out[name] = {"same_grads_us": statistics.median(same),
                      "changing_grads_us": statistics.median(changing) - a,
@@ -115,17 +116,10 @@ def key_passes(args) -> dict:
     variants = {"native": (P._plan_grads, P._identical, P._items_are),
                 "python": (None, P._py_identical, P._py_items_are)}
     torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(0)
-    device = torch.device(args.device)
     out = {}
     try:
-        for name, shapes in LAYOUTS.items():
-            params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.01).to(device))
-                      for s in shapes]
-            pool = [[(torch.randn(p.shape, generator=gen) * 1e-3).to(device) for p in params]
-                    for _ in range(3)]
+        for name, params, pool, n in _layouts(args):
             opt = FusedEMCLOptimizer(params, meta_every=1, backend=args.backend)
-            n = args.steps if name == "mlp" else max(40, args.steps // 10)
             times = {v: {"same": [], "changing": []} for v in variants}
 
             def assign(i):
@@ -139,9 +133,7 @@ def key_passes(args) -> dict:
                     assign(0)
                     opt._runtime.plans = None   # built again, with this variant's key
                     opt.step()
-                    backend = opt._runtime.plans[0].backend
-                    real, backend.step = backend.step, (lambda *a, **k: None)
-                    try:
+                    with _backend_noop(opt):
                         t = time.perf_counter()
                         for _ in range(n):
                             opt.step()
@@ -156,8 +148,6 @@ def key_passes(args) -> dict:
                             assign(i)
                         times[label]["changing"].append(
                             (stepped - (time.perf_counter() - t)) / n * 1e6)
-                    finally:
-                        backend.step = real
             out[name] = {v: {m: {"min": min(x), "median": statistics.median(x), "rounds": x}
                              for m, x in d.items()} for v, d in times.items()}
             for v in variants:

@@ -2,12 +2,8 @@
 
     python -m benchmarks imports [--runs 7] [--tree CHECKOUT] [--out FILE]
 
-Fresh interpreters, alternating: ``python -c "import torch"`` then ``python -c "import torch,
-emcl_kernels"``, ``--runs`` pairs, the order swapped every other pair so that a machine that
-slows down mid-run weighs on both alike. The cost is the median of the per-pair differences of
-wall time (each interpreter's start-up is in both and cancels). One more run of
-``python -X importtime`` lists the package's own imports that took longest (cumulative
-microseconds, as ``-X importtime`` counts them), so a slow import is named, not just measured.
+Fresh interpreters in alternating pairs, and the slowest imports under ``python -X importtime``:
+benchmarks/README.md, ``imports``.
 """
 from __future__ import annotations
 

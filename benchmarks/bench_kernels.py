@@ -1,52 +1,28 @@
-"""Kernel benchmark: every available backend on the same inputs, in one run.
+"""Kernel benchmark: every available backend on the same inputs, in one run, against the memory
+roof measured in the same run.
 
     python -m benchmarks kernels            # full run (~10 min on a 2-core CPU)
     python -m benchmarks kernels --quick    # under a minute on a 2-core CPU
 
-For each device (the GPU when there is one, else the CPU; ``--device cpu cuda`` for both),
-each layout (one tensor of 2**10 .. 2**26 elements, 2**28 on a GPU; the parameters of the
-2x100 MLP; those of the reduced ResNet-18; 1,000 tensors of 4,096 elements), each dtype
-(fp32, bf16) and each operation (inner step, meta step, combined step) it times every backend
-that is available for the device at run time (``emcl_kernels.backends``), and reports:
-
-* the median time of many repeats (CUDA events on a GPU, ``time.perf_counter`` on CPU), with
-  the inputs rotated over several sets whose total exceeds the last-level cache;
-* the achieved GB/s under SPEC section 5's byte model and the ratio to the memory roof measured
-  in the same run: the best of several streaming kernels (copy, ``torch._foreach_copy_``, a
-  STREAM triad, in-place axpy, scale and addcmul, a sum; ``common.measure_roof``), at sizes up
-  to the largest layout timed, every one counted by the
-  bytes it moves to and from memory, write-allocate reads included on CPU (the EMCL kernels
-  update their tensors in place, so SPEC section 5's bytes are their traffic). A ratio above
-  1.0 is a bug in the benchmark or the byte model, never a result: the run says so;
-* the speedup over the ``reference`` and ``foreach`` backends;
-* kernel launches per step (GPU, by ``torch.profiler``).
-
-Outputs: a table on the terminal, ``benchmarks/results/kernels_<stamp>_<devices>.json`` (one
-record per measurement) and ``kernels_<stamp>_<device>.png`` per device (GB/s against size,
-one line per backend, the roof dashed). ``benchmarks/make_readme_table.py``
-turns the JSON into the README's table.
-
-Left out by default, and said so in the output: Triton on CPU tensors (it runs there only
-through the Triton interpreter; ``--cpu-triton`` includes it), and the reference backend above
-``--reference-cap`` elements (it is slow; it is also timed with fewer repeats).
+The layouts, the input rotation, the byte model and the roof: benchmarks/README.md, ``kernels``
+and "The memory roof". A record above the roof is a bug in the benchmark or the byte model,
+never a result: the run says so.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import common, harness  # (puts the repository on sys.path)
 
-from benchmarks import common, harness  # noqa: E402  (puts the repository on sys.path)
+import torch
 
-import torch  # noqa: E402
-
-from emcl_kernels import functional as F  # noqa: E402
+from emcl_kernels import functional as F
 
 LAYOUT_CHOICES = ("single", "mlp", "resnet18", "many")
 LAYOUT_NAMES = {"mlp": "mlp-2x100", "resnet18": "resnet18-reduced", "many": "many-1000x4096"}
@@ -114,18 +90,11 @@ class Layout:
 
     @property
     def numel(self) -> int:
-        return sum(_prod(s) for s in self.shapes)
+        return sum(math.prod(s) for s in self.shapes)
 
     @property
     def n_tensors(self) -> int:
         return len(self.shapes)
-
-
-def _prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def model_shapes(which: str) -> list:

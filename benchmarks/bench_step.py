@@ -1,60 +1,29 @@
-"""Optimizer-step benchmark: ``FusedEMCLOptimizer.step()`` against torch's own optimizers.
+"""Optimizer-step benchmark: ``FusedEMCLOptimizer.step()`` against torch's own optimizers, host
+time included, on the MLP, ResNet-18, 1,000 x 4,096 and GPT-2-124M layouts.
 
     python -m benchmarks step             # the GPU if there is one, else the CPU (1, 2 threads)
     python -m benchmarks step --quick              # fewer rounds (a few minutes on 2 cores)
     python -m benchmarks step --device cuda --out benchmarks/results
     python -m benchmarks step --layouts mlp resnet18 --dtypes fp32 --threads 1
 
-For every layout (the MLP 784-100-100-10, torchvision's ResNet-18, 1,000 x 4,096, GPT-2-124M's
-parameter shapes), dtype (fp32, bf16) and, on CPU, thread count, it builds one set of
-parameters with gradients and times, on those same tensors and interleaved round by round:
-
-* ``torch.optim.Adam(fused=True)`` three ways, the peers of SPEC section 7: plain
-  (``adam_fused``, checks nothing), skipping non-finite steps as torch does
-  (``adam_fused_checked``: GradScaler's finite check, ``torch._amp_foreach_non_finite_check_and_unscale_``
-  with an inverse scale of 1, feeding ``found_inf`` to the fused step), and under a
-  ``torch.amp.GradScaler`` (``adam_fused_scaler``: ``scaler.step(opt); scaler.update()``);
-  ``Adam(foreach=True)``, ``SGD(foreach=True, momentum=0.9)``;
-* ``FusedEMCLOptimizer(meta_every=1, backend=b)`` for every backend ``b`` available on the
-  device, once with its defaults (``check_finite=True``) and once with ``check_finite=False``;
-  each is timed through ``step()`` (with ``meta_every=1`` every step is the fused inner+meta
-  step: 28 B per fp32 element, Adam's bytes) and through ``inner_step()`` (the inner step
-  alone: 20 B); the default one also under its own ``GradScaler`` (``step() scaler``).
-
-Each EMCL row has its like-for-like peer and goal (``PEERS``, SPEC section 7): ``step()
-nocheck`` <= 1.0x ``adam_fused``, ``step()`` <= 1.0x ``adam_fused_checked``, ``step() scaler``
-<= 1.0x ``adam_fused_scaler``, ``inner_step() nocheck`` <= 0.8x ``adam_fused``; each record
-says ``ratio_to_peer`` and whether the goal is met, tied (the interquartile ranges overlap
-the goal) or missed (``verdict``).
-
-Reported per contender: the wall time of a step (median, quartiles, min), on a GPU also the
-host time of ``step()`` without synchronizing, the device time (CUDA activity durations summed
-per step, ``torch.profiler``) and the GPU activities per step (kernels + memcpy + memset), the
-achieved GB/s under each optimizer's byte model, and its time over Adam-fused's, Adam-foreach's
-and SGD's measured in the same rounds. The memory roof (``common.measure_roof``) is measured in
-the same run at every thread count. Outputs: ``results/step[_<tag>]_<stamp>_<device>.json``,
-a ``.png`` beside it, and a table on the terminal; ``make_readme_table.py`` turns the JSON into
-the README's table.
+The contenders, their SPEC section 7 peers and goals (:data:`PEERS`), how each is timed and every
+field of a record: benchmarks/README.md, ``step``.
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import common, harness  # (puts the repository on sys.path)
 
-from benchmarks import common, harness  # noqa: E402  (puts the repository on sys.path)
+import torch
 
-import torch  # noqa: E402
-
-from emcl_kernels import FusedEMCLOptimizer  # noqa: E402
+from emcl_kernels import FusedEMCLOptimizer
 
 SCHEMA = "emcl-kernels/bench_step/1"
 LAYOUT_CHOICES = ("mlp", "resnet18", "many", "gpt2")
@@ -791,23 +760,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "last-level cache)")
     p.add_argument("--no-roof", action="store_true", help="skip the roof measurement")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tag", default=None,
-                   help="word in the file name: step_<tag>_<stamp>_<device> (e.g. before)")
-    p.add_argument("--replot", default=None, metavar="JSON",
-                   help="only redraw the .png beside an existing results file, and exit")
     return p
 
 
 def main(argv: Optional[list] = None) -> dict:
     """Run the benchmark; return the results dict (also written to ``--out``)."""
     args = build_parser().parse_args(argv)
-    if args.replot:
-        with open(args.replot) as f:
-            result = json.load(f)
-        png = os.path.splitext(args.replot)[0] + ".png"
-        plot(result, png)
-        print(f"wrote {png}")
-        return result
     settings = Settings.quick() if args.quick else Settings.full()
     if args.rounds:
         settings.min_rounds, settings.max_rounds = args.rounds
@@ -857,8 +815,7 @@ def _main(args, argv, settings: Settings, device: torch.device) -> dict:
             roof = measure_roof(device, args, emcl_backends, settings, log)
             roofs[roof["threads"]] = roof
             result["roofs"].append(roof)
-    stem = args.name or "_".join(["step"] + ([args.tag] if args.tag else []) +
-                                 [common.utc_stamp(), device.type])
+    stem = args.name or f"step_{common.utc_stamp()}_{device.type}"
     path = os.path.join(args.out, stem + ".json")
     result["complete"] = False
     for choice in args.layouts:

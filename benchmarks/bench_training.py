@@ -5,53 +5,13 @@ the shape of the paper's training-time figure (Figure 2), on the CPU and on a GP
     python -m benchmarks training --quick              # 2 tasks x 50 samples
     python -m benchmarks training --device auto        # CPU, and the GPU when there is one
     python -m benchmarks training --device auto --streams permuted-mnist split-cifar100 split-miniimagenet
-    python -m benchmarks training --device auto --methods emcl --backends auto --n-tasks 20 --samples-per-task 1000
     python -m benchmarks training --table benchmarks/results/training_*.json   # README tables
     python -m benchmarks training --heldout results/heldout --streams permuted-mnist rotated-mnist \
         many-permutations --out-dir results/efficiency --name controlled_cpu   # the results tables' times
 
-**Devices.** ``--device cpu`` (default), ``cuda`` (a one-line error without a GPU) or ``auto``
-(the CPU, plus the GPU when torch sees one; says which). Every method runs on each device with
-the same stream and seed, its data moved to the device once per task.
-
-**Runs.** EMCL (``emcl_continual.methods.emcl``, driven by ``FusedEMCLOptimizer``) once per
-backend available for the device (Triton on CPU tensors runs only through its interpreter and
-is left out unless ``--cpu-triton``; ``--backends`` chooses); on a GPU each backend twice, its
-glances replayed from CUDA graphs (``graph``, the default there) and eagerly (``eager``;
-``--emcl-graph on|off|both``). Every baseline whose module is present once. On the
-permutation streams the time is ``emcl_continual.training.train.run``'s ``train_time_s`` (the
-``observe`` calls, evaluation excluded and recorded apart) with ACC and BWT. Each run is
-warmed up first on a two-batch stream (lazy imports, compilation, allocator), so only
-training is timed; a graphed EMCL run still captures its own graphs, inside its time.
-
-**Image streams** (``split-cifar100``, ``split-miniimagenet``: the reduced ResNet-18 on
-3x32x32 / 3x84x84 inputs) report the time per batch: each ``observe`` is timed alone (device
-synchronized around it) over ``--image-batches`` batches of one task; ``ms_per_batch`` is the
-mean, ``ms_per_batch_steady`` the median after the first ``STEADY_SKIP`` batches (the ones
-that warm up and capture EMCL's graphs). Without ``--data-root`` the data files are written
-in their real formats (CIFAR-100 python pickles, miniImageNet cache pickles) with random
-pixels into a temporary folder and read back through ``emcl_continual.data.sources``; their ACC
-means nothing and is not tabulated. ``--image-methods`` picks the methods (default: the ones
-whose batch costs seconds, not minutes, on a CPU).
-
-Writes ``benchmarks/results/training_<stamp>_<devices>.json`` and a PNG bar chart (training
-time per method, backend and device; one panel per stream), and prints the tables.
-``--table FILE...`` prints the README's markdown tables from results files (several files
-are merged, e.g. a CPU run and a GPU run) without running anything.
-
-**Held-out rows, like for like** (``--heldout DIR``): every report row of ``DIR/STREAM/plan.json``
-that the results tables show (each method's headline row and the rows that vary the visits per
-sample, :data:`HELDOUT_ROWS`), at exactly the overrides its sweep ran, on the first
-``--heldout-samples`` samples of the stream (whole tasks; the stream itself stays whole, so GEM's
-memory per task is the full run's), seed = the stream's first report seed, one torch thread, the
-CPU. One counted pass per row (:class:`CostCounter`: forward passes, backward passes and weight
-updates per incoming sample, counted by hooks on the run itself) then ``--rounds`` timed rounds,
-every row once per round, odd rounds reversed, each run's load average recorded.
-``python -m emcl_continual.tables`` turns the file into the efficiency page and the tables' time
-columns (:mod:`emcl_continual.reports.efficiency`).
-
-Every run here is without anytime evaluation; what ``--eval-every`` adds to a run, per method at
-the presets' K, is ``benchmarks/bench_anytime.py`` (``benchmarks/results/anytime_cost_cpu.json``).
+The runs, the image streams, the held-out rows (:data:`HELDOUT_ROWS`, :class:`CostCounter`) and
+the outputs: benchmarks/README.md, ``training``. Every run here is without anytime evaluation; what ``--eval-every`` adds
+to a run, per method at the presets' K, is ``python -m benchmarks anytime``.
 """
 from __future__ import annotations
 
@@ -60,17 +20,14 @@ import json
 import os
 import pickle
 import statistics
-import sys
 import tempfile
 import time
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import common, harness  # (puts the repository on sys.path)
 
-from benchmarks import common, harness  # noqa: E402  (puts the repository on sys.path)
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
 DEVICE_CHOICES = ("cpu", "cuda", "auto")
 IMAGE_STREAMS = ("split-cifar100", "split-miniimagenet")

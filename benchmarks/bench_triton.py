@@ -3,28 +3,8 @@
     python -m benchmarks triton                             # on a GPU: everything below
     TRITON_INTERPRET=1 python -m benchmarks triton --smoke  # CPU, tiny: does it run?
 
-On a GPU it prints, one JSON object per line:
-
-1. ``copy``: the device-to-device copy bandwidth (bytes read + written), the roof;
-2. ``bandwidth``: for every (BLOCK_SIZE, NUM_WARPS) of the sweep, every op (inner, meta,
-   inner_meta) and dtype, GB/s of one step on one tensor of ``--numel`` elements under SPEC
-   section 5's byte model (lr_mode inverse: no stored α) and its ratio to the copy (target
-   >= 0.95 for the meta step at 2**24..2**28 fp32, distinct tensors);
-3. ``odd_tensor``: 8 tensors of ``--numel / 8`` elements, all 16-byte aligned and then with
-   one of them one element off: only that tensor should lose the vector path (the ratio of
-   the two times stays near 8/7 at worst, near 1 when the scalar path keeps up);
-4. ``check``: the cost of ``check=True`` (the read of g by the check kernel) at ``--numel``;
-5. ``host``: wall time per call of ``step(op=cadence, check=True)`` over 1,000 tensors of
-   4,096 fp32 (pipelined, one sync at the end), against ``torch.optim.Adam(fused=True).step()``
-   on the same shapes, and the same step replayed from a CUDA graph;
-6. ``fast_launch``: on the paper's MLP (6 tensors) and on 1,000 x 4,096 fp32, wall time per
-   ``FusedEMCLOptimizer(backend="triton").step()`` (its default ``check_finite=True``: two
-   launches) with the backend's fast launch on and off (``FAST_LAUNCH``, [note: fast launch]
-   in ``emcl_kernels/backends/triton.py``), blocks of calls alternating, against
-   ``torch.optim.Adam(fused=True).step()`` on the same parameters.
-
-The host cost of the backend's step without a GPU is ``python -m benchmarks host --triton``.
-Times are medians of CUDA-event timings (``time.perf_counter`` for host costs).
+On a GPU it prints one JSON object per line: ``copy``, ``bandwidth``, ``odd_tensor``,
+``check``, ``host`` and ``fast_launch`` (what each measures: benchmarks/README.md, ``triton``).
 """
 from __future__ import annotations
 
@@ -201,8 +181,8 @@ def _run(args, out):
 
 
 def fast_launch_ab(layout, shapes, device, out, calls=200, blocks=8):
-    """``fast_launch`` (see the module docstring): the optimizer's step with the fast launch
-    on and off, in alternating blocks of ``calls`` calls, and fused Adam's step."""
+    """``fast_launch`` (benchmarks/README.md, ``triton``): the optimizer's step with the fast
+    launch on and off, in alternating blocks of ``calls`` calls, and fused Adam's step."""
     from emcl_kernels import FusedEMCLOptimizer
     gen = torch.Generator(device="cpu").manual_seed(1)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device) * 0.01)

@@ -22,8 +22,8 @@ RESULTS_DIR = os.path.join(REPO, "benchmarks", "results")
 
 
 def ensure_repo_on_path() -> None:
-    """Make ``emcl_kernels`` and ``emcl_continual`` importable from a plain checkout (the
-    scripts are run as ``python benchmarks/<script>.py`` from the repository root)."""
+    """Make ``emcl_kernels`` and ``emcl_continual`` importable from a plain checkout, also where
+    a benchmark's module is imported without the suite's entry (the tests)."""
     for path in (os.path.join(REPO, "python"), REPO):
         if path not in sys.path:
             sys.path.insert(0, path)

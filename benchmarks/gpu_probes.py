@@ -1,27 +1,11 @@
-"""Memory probes with EMCL's own streams on a GPU: the roof kernels ``inner_pattern`` and
-``step_pattern`` of :data:`benchmarks.common.ROOF_KERNELS`, which on the CPU are the
-extension's ``torch.ops.emcl.stream_probe_`` (kinds 3 and 5).
-
-On HBM a read costs less than a write, so a kernel that reads four streams per write (EMCL's
-inner step: θ, g, θ₀, h read, θ written) outruns every roof kernel of fewer reads per write: on
-the H200 of 2026-11-28 the inner step ran at 4114-4255 GB/s, 1.13-1.17x a copy and above every
-roof kernel then timed (``bench_kernels`` called it a bug). The roof therefore needs the
-steps' own stream mixes, done with as little arithmetic as keeps every load:
-
-- kind 3, the inner step's streams: reads a, b, c, d; writes a += 1e-6 * (b + c * d);
-- kind 5, the fused step's streams: reads a, b, c, d; writes a += 1e-6 * b, c += 1e-6 * b and d
-  unchanged (seven streams, 28 B per fp32 element, as fused Adam's).
-
-The values match the CPU probes', so repeats stay finite; ``b`` is never written. One Triton
-program per ``BLOCK`` elements of four equal-size contiguous fp32 tensors. A roof kernel must
-be at least as lean as the step it bounds: where the size is a whole number of blocks (every
-roof size) the loads and stores carry no mask and their offsets are marked contiguous and
-block-aligned, so that they compile to 16-byte accesses, as the full chunks of EMCL's Triton
-kernel do ([note: vector path] in ``emcl_kernels/backends/triton_kernels.py``). And the block
-size and warps that stream fastest differ by a few per cent between GPUs (on the H200 the
-Triton step's inner pattern ran at 0.95-1.04x a copy across four of them), so on a GPU each
-probe times the :data:`CONFIGS` once per size on its first call and keeps the fastest
-(:func:`chosen_configs` says which), rather than bounding a tuned step with an untuned probe.
+"""Memory probes with EMCL's own streams on a GPU: the roof kernels ``inner_pattern`` (kind 3:
+reads a, b, c, d; writes a += 1e-6 * (b + c * d)) and ``step_pattern`` (kind 5: writes a += 1e-6
+* b, c += 1e-6 * b, d unchanged) of :data:`benchmarks.common.ROOF_KERNELS`, which on the CPU are
+the extension's ``torch.ops.emcl.stream_probe_``. One Triton program per ``BLOCK`` elements of
+four equal-size contiguous fp32 tensors, unmasked and block-aligned where the size is a whole
+number of blocks; on a GPU each probe times the :data:`CONFIGS` once per size on its first call
+and keeps the fastest (:func:`chosen_configs`). Why the roof needs them: benchmarks/README.md,
+"The memory roof".
 """
 from __future__ import annotations
 

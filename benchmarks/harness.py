@@ -1,17 +1,6 @@
 """What every benchmark of the suite does the same way: its common options, the head of its
 results file, writing that file (JSON, and a PNG beside it), the interleaved timing loop and
-its summary, and the terminal table.
-
-    from benchmarks import harness
-    p = harness.parser("arrays", __doc__, "device", "threads", "out", "quick", "plot")
-    p.add_argument("--runs", ...)                        # the benchmark's own options
-    args = p.parse_args(argv)
-    device = harness.device_of(args.device)
-    result = harness.head("arrays", argv, device, schema=SCHEMA)
-    with harness.threads(1):
-        secs = harness.interleaved({"a": fa, "b": fb}, device, rounds=5)
-    result["records"] = [{"contender": k, **harness.summary(v)} for k, v in secs.items()]
-    harness.finish(result, args.out, "arrays_cpu", plot=plot, no_plot=args.no_plot)
+its summary, and the terminal table (an example: benchmarks/README.md, "Adding a benchmark").
 
 A results file's head names the benchmark's ``schema``, when it was made (``created_utc``), the
 command (``python -m benchmarks NAME ARGS``, paths inside the repository relative to it), the

@@ -2,16 +2,12 @@
 README come from a committed file and nowhere else.
 
     python -m benchmarks tables                          # newest kernels_*.json
-    python -m benchmarks tables benchmarks/results/kernels_<stamp>_cpu.json \\
+    python -m benchmarks tables benchmarks/results/kernels_<stamp>_cpu.json \
         --ops inner_meta_step --dtypes fp32 bf16
     python -m benchmarks tables --step                   # newest step_*.json
     python -m benchmarks tables benchmarks/results/step_<stamp>_cpu.json --backends cpu
 
-Kernel results (``bench_kernels.py``):
-By default the table covers the model layouts (MLP, reduced ResNet-18), the 1,000 x 4K
-tensors, and the single tensor at 2**20 and at the largest size every backend was timed at.
-Each cell is the achieved GB/s (SPEC section 5 bytes), the fraction of the memory roof
-and the median time; the last column names the fastest backend and its speedups.
+What each table holds: benchmarks/README.md, ``tables``.
 """
 from __future__ import annotations
 

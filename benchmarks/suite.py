@@ -71,11 +71,6 @@ REGISTRY = {b.name: b for b in (
               "train against the run alone, per width, on one thread?",
               ("--methods", "sgd", "--widths", "1", "2", "--repeats", "1", "--warm", "1",
                "--out", "{out}/arrays.json"), requires=("mlxtend",)),
-    Benchmark("array-kernels", "bench_runs_kernels",
-              "What does one native cpu call over N runs cost against N single-run calls, and "
-              "is a single run's call as fast as before arrays?",
-              ("array", "--runs", "2", "--models", "tiny", "--blocks", "1", "--per-block", "2",
-               "--out", "{out}/array-kernels.json")),
     Benchmark("imports", "bench_imports",
               "How much does `import emcl_kernels` cost beyond `import torch`?",
               ("--runs", "1", "--out", "{out}/imports.json")),
@@ -83,6 +78,11 @@ REGISTRY = {b.name: b for b in (
               "What does EMCL's one-sample inner step on the MLP cost through autograd, as the "
               "fused glance, and against its bytes' floor; and the main job with each?",
               ("--quick", "--out-dir", "{out}"), requires=("mlxtend",)),
+    Benchmark("anytime", "bench_anytime",
+              "What does anytime evaluation (--eval-every at the presets' K) add to each method's "
+              "training time, and does the training stay the same?",
+              ("--methods", "sgd", "--n-tasks", "1", "--samples-per-task", "40", "--whole",
+               "--out", "{out}/anytime.json"), requires=("mlxtend",)),
     Benchmark("tables", "make_readme_table",
               "The README's tables, made from a results file (default: the newest).",
               ("--step",)),

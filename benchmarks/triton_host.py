@@ -1,39 +1,7 @@
 """The ``triton`` backend's host path on a machine without a GPU (``python -m benchmarks host
---triton``): the launches taken out, everything else as on the GPU.
-
-Each kernel (``triton_kernels.emcl_step_kernel``, ``emcl_check_kernel``) is replaced by
-:class:`JitWithoutLaunch`: called as ``kernel[grid](*args, **constexprs)``, it runs the part of
-Triton's ``JITFunction.run`` that is Python and needs no GPU, with Triton's own code for a CUDA
-target (sm_90): the argument binder and its specialization of every argument, the cache key,
-the cache look-up and the check of the kernel's globals; then, instead of the launcher, it
-returns a compiled kernel whose launcher does nothing (:class:`NoLaunchKernel`). A backend that
-keeps compiled kernels and calls their launchers itself ([note: fast launch] in
-``emcl_kernels/backends/triton.py``) calls that no-op launcher after its first launch of each
-key. Left out of both: the launcher itself (the same call either way), and, of the JIT's path
-only, its queries of the current device and stream and the launch metadata it builds: the JIT
-path measured here is cheaper than the real one, so the difference is a lower bound of what the
-fast path saves. The kernels must be imported compiled (no ``TRITON_INTERPRET``).
-
-Timed, per layout (the paper's MLP: 6 tensors; 1,000 x 4,096 fp32), one thread:
-
-- ``backend_step``: ``step(op=cadence)`` of the backend on one group's tensors, with and without
-  ``check`` (two launches and one);
-- ``optimizer_step``: ``FusedEMCLOptimizer(backend="triton").step()`` with ``check_finite`` on
-  and off, same gradients every step; ``optimizer_step_new_grads``: gradients that change every
-  step (the time of assigning them subtracted);
-- ``plan_layer``: ``optimizer_step`` with the backend's ``step`` a no-op; of it,
-  ``optimizer_step_unwrapped`` (without torch's ``Optimizer.step`` wrapper) and
-  ``runtime_gather`` (the plan key and the gradients' lists); ``plan_layer_new_grads``;
-- ``optimizer_step_alternating``: two optimizers over the same parameters stepped in turn in
-  blocks of ``--block`` steps; ``state_tables_per_switch``: state tables the backend made each
-  time the other optimizer took over (0 when each keeps its own);
-- ``optimizer_inner_then_meta``: ``inner_step()`` ``INNER_PER_META`` times then ``meta_step()``,
-  per update; ``checks_per_update``: how many of those calls ran the launcher checks
-  ([note: checked plans]);
-- ``launches``: calls through the JIT stand-in and the fast launch's counts.
-
-Per number: the median and the fastest of ``--rounds`` rounds of ``--steps`` calls, in wall time
-and in the process's CPU time (less inflated by other jobs on a shared machine).
+--triton``): each kernel launch taken out (:class:`JitWithoutLaunch`, :class:`NoLaunchKernel`),
+everything else as on the GPU. What is left out and what is timed: benchmarks/README.md,
+``host --triton``. The kernels must be imported compiled (no ``TRITON_INTERPRET``).
 """
 from __future__ import annotations
 
@@ -71,8 +39,8 @@ class NoLaunchKernel:
 
 class JitWithoutLaunch:
     """Stands for the ``@triton.jit`` kernel ``jit``: ``kernel[grid](*args, **kwargs)`` runs the
-    Python of Triton's ``JITFunction.run`` up to the launcher (see the module docstring) and
-    returns a :class:`NoLaunchKernel`, one per Triton cache key."""
+    Python of Triton's ``JITFunction.run`` up to the launcher (benchmarks/README.md, ``host
+    --triton``) and returns a :class:`NoLaunchKernel`, one per Triton cache key."""
 
     def __init__(self, jit):
         from triton import knobs
@@ -180,7 +148,8 @@ class _Layout:
 
 
 def measure(args) -> dict:
-    """Every number of the module docstring, for the ``emcl_kernels`` this process imports."""
+    """Every number of ``host --triton`` (benchmarks/README.md), for the ``emcl_kernels`` this
+    process imports."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("run without TRITON_INTERPRET=1: the kernels must be imported compiled")
     torch.set_num_threads(1)

@@ -329,17 +329,12 @@ def test_tables_carry_the_anytime_runs(tmp_path, monkeypatch):
 
 
 def test_cost_benchmark_runs_and_finds_the_same_training(tmp_path):
-    """benchmarks/bench_anytime.py on a tiny prefix: both runs of every method end alike, the
+    """`python -m benchmarks anytime` on a tiny prefix: both runs of every method end alike, the
     evaluation's time is recorded apart, and the whole-stream overhead is taken against the
     methods' own training times."""
-    import importlib.util
     import json
-    import os
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("bench_anytime", os.path.join(root, "benchmarks", "bench_anytime.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from benchmarks import bench_anytime as bench
     out = str(tmp_path / "cost.json")
     assert bench.main(["--methods", "sgd", "er", "--n-tasks", "2", "--samples-per-task", "60", "--whole",
                        "--out", out]) == 0
