@@ -37,8 +37,12 @@ ARRAY_LEARNERS = {
 #: the widest array ``--array auto`` makes of each method on the CPU: the width of the most
 #: run-samples per second on the measured curves (results/arrays/throughput_cpu.json, one thread,
 #: the 2-core Xeon VM shared with other jobs; docs/continual-learning.md). Past it the runs'
-#: weights leave the core's cache and the curve is flat or falls.
-AUTO_WIDTH_CPU = {"sgd": 8, "ewc": 16, "agem": 4, "er": 32, "gem": 32, "lamaml": 16, "mer": 16, "emcl": 8}
+#: weights leave the core's cache and the curve is flat or falls. GEM: 1 (its runs train alone):
+#: the curve times the second task, where GEM has one past task; over the whole stream its array
+#: is slower than its runs alone (the validation stage: 150 s for an array of 8 against 91 s for
+#: the 8 runs alone; 4 runs: 83 CPU-s as one array against 51 alone, a third of it the kernel's
+#: page faults on the past-task gradients, results/scale/README.md).
+AUTO_WIDTH_CPU = {"sgd": 8, "ewc": 16, "agem": 4, "er": 32, "gem": 1, "lamaml": 16, "mer": 16, "emcl": 8}
 #: the run alone's run-samples per second on the same curves: how long each method's units take
 #: relative to the others, so that the executor starts the longest first
 ALONE_RATE_CPU = {"sgd": 21900, "ewc": 8200, "agem": 8600, "er": 14400, "gem": 3800, "lamaml": 142, "mer": 174,
