@@ -505,3 +505,22 @@ def test_a_diverging_emcl_run_is_dropped_and_the_others_finish(streams):
     for r, (seed, ov) in zip(records, [(0, {}), (1, {})]):
         alone = _alone("emcl", streams, seed, ov)
         assert abs(r["acc"] - alone["acc"]) <= 2.0 and r["array"]["width"] == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", EVERY)
+def test_an_array_on_the_gpu_trains_as_on_the_cpu(method, streams):
+    """Every method's array of three (two seeds, a per-run key changed) on CUDA: the same draws
+    (each run's generator lives on the CPU), so the same batches, and losses and accuracies within
+    the rounding of another device's arithmetic of the same array on the CPU."""
+    runs = [{"seed": 0, "overrides": {}}, {"seed": 1, "overrides": {}}, {"seed": 1, "overrides": OTHER[method]}]
+    on_cpu, failed_cpu = run_array(method, STREAM, runs, streams=streams, device="cpu")
+    on_gpu, failed_gpu = run_array(method, STREAM, runs, streams=streams, device="cuda")
+    assert not failed_cpu and not failed_gpu
+    for c, g in zip(on_cpu, on_gpu):
+        assert g["device"].startswith("cuda") and g["config"] == c["config"]
+        for a, b in zip(g["task_losses"], c["task_losses"]):
+            assert a == pytest.approx(b, rel=2e-2, abs=1e-3)
+        assert abs(g["acc"] - c["acc"]) <= 5.0
+    # the runs stayed apart on the device: run 1 and its other configuration differ
+    assert on_gpu[1]["task_losses"] != on_gpu[2]["task_losses"]

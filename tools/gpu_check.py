@@ -138,6 +138,7 @@ GPU_TESTS_ELSEWHERE = (
     "tests/test_benchmarks.py::test_training_benchmark_times_emcl_per_backend",
     "tests/test_bench_training.py::test_auto_times_the_gpu_only_where_there_is_one",
     "tests/test_glance.py::test_gpu_kernels_against_the_reference",
+    "tests/test_cl_arrays.py::test_an_array_on_the_gpu_trains_as_on_the_cpu",
 )
 #: The tests that need most of the GPU's memory: run alone, in stage 2.
 BIG_TESTS = "past_2_31"
