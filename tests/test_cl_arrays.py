@@ -157,7 +157,7 @@ def test_lamamls_hand_written_meta_gradients_are_autograds(streams, learn_lr):
     without a replay part in the meta batch; with ``learn_lr`` off no learning-rate gradient is
     made and an update leaves the learning rates as they are."""
     from emcl_continual.arrays.base import ce_per_run, mlp_forward
-    from emcl_continual.config import build_config
+    from emcl_continual.training.config import build_config
     info = streams[0].info
     models = []
     for s in range(3):

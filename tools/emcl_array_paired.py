@@ -5,7 +5,7 @@
 
 Trains each (seed, configuration) of ``--seeds`` x ``--inner-lr`` on Permuted MNIST's validation
 split (the selection's split, full length unless ``--n-tasks``/``--samples-per-task``) twice:
-alone (:func:`emcl_continual.train.run`, EMCL's fused path) and all together as one array
+alone (:func:`emcl_continual.training.train.run`, EMCL's fused path) and all together as one array
 (:func:`emcl_continual.arrays.train.run_array`), one after the other, on one thread. Writes each
 run's ACC both ways and the difference, the process CPU time of each side, and the machine.
 """
@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
 
 from emcl_continual.arrays.train import run_array  # noqa: E402
-from emcl_continual.provenance import code_version, processor  # noqa: E402
+from emcl_continual.core.provenance import code_version, processor  # noqa: E402
 from emcl_continual.data.streams import make_stream  # noqa: E402
 from emcl_continual.training.train import run  # noqa: E402
 
