@@ -3,7 +3,6 @@ paper's MLP 784-100-100-10 (6 tensors) and on 1,000 x 4,096 fp32 tensors, one th
 
     python -m benchmarks host [--device cpu|cuda] [--out FILE]    # the host's part of a step
     python -m benchmarks host --key-passes                         # the plan key: C++ vs Python
-    python -m benchmarks host --triton                             # the triton backend's host path
 
 What each mode times: benchmarks/README.md, ``host``.
 """
@@ -175,31 +174,18 @@ def main(argv=None) -> dict:
                       help="the host's part of a step alone, the backend call a no-op (default)")
     mode.add_argument("--key-passes", action="store_true",
                       help="the same with the key's C++ passes against its Python passes")
-    mode.add_argument("--triton", action="store_true",
-                      help="the triton backend's own host path, its launches taken out "
-                           "(CPU tensors, no GPU needed)")
-    ap.add_argument("--block", type=int, default=10,
-                    help="--triton: steps of one optimizer before the other's")
     ap.add_argument("--json", action="store_true", help="print the record as JSON on stdout")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.rounds < 1:
         ap.error("--steps and --rounds must be at least 1")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no GPU here")
-    if args.triton and torch.device(args.device).type != "cpu":
-        ap.error("--triton times the host path on CPU tensors: leave --device out")
-    if args.triton:
-        from benchmarks import triton_host
-        res = {"load_before": common.load_average(), "threads": 1, "steps": args.steps,
-               "rounds": args.rounds, **triton_host.measure(args),
-               "load_after": common.load_average()}
-    else:
-        torch.set_num_threads(1)
-        measure = key_passes if args.key_passes else host_only
-        res = {"what": measure.__doc__.split("\n\n")[0].replace("\n    ", " "),
-               "backend": args.backend, "device": args.device, "threads": 1,
-               "load_before": common.load_average(), "layouts": measure(args),
-               "load_after": common.load_average()}
+    torch.set_num_threads(1)
+    measure = key_passes if args.key_passes else host_only
+    res = {"what": measure.__doc__.split("\n\n")[0].replace("\n    ", " "),
+           "backend": args.backend, "device": args.device, "threads": 1,
+           "load_before": common.load_average(), "layouts": measure(args),
+           "load_after": common.load_average()}
     res.update(harness.head("host", argv, note=args.note))
     if args.out:
         harness.save(res, args.out)

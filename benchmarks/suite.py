@@ -51,7 +51,7 @@ REGISTRY = {b.name: b for b in (
               ("--numel", "4096", "--repeats", "2", "--out", "{out}")),
     Benchmark("host", "bench_host",
               "How much host time does a step spend outside the kernels (the plan key, its "
-              "C++ passes against Python's, the Triton launch path)?",
+              "C++ passes against Python's)?",
               ("--steps", "4", "--rounds", "1", "--out", "{out}/host.json")),
     Benchmark("triton", "bench_triton",
               "Which block size and warp count should the Triton step use on this GPU, and "

@@ -710,11 +710,82 @@ def test_fast_launch_steps_back_for_hooks_and_when_off(fast_launch, monkeypatch)
     assert other.calls == 1 and _runs(step_k) == 2
 
 
+# The optimizer's steps on CPU tensors with the kernels imported compiled: each @triton.jit
+# kernel is replaced by a stand-in that runs the Python of Triton's ``JITFunction.run`` up to
+# the launcher (Triton's own binder for sm_90, its cache key, the check of the kernel's
+# globals, the knobs it reads at every call) and returns a kernel whose launcher does nothing.
+# Prints the backend's launch counts, the stand-ins' calls and the launches made.
+_FAST_LAUNCH_SCRIPT = r"""
+import json
+import torch
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import compute_cache_key, create_function_from_signature
+from emcl_kernels import FusedEMCLOptimizer, plan
+from emcl_kernels.backends import triton as TB
+MISSING = object()
+
+
+class NoLaunchKernel:
+    def __init__(self, n_params):
+        self.function, self.packed_metadata, self.launches = 1, (), 0
+        self.src = type("Src", (), {"signature": dict.fromkeys(range(n_params))})()
+
+    def run(self, *args):
+        self.launches += 1
+
+
+class JitWithoutLaunch:
+    def __init__(self, jit):
+        self.jit, self.kernels, self.key_cache, self.pre_run_hooks, self.calls = jit, {}, {}, [], 0
+        self.binder = create_function_from_signature(jit.signature, jit.params,
+                                                     make_backend(GPUTarget("cuda", 90, 32)))
+        jit.cache_key                     # computes the globals the JIT checks at every call
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.run(grid, *args, **kwargs)
+
+    def run(self, grid, *args, **kwargs):
+        self.calls += 1
+        kwargs["debug"] = kwargs.get("debug", self.jit.debug) or knobs.runtime.debug
+        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+        bound, spec, options = self.binder(*args, **kwargs)
+        key = compute_cache_key(self.key_cache, spec, options)
+        kernel = self.kernels.setdefault(key, NoLaunchKernel(len(spec)))
+        for (name, _), (val, globals_dict) in self.jit.used_global_vals.items():
+            assert globals_dict.get(name, MISSING) == val, f"global {name} changed"
+        kernel.run(grid[0], 1, 1, 0, kernel.function, kernel.packed_metadata, None, None, None,
+                   *bound.values())
+        return kernel
+
+
+stand_ins = [JitWithoutLaunch(TB._kernels.emcl_step_kernel),
+             JitWithoutLaunch(TB._kernels.emcl_check_kernel)]
+TB._kernels.emcl_step_kernel, TB._kernels.emcl_check_kernel = stand_ins
+plan._RESOLVED[("triton", torch.device("cpu"))] = TB      # compiled kernels, never launched
+gen = torch.Generator().manual_seed(0)
+params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in
+          [(100, 784), (100,), (100, 100), (100,), (10, 100), (10,)]]
+for p in params:
+    p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+for check in (True, False):
+    opt = FusedEMCLOptimizer(params, meta_every=1, backend="triton", check_finite=check)
+    for _ in range(10):
+        opt.step()
+for _ in range(10):
+    opt.inner_step()
+    opt.meta_step()
+print(json.dumps({"counts": TB.launch_counts, "stand_in_calls": [k.calls for k in stand_ins],
+                  "launches": sum(c.launches for k in stand_ins for c in k.kernels.values())}))
+"""
+
+
 def test_fast_launch_is_on_for_compiled_kernels_here():
     """Imported compiled (no TRITON_INTERPRET), with this Triton, the fast launch is on, and
-    the host-time benchmark's optimizer steps (launches taken out after Triton's own argument
-    binding) take it: two launches through the JIT (the check and the update), the rest
-    direct, with Triton's real knobs read at every call."""
+    the optimizer's steps take it (launches taken out after Triton's own argument binding):
+    each key through the JIT once (the check, and the update as step(), inner_step() and
+    meta_step()), every other launch direct, with Triton's real knobs read at every call."""
     import json
     import subprocess
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -731,21 +802,12 @@ def test_fast_launch_is_on_for_compiled_kernels_here():
     assert on == ((3, 4) <= major_minor < (4, 0)) and (reason is None) == on, (version, reason)
     if not on:
         pytest.skip(f"fast launch off here: {reason}")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", "host", "--triton",
-                           "--steps", "3", "--rounds", "1", "--json"],
-                          env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", _FAST_LAUNCH_SCRIPT], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rec = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert rec["fast_launch"] is True
-    counts = rec["layouts"]["many"]["launches"]
-    # through the JIT once per key: the check, and the update as step(), inner_step(), meta_step()
-    assert counts["jit_stand_in_calls"] == counts["fast"]["jit"] == 4
-    assert counts["fast"]["fast"] > 100
-    for layout in rec["layouts"].values():   # (new_grads rows have a time subtracted)
-        assert all(v["median_us"] > 0 for k, v in layout.items()
-                   if isinstance(v, dict) and k != "launches" and "new_grads" not in k)
-        assert layout["state_tables_per_switch"] == 0        # [note: cache keys]
-        assert layout["checks_per_update"] == 0              # [note: checked plans]
+    assert sum(rec["stand_in_calls"]) == rec["counts"]["jit"] == 4, rec
+    assert rec["counts"]["fast"] == rec["launches"] - 4 and rec["launches"] >= 40, rec
 
 
 def test_fast_launch_entry_reads_the_launcher_signature():
