@@ -1,10 +1,9 @@
 """Host time of a step: what ``FusedEMCLOptimizer.step()`` spends outside the kernels, on the
 paper's MLP 784-100-100-10 (6 tensors) and on 1,000 x 4,096 fp32 tensors, one thread.
 
-    python -m benchmarks host [--device cpu|cuda] [--out FILE]    # the host's part of a step
-    python -m benchmarks host --key-passes                         # the plan key: C++ vs Python
+    python -m benchmarks host [--device cpu|cuda] [--out FILE]
 
-What each mode times: benchmarks/README.md, ``host``.
+What it times: benchmarks/README.md, ``host``.
 """
 from __future__ import annotations
 
@@ -19,11 +18,6 @@ from benchmarks import common, harness
 from emcl_kernels import FusedEMCLOptimizer
 
 LAYOUTS = {"mlp": common.mlp_shapes(), "many": [(4096,)] * 1000}
-
-
-def _plans(opt):
-    runtime = getattr(opt, "_runtime", None)
-    return runtime.plans if runtime is not None else opt._plans
 
 
 def _layouts(args):
@@ -42,7 +36,7 @@ def _layouts(args):
 @contextlib.contextmanager
 def _backend_noop(opt):
     """``opt``'s backend ``step`` replaced by a function that does nothing, put back after."""
-    backend = _plans(opt)[0].backend
+    backend = opt._runtime.plans[0].backend
     real, backend.step = backend.step, (lambda *a, **k: None)
     try:
         yield
@@ -103,63 +97,6 @@ def host_only(args) -> dict:
     return out
 
 
-def key_passes(args) -> dict:
-    """Host time of ``step()`` (the backend call a no-op) with the plan key's C++ passes
-    (``_C.plan_grads``, ``_C.identical``, ``_C.items_are``) and with its Python passes alone,
-    alternating round by round in one process on the same optimizer, so both see the same
-    load; the same gradients every step and gradients that change every step (the time of
-    assigning them subtracted)."""
-    from emcl_kernels import plan as P
-    if P._plan_grads is None:
-        raise SystemExit("--key-passes needs the compiled extension (emcl_kernels._C)")
-    variants = {"native": (P._plan_grads, P._identical, P._items_are),
-                "python": (None, P._py_identical, P._py_items_are)}
-    torch.set_num_threads(1)
-    out = {}
-    try:
-        for name, params, pool, n in _layouts(args):
-            opt = FusedEMCLOptimizer(params, meta_every=1, backend=args.backend)
-            times = {v: {"same": [], "changing": []} for v in variants}
-
-            def assign(i):
-                for p, g in zip(params, pool[i % 3]):
-                    p.grad = g
-
-            for r in range(2 * args.rounds):
-                order = list(variants) if r % 2 == 0 else list(variants)[::-1]
-                for label in order:
-                    P._plan_grads, P._identical, P._items_are = variants[label]
-                    assign(0)
-                    opt._runtime.plans = None   # built again, with this variant's key
-                    opt.step()
-                    with _backend_noop(opt):
-                        t = time.perf_counter()
-                        for _ in range(n):
-                            opt.step()
-                        times[label]["same"].append((time.perf_counter() - t) / n * 1e6)
-                        t = time.perf_counter()
-                        for i in range(n):
-                            assign(i)
-                            opt.step()
-                        stepped = time.perf_counter() - t
-                        t = time.perf_counter()
-                        for i in range(n):
-                            assign(i)
-                        times[label]["changing"].append(
-                            (stepped - (time.perf_counter() - t)) / n * 1e6)
-            out[name] = {v: {m: {"min": min(x), "median": statistics.median(x), "rounds": x}
-                             for m, x in d.items()} for v, d in times.items()}
-            for v in variants:
-                print(f"{name:5s} {v:6s} key passes: same grads "
-                      f"{out[name][v]['same']['min']:7.1f} us (fastest round), "
-                      f"{out[name][v]['same']['median']:7.1f} (median); changing grads "
-                      f"{out[name][v]['changing']['min']:7.1f}, "
-                      f"{out[name][v]['changing']['median']:7.1f}")
-    finally:
-        P._plan_grads, P._identical, P._items_are = variants["native"]
-    return out
-
-
 def main(argv=None) -> dict:
     """Run the benchmark; return the record (also written to ``--out FILE``)."""
     ap = harness.parser("host", __doc__)
@@ -169,22 +106,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None, help="write the record to this JSON file")
     ap.add_argument("--note", default="", help="recorded in the file")
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--host-only", action="store_true",
-                      help="the host's part of a step alone, the backend call a no-op (default)")
-    mode.add_argument("--key-passes", action="store_true",
-                      help="the same with the key's C++ passes against its Python passes")
+    ap.add_argument("--host-only", action="store_true",
+                    help="the host's part of a step alone, the backend call a no-op (what "
+                         "is always timed; the flag names it in a command)")
     ap.add_argument("--json", action="store_true", help="print the record as JSON on stdout")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.rounds < 1:
         ap.error("--steps and --rounds must be at least 1")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no GPU here")
-    torch.set_num_threads(1)
-    measure = key_passes if args.key_passes else host_only
-    res = {"what": measure.__doc__.split("\n\n")[0].replace("\n    ", " "),
+    res = {"what": " ".join(host_only.__doc__.split()),
            "backend": args.backend, "device": args.device, "threads": 1,
-           "load_before": common.load_average(), "layouts": measure(args),
+           "load_before": common.load_average(), "layouts": host_only(args),
            "load_after": common.load_average()}
     res.update(harness.head("host", argv, note=args.note))
     if args.out:

@@ -50,8 +50,8 @@ REGISTRY = {b.name: b for b in (
               "What does the non-finite gradient check cost, alone and inside a step?",
               ("--numel", "4096", "--repeats", "2", "--out", "{out}")),
     Benchmark("host", "bench_host",
-              "How much host time does a step spend outside the kernels (the plan key, its "
-              "C++ passes against Python's)?",
+              "How much host time does a step spend outside the kernels (the plan key, the "
+              "gradients' lists, the call into the backend)?",
               ("--steps", "4", "--rounds", "1", "--out", "{out}/host.json")),
     Benchmark("triton", "bench_triton",
               "Which block size and warp count should the Triton step use on this GPU, and "

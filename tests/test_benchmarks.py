@@ -1096,7 +1096,7 @@ def test_training_benchmark_rejects_missing_methods():
 
 
 def test_host_benchmark_times_the_host_part_of_a_step(tmp_path):
-    """host --host-only: the backend call made a no-op (and put back), the same and changing
+    """host: the backend call made a no-op (and put back), the same and changing
     gradients timed per layout, the file written; a GPU asked for where there is none refused."""
     from emcl_testing import child_env
     script = ["-m", "benchmarks", "host"]
@@ -1115,26 +1115,6 @@ def test_host_benchmark_times_the_host_part_of_a_step(tmp_path):
         proc = subprocess.run([sys.executable, *script, "--device", "cuda"], capture_output=True,
                               text=True, env=child_env(), cwd=ROOT, timeout=300)
         assert proc.returncode == 2 and "no GPU" in proc.stderr
-
-
-def test_host_benchmark_compares_the_key_passes(tmp_path):
-    """host --key-passes: the key's C++ and Python passes timed alternately in one process,
-    both layouts, the C++ passes put back at the end; refused without the extension."""
-    from emcl_kernels import plan
-    from emcl_testing import child_env
-    out = tmp_path / "passes.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", "host", "--key-passes", "--steps", "4", "--rounds",
-                           "1", "--out", str(out)], capture_output=True, text=True,
-                          env=child_env(), cwd=str(tmp_path), timeout=300)
-    if plan._plan_grads is None:
-        assert proc.returncode != 0 and "needs the compiled extension" in proc.stderr
-        return
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads(out.read_text())
-    for layout in ("mlp", "many"):
-        for variant in ("native", "python"):
-            rec = data["layouts"][layout][variant]
-            assert rec["same"]["min"] > 0 and len(rec["same"]["rounds"]) == 2
 
 
 def test_step_contenders_without_torchs_finite_check_are_named_not_timed(monkeypatch):

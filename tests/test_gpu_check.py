@@ -239,7 +239,6 @@ def test_a_staged_dry_run_prints_its_steps(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "-k past_2_31" in out.stdout and "--ignore=tests/test_cuda_backend.py" in out.stdout
     assert "-m benchmarks host --host-only --device cuda" in out.stdout
-    assert "-m benchmarks host --key-passes --device cuda" in out.stdout
     assert "-m benchmarks step --device cuda" in out.stdout and "--backends cuda triton\n" in out.stdout
     # run in the stage set's order: what only a GPU tells first, the CPU's test files last
     order = [out.stdout.index(f"  {name}:") for name in gpu_check.STAGE_SETS[2]]

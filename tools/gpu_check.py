@@ -1022,22 +1022,17 @@ class GpuCheck:
 
     def stage_plan_key(self, st: StageResult) -> None:
         """The host's part of a step on cuda (the kernels a no-op): what the per-step plan key
-        costs where host time is the step, and its C++ passes against its Python
-        passes alone (``--key-passes``)."""
+        costs where host time is the step."""
         path = os.path.join(self.results, f"gpu_check_{self.stamp}_plan_key_cuda.json")
-        passes = os.path.join(self.results, f"gpu_check_{self.stamp}_plan_key_passes_cuda.json")
-        rcs = [self.run(st, self._py("-m", "benchmarks", "host", flag, "--device", "cuda",
-                                     "--rounds", "3", "--steps", "200",
-                                     "--out", os.path.relpath(out, ROOT)),
-                        name, self.timeout("plan_key"))[0]
-               for flag, out, name in (("--host-only", path, "plan_key"),
-                                       ("--key-passes", passes, "plan_key_passes"))]
+        cmd = self._py("-m", "benchmarks", "host", "--host-only", "--device", "cuda",
+                       "--rounds", "3", "--steps", "200", "--out", os.path.relpath(path, ROOT))
+        rc, _ = self.run(st, cmd, "plan_key", self.timeout("plan_key"))
         if self.args.dry_run:
             st.status = "passed"
             return
-        ok = rcs == [0, 0] and os.path.isfile(path) and os.path.isfile(passes)
+        ok = rc == 0 and os.path.isfile(path)
         st.status = "passed" if ok else "failed"
-        details = [] if ok else [f"exit {', '.join(map(str, rcs))}"]
+        details = [] if ok else [f"exit {rc}"]
         if os.path.isfile(path):
             self.files.append(path)
             with open(path) as fh:
@@ -1047,15 +1042,6 @@ class GpuCheck:
             self.summary_extra["benchmarks"]["plan_key"] = st.data
             details += [f"{k}: host {v['same_grads_us']} us per step (same grads), "
                         f"{v['changing_grads_us']} us (changing)" for k, v in st.data.items()]
-        if os.path.isfile(passes):
-            self.files.append(passes)
-            with open(passes) as fh:
-                layouts = json.load(fh).get("layouts", {})
-            fastest = {k: {v: round(x["same"]["min"], 1) for v, x in d.items()}
-                       for k, d in layouts.items()}
-            self.summary_extra["benchmarks"]["plan_key_passes"] = fastest
-            details += [f"{k}, key passes (same grads, fastest): C++ {v.get('native')} us, "
-                        f"Python {v.get('python')} us" for k, v in fastest.items()]
         st.detail = "; ".join(details) or "no result file"
 
     def stage_check_finite(self, st: StageResult) -> None:
