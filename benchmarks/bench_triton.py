@@ -4,7 +4,7 @@
     TRITON_INTERPRET=1 python -m benchmarks triton --smoke  # CPU, tiny: does it run?
 
 On a GPU it prints one JSON object per line: ``copy``, ``bandwidth``, ``odd_tensor``,
-``check``, ``host`` and ``fast_launch`` (what each measures: benchmarks/README.md, ``triton``).
+``check`` and ``host`` (what each measures: benchmarks/README.md, ``triton``).
 """
 from __future__ import annotations
 
@@ -174,43 +174,3 @@ def _run(args, out):
     out({"host": "1000 x 4096 fp32", "emcl_cadence_check_us": round(emcl * 1e6, 1),
          "adam_fused_us": round(adam_s * 1e6, 1), "emcl_graph_replay_us": round(replay * 1e6, 1),
          "emcl_over_adam": round(emcl / adam_s, 2)})
-    del group, params, adam, graph
-    for layout, shapes in (("mlp", [(100, 784), (100,), (100, 100), (100,), (10, 100), (10,)]),
-                           ("many", [(4096,)] * 1000)):
-        fast_launch_ab(layout, shapes, device, out)
-
-
-def fast_launch_ab(layout, shapes, device, out, calls=200, blocks=8):
-    """``fast_launch`` (benchmarks/README.md, ``triton``): the optimizer's step with the fast
-    launch on and off, in alternating blocks of ``calls`` calls, and fused Adam's step."""
-    from emcl_kernels import FusedEMCLOptimizer
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device) * 0.01)
-              for s in shapes]
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen).to(device) * 1e-3
-    emcl = FusedEMCLOptimizer(params, meta_every=1, backend="triton")
-    adam_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    for p, q in zip(adam_params, params):
-        p.grad = q.grad.clone()
-    adam = torch.optim.Adam(adam_params, lr=1e-3, fused=True)
-    saved = TB.FAST_LAUNCH
-    times = {"fast": [], "jit": [], "adam": []}
-    try:
-        for b in range(blocks):
-            order = ("fast", "jit", "adam") if b % 2 == 0 else ("adam", "jit", "fast")
-            for label in order:
-                if label == "adam":
-                    times[label].append(wall_per_call(adam.step, device, calls))
-                    continue
-                TB.FAST_LAUNCH = saved and label == "fast"
-                times[label].append(wall_per_call(emcl.step, device, calls))
-    finally:
-        TB.FAST_LAUNCH = saved
-    med = {k: statistics.median(v) for k, v in times.items()}
-    out({"fast_launch": layout, "tensors": len(shapes), "fast_launch_on": saved,
-         "fast_launch_reason": TB.FAST_LAUNCH_REASON,
-         **{f"{k}_us": round(v * 1e6, 1) for k, v in med.items()},
-         "fast_over_adam": round(med["fast"] / med["adam"], 3),
-         "jit_over_adam": round(med["jit"] / med["adam"], 3),
-         "blocks_us": {k: [round(x * 1e6, 1) for x in v] for k, v in times.items()}})

@@ -14,9 +14,9 @@ command, the most valuable facts first, each within its own time budget (``--bud
   (the 2**31-element tests, one at a time), ``sanitizer`` (a memcheck subset), ``bench_step``
   and ``bench_kernels --quick`` on cuda (at 2**18, 2**22 and 2**26 elements, where the device
   time is measured), ``triton_sweep`` (``python -m benchmarks triton`` at 2**26: the Triton
-  step against a copy per block size and warp count, and its ``fast_launch`` lines against
-  fused Adam), the main job on cuda for 5 tasks; then ``rest_tests``
-  (every other test file, mostly what CI runs on its CPU) in the time that is left.
+  step against a copy per block size and warp count), the main job on cuda for 5 tasks; then
+  ``rest_tests`` (every other test file, mostly what CI runs on its CPU) in the time that is
+  left.
 
 A device tool's machine goes back 30 s after a command, so in practice each command starts a
 bare one (a minute) and builds (two): both stages in one command build once,
@@ -983,10 +983,9 @@ class GpuCheck:
 
     def stage_triton_sweep(self, st: StageResult) -> None:
         """``python -m benchmarks triton`` at 2**26 fp32/bf16 elements: the Triton step's GB/s
-        against a copy for each block size and warp count, the odd-tensor and check costs, the
-        1,000-tensor host time and the ``fast_launch`` lines (the optimizer's step on the MLP
-        and on 1,000 x 4,096 against fused Adam). Staged or quick: two block sizes and two warp
-        counts, 10 repeats."""
+        against a copy for each block size and warp count, the odd-tensor and check costs and
+        the 1,000-tensor host time. Staged or quick: two block sizes and two warp counts, 10
+        repeats."""
         out = os.path.join(self.results, f"gpu_check_{self.stamp}_triton_sweep_cuda.jsonl")
         cmd = self._py("-m", "benchmarks", "triton", "--numel", str(2 ** 26),
                        "--out", os.path.relpath(out, ROOT))
@@ -1003,8 +1002,7 @@ class GpuCheck:
                 k = f"{r['bandwidth']}/{r['dtype']}"
                 if r["of_copy"] > best.get(k, {}).get("of_copy", -1):
                     best[k] = {"of_copy": r["of_copy"], "block": r["block"], "warps": r["warps"]}
-        st.data.update(best_of_copy=best,
-                       fast_launch=[r for r in lines if "fast_launch" in r])
+        st.data.update(best_of_copy=best)
         st.status = "passed" if rc == 0 and lines else "failed"
         st.detail = (f"exit {rc}; " if rc else "") + f"{len(lines)} lines in {os.path.basename(out)}"
 
