@@ -17,6 +17,7 @@ from benchmarks import bench_training  # noqa: E402
 
 from emcl_continual.data import sources as data, streams  # noqa: E402
 from emcl_continual.methods import METHODS  # noqa: E402
+from emcl_continual.training.cost import CostCounter  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -246,7 +247,7 @@ def test_counter_leaves_the_learner_as_it_was():
     stream = streams.make_stream("permuted-mnist", 0, n_tasks=1, samples_per_task=10)
     config = train.build_config("emcl", "permuted-mnist", 0, {})
     learner = get_method("emcl")(build_model(stream.info), stream.info, config, torch.device("cpu"))
-    counter = bench_training.CostCounter().attach(learner)
+    counter = CostCounter().attach(learner)
     assert "inner_step" in vars(learner.opt) and learner.model._forward_hooks
     x, y = next(stream.batches(0, 10))
     learner.observe(x, y, 0)
