@@ -10,19 +10,12 @@ the shape of the paper's training-time figure (Figure 2), on the CPU and on a GP
         many-permutations --out-dir results/efficiency --name controlled_cpu   # the results tables' times
     python -m benchmarks training --anytime --n-tasks 3 --name anytime_cost_cpu  # what --eval-every adds
 
-Three modes, one run machinery (a method trained on a stream's first tasks as
-``emcl_continual.training.train.run`` trains it):
-
-* **devices** (the default): every method, EMCL once per backend, on each device; a training-time
-  table per stream with the GPU's speed-up, and a plot;
-* **held-out rows** (``--heldout DIR``): the report rows of the results tables at the
-  configurations their sweeps ran, timed like for like in interleaved rounds, with their
-  machine-independent cost (``emcl_continual.training.cost.CostCounter``); it makes
-  ``results/efficiency/``;
-* **anytime cost** (``--anytime [DIR]``): what anytime evaluation (``--eval-every``) at the
-  presets' K adds to each method's training time, and whether training stays the same.
-
-The runs, the image streams and the outputs: benchmarks/README.md, ``training``.
+Three modes on one run machinery (:func:`run_prefix`, ``train.run``, the harness): every method
+and EMCL backend on each device (the default: a table per stream with the GPU's speed-up, and a
+plot); the held-out report rows timed like for like with their machine-independent cost
+(``--heldout``, :func:`run_heldout`; it makes ``results/efficiency/``); and what anytime evaluation
+costs (``--anytime``, :func:`run_anytime`). The runs, the image streams and the outputs:
+benchmarks/README.md, ``training``.
 """
 from __future__ import annotations
 
@@ -53,18 +46,6 @@ HELDOUT_SAMPLES = 2000  # incoming samples timed per stream (2 tasks of 1,000; 1
 CPU = torch.device("cpu")
 
 
-def _require_continual() -> None:
-    """Stop with one line when ``emcl_continual`` cannot be imported."""
-    try:
-        import emcl_continual.training.train  # noqa: F401
-    except ImportError as exc:
-        raise SystemExit(
-            "bench_training.py needs the emcl_continual package (python/emcl_continual in this "
-            f"repository), which could not be imported: {exc}. Run it from a full checkout "
-            "(python -m benchmarks training) or install the repository with "
-            "`pip install --no-build-isolation -e .`.") from exc
-
-
 def _check_methods(names: list, option: str) -> list:
     from emcl_continual.methods import METHODS
 
@@ -90,11 +71,8 @@ def graph_modes(device: torch.device, choice: str) -> list:
 
 
 def label(method: str, backend: Optional[str], graph: Optional[bool] = None) -> str:
-    if backend is None:
-        return method
-    if graph is None:
-        return f"{method} ({backend})"
-    return f"{method} ({backend}, {'graph' if graph else 'eager'})"
+    tags = [t for t in (backend, None if graph is None else "graph" if graph else "eager") if t]
+    return f"{method} ({', '.join(tags)})" if tags else method
 
 
 def devices_for(choice: str) -> tuple[list, Optional[str]]:
@@ -108,9 +86,7 @@ def devices_for(choice: str) -> tuple[list, Optional[str]]:
     return [CPU], "--device auto: no GPU here, timing the CPU only"
 
 
-# ---------------------------------------------------------------------------------------------
-# Image data files in their real formats
-# ---------------------------------------------------------------------------------------------
+# --- Image data files in their real formats ----------------------------------------------------
 
 def write_image_files(root: str, stream: str, samples_per_task: int, seed: int = 0) -> str:
     """Write ``stream``'s data files under ``root`` in the formats ``emcl_continual.data.sources``
@@ -147,9 +123,7 @@ def write_image_files(root: str, stream: str, samples_per_task: int, seed: int =
     raise ValueError(f"no image files to write for stream {stream!r}")
 
 
-# ---------------------------------------------------------------------------------------------
-# The run machinery
-# ---------------------------------------------------------------------------------------------
+# --- The run machinery -------------------------------------------------------------------------
 
 def run_prefix(method: str, overrides: dict, stream, seed: int, n_tasks: int, batch_size: int,
                device: torch.device = CPU, count: bool = False) -> dict:
@@ -215,9 +189,7 @@ def _one_run(method, backend, graph, stream, warm, seed, device, args, image, fi
     overrides = {k: v for k, v in (("backend", backend), ("cuda_graph", graph)) if v is not None}
     n_batches = stream.n_batches(args.batch_size)
     rec = {"method": method, "backend": backend, "graph": graph, "label": label(method, backend, graph),
-           "seed": seed, "stream": stream.info.name, "n_tasks": stream.info.n_tasks,
-           "samples_per_task": len(stream.train[0]), "batch_size": args.batch_size,
-           "n_batches": n_batches, "device": device.type, "data_source": stream.info.source}
+           "seed": seed, "stream": stream.info.name, "device": device.type, "n_batches": n_batches}
     if first:  # lazy imports, compilation, allocator and cuDNN warm-up
         train.run(method, warm, seed, overrides=overrides, batch_size=args.batch_size, device=device,
                   progress=False)
@@ -239,9 +211,14 @@ def _one_run(method, backend, graph, stream, warm, seed, device, args, image, fi
     return rec
 
 
-# ---------------------------------------------------------------------------------------------
-# Devices: every method and backend on each device
-# ---------------------------------------------------------------------------------------------
+def in_rounds(items: list, rounds: int, run) -> list:
+    """``(round, position, item, run(item, round))`` for every item once per round, in order on
+    even rounds and reversed on odd ones, so that a change of the machine's load falls on all alike."""
+    return [(rnd, pos, item, run(item, rnd)) for rnd in range(rounds)
+            for pos, item in enumerate(items if rnd % 2 == 0 else items[::-1])]
+
+
+# --- Devices: every method and backend on each device ------------------------------------------
 
 def run_devices(args, argv, devices: list, device_note: Optional[str]) -> dict:
     from emcl_continual.data.streams import make_stream
@@ -302,17 +279,13 @@ def run_devices(args, argv, devices: list, device_note: Optional[str]) -> dict:
                                   + (f", steady {steady:.2f}" if steady is not None else "")
                                   + (f"), ACC {rec['acc']:.2f}" if rec["acc"] is not None else ")"), flush=True)
 
-    first = per_stream[args.streams[0]]
-    device_names = {d.type: common.device_name(d) for d in devices}
     result["machine"]["load_average_at_end"] = common.load_average()
     result.update({
-        "device_name": device_names[devices[0].type],
-        "device_names": device_names,
+        "device_names": {d.type: common.device_name(d) for d in devices},
         "auto_backend": {d.type: auto_backend(d) for d in devices},
         "notes": [device_note] if device_note else [],
-        "settings": {"stream": args.streams[0], "streams": list(args.streams),
-                     "n_tasks": first["n_tasks"], "samples_per_task": first["samples_per_task"],
-                     "per_stream": per_stream, "batch_size": args.batch_size, "seeds": args.seeds,
+        "settings": {"streams": list(args.streams), "per_stream": per_stream,
+                     "batch_size": args.batch_size, "seeds": args.seeds,
                      "device": devices[0].type if len(devices) == 1 else "auto",
                      "devices": [d.type for d in devices], "emcl_graph": args.emcl_graph,
                      "image_batches": image_batches, "steady_skip": STEADY_SKIP,
@@ -462,9 +435,7 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-# ---------------------------------------------------------------------------------------------
-# The held-out rows, timed like for like
-# ---------------------------------------------------------------------------------------------
+# --- The held-out rows, timed like for like ----------------------------------------------------
 
 def heldout_rows(folder: str, names=None) -> list:
     """The report rows of one stream's held-out folder (``plan.json``) to time: ``names``
@@ -549,21 +520,21 @@ def run_heldout(args, argv) -> dict:
         print(f"{name:<18} {row['name']:<18} counted: {c['forward_per_sample']:.1f} forward, "
               f"{c['backward_per_sample']:.1f} backward, {c['updates_per_sample']:.2f} updates per sample",
               flush=True)
-    records = []
-    for rnd in range(rounds):
-        for pos, (name, row) in enumerate(plan if rnd % 2 == 0 else plan[::-1]):
-            r = run(name, row)
-            rec = {"stream": name, "row": row["name"], "method": row["method"], "round": rnd, "position": pos,
-                   "train_time_s": r["train_time_s"], "cpu_time_s": r["cpu_time_s"],
-                   "incoming_samples": r["incoming_samples"], "load_average": common.load_average()}
-            records.append(rec)
-            print(f"round {rnd + 1}/{rounds} {name:<18} {row['name']:<18} {r['train_time_s']:.2f} s, "
-                  f"cpu {r['cpu_time_s']:.2f} s (load {(rec['load_average'] or ['?'])[0]})", flush=True)
 
+    def timed(item, rnd):
+        name, row = item
+        r = dict(run(name, row), load_average=common.load_average())
+        print(f"round {rnd + 1}/{rounds} {name:<18} {row['name']:<18} {r['train_time_s']:.2f} s, "
+              f"cpu {r['cpu_time_s']:.2f} s (load {(r['load_average'] or ['?'])[0]})", flush=True)
+        return r
+
+    records = [{"stream": name, "row": row["name"], "method": row["method"], "round": rnd, "position": pos,
+                **{k: r[k] for k in ("train_time_s", "cpu_time_s", "incoming_samples", "load_average")}}
+               for rnd, pos, (name, row), r in in_rounds(plan, rounds, timed)]
     summary = []
     for name, row in plan:
-        times = [r["train_time_s"] for r in records if r["stream"] == name and r["row"] == row["name"]]
-        cpus = [r["cpu_time_s"] for r in records if r["stream"] == name and r["row"] == row["name"]]
+        mine = [r for r in records if r["stream"] == name and r["row"] == row["name"]]
+        times, cpus = [r["train_time_s"] for r in mine], [r["cpu_time_s"] for r in mine]
         n = per_stream[name]["n_tasks_timed"] * per_stream[name]["samples_per_task"]
         med = statistics.median(times)
         summary.append({"stream": name, "row": row["name"], "same_as": row["same_as"], "method": row["method"],
@@ -584,15 +555,10 @@ def run_heldout(args, argv) -> dict:
         "summary": summary,
         "wall_time_s": time.perf_counter() - started,
     })
-    harness.finish(result, args.out, args.name or f"heldout_{common.utc_stamp()}_cpu")
-    print(f"wall time {result['wall_time_s']:.1f} s; load {load_before} -> "
-          f"{result['machine']['load_average_after']}")
-    return result
+    return harness.finish(result, args.out, args.name or f"heldout_{common.utc_stamp()}_cpu")
 
 
-# ---------------------------------------------------------------------------------------------
-# What anytime evaluation costs
-# ---------------------------------------------------------------------------------------------
+# --- What anytime evaluation costs -------------------------------------------------------------
 
 def run_anytime(args, argv) -> dict:
     """Two measurements, on the CPU, seed = the first report seed:
@@ -616,7 +582,10 @@ def run_anytime(args, argv) -> dict:
     name = args.streams[0]
     if len(args.streams) != 1 or name not in presets.ANYTIME:
         raise SystemExit(f"--anytime times one stream with a preset: {', '.join(presets.ANYTIME)}")
-    with open(os.path.join(args.anytime, name, "selected.json")) as f:
+    path = os.path.join(args.anytime, name, "selected.json")
+    if not os.path.exists(path):
+        raise SystemExit(f"--anytime: no {path} (a folder written by python -m emcl_continual.selection)")
+    with open(path) as f:
         selected = {m: dict(d["overrides"]) for m, d in json.load(f)["methods"].items() if m in METHODS}
     selected["lamaml"] = {}
     methods = _check_methods(args.methods or list(METHODS), "--methods")
@@ -628,19 +597,19 @@ def run_anytime(args, argv) -> dict:
     result = harness.head("training", argv, schema="emcl-kernels/bench_training/anytime/1", note=args.note)
     started = time.perf_counter()
     stream = make_stream(name, seed, n_tasks=n_tasks, samples_per_task=args.samples_per_task)
+
+    def once(run, rnd):
+        method, mode = run
+        kw = dict(eval_every=preset["every"], eval_subset=preset["subset"]) if mode == "on" else {}
+        return train.run(method, stream, seed, overrides=selected.get(method, {}), batch_size=args.batch_size,
+                         progress=False, **kw)
+
     rows = []
     for m in methods:
-        times, evals, matrices, same = {"off": [], "on": []}, [], {}, True
-        for r in range(rounds):
-            for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
-                kw = dict(eval_every=preset["every"], eval_subset=preset["subset"]) if mode == "on" else {}
-                res = train.run(m, stream, seed, overrides=selected.get(m, {}), batch_size=args.batch_size,
-                                progress=False, **kw)
-                times[mode].append(res["train_time_s"])
-                if mode == "on":
-                    evals.append(res["anytime_eval_time_s"])
-                same &= matrices.setdefault(mode, res["acc_matrix"]) == res["acc_matrix"]
-        same &= matrices["off"] == matrices["on"]
+        runs = in_rounds([(m, "off"), (m, "on")], rounds, once)
+        times = {mode: [r["train_time_s"] for _, _, (_, k), r in runs if k == mode] for mode in ("off", "on")}
+        evals = [r["anytime_eval_time_s"] for _, _, (_, k), r in runs if k == "on"]
+        same = all(r["acc_matrix"] == runs[0][3]["acc_matrix"] for *_, r in runs)
         med = {k: statistics.median_high(v) for k, v in times.items()}
         ev = statistics.median_high(evals)
         rows.append({"method": m, "overrides": selected.get(m, {}), "train_time_s_off": med["off"],
@@ -703,9 +672,7 @@ def anytime_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------
-# The command line
-# ---------------------------------------------------------------------------------------------
+# --- The command line --------------------------------------------------------------------------
 
 def build_parser():
     p = harness.parser("training", __doc__, "threads", "out", "name", "note", "quick", "plot",
@@ -777,9 +744,14 @@ def main(argv: Optional[list] = None) -> dict:
         if any(d.type != "cpu" for d in devices):
             raise SystemExit("--cpu-triton runs Triton through its interpreter; use it with --device cpu")
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton backend is imported
-    _require_continual()
-    from emcl_continual.data.streams import STREAMS
-
+    try:
+        from emcl_continual.data.streams import STREAMS
+    except ImportError as exc:
+        raise SystemExit(
+            "bench_training.py needs the emcl_continual package (python/emcl_continual in this "
+            f"repository), which could not be imported: {exc}. Run it from a full checkout "
+            "(python -m benchmarks training) or install the repository with "
+            "`pip install --no-build-isolation -e .`.") from exc
     for stream in args.streams:
         if stream not in STREAMS:
             raise SystemExit(f"unknown stream {stream!r}; choose one of {', '.join(STREAMS)}")

@@ -1076,7 +1076,7 @@ def test_training_benchmark_times_emcl_per_backend(tmp_path):
     assert [s["label"] for s in result["summary"]] == labels
     assert (tmp_path / "train.png").read_bytes()[:8] == PNG_MAGIC
     with open(tmp_path / "train.json") as f:
-        assert json.load(f)["settings"]["n_tasks"] == 1
+        assert json.load(f)["settings"]["per_stream"]["permuted-mnist"]["n_tasks"] == 1
 
 
 def test_training_benchmark_plans_baselines_once_and_emcl_per_backend():
