@@ -5,17 +5,20 @@ the shape of the paper's training-time figure (Figure 2), on the CPU and on a GP
     python -m benchmarks training --quick              # 2 tasks x 50 samples
     python -m benchmarks training --device auto        # CPU, and the GPU when there is one
     python -m benchmarks training --device auto --streams permuted-mnist split-cifar100 split-miniimagenet
-    python -m benchmarks training --table benchmarks/results/training_*.json   # README tables
+    python -m benchmarks training --table benchmarks/results/training_*.json   # the tables again
     python -m benchmarks training --heldout results/heldout --streams permuted-mnist rotated-mnist \
         many-permutations --out-dir results/efficiency --name controlled_cpu   # the results tables' times
+    python -m benchmarks training --anytime --n-tasks 3 --name anytime_cost_cpu  # what --eval-every adds
 
-The runs, the image streams, the held-out rows (:data:`HELDOUT_ROWS`, :class:`CostCounter`) and
-the outputs: benchmarks/README.md, ``training``. Every run here is without anytime evaluation; what ``--eval-every`` adds
-to a run, per method at the presets' K, is ``python -m benchmarks anytime``.
+Three modes on one run machinery (:func:`run_prefix`, ``train.run``, the harness): every method
+and EMCL backend on each device (the default: a table per stream with the GPU's speed-up, and a
+plot); the held-out report rows timed like for like with their machine-independent cost
+(``--heldout``, :func:`run_heldout`; it makes ``results/efficiency/``); and what anytime evaluation
+costs (``--anytime``, :func:`run_anytime`). The runs, the image streams and the outputs:
+benchmarks/README.md, ``training``.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pickle
@@ -29,52 +32,32 @@ from benchmarks import common, harness  # (puts the repository on sys.path)
 import numpy as np
 import torch
 
-DEVICE_CHOICES = ("cpu", "cuda", "auto")
 IMAGE_STREAMS = ("split-cifar100", "split-miniimagenet")
 # image streams: methods timed by default (La-MAML's 10 second-order glances and MER's ~2,600
 # one-sample steps per batch take minutes per batch of the ResNet on a 2-core CPU)
 IMAGE_METHODS = ("emcl", "sgd", "ewc", "agem", "gem", "er")
 STEADY_SKIP = 4  # image streams: batches before the steady per-batch median (EMCL's graphs
                  # are captured at the 4th batch: 1 without replay, 2 warm-up, 1 capture)
+# the rows timed by --heldout, in the tables' order: each method's headline row, then the rows
+# that vary the visits per sample (emcl_continual.reports.tables: "headline" and "visits")
+HELDOUT_ROWS = ("sgd", "ewc", "agem", "er", "gem", "mer", "lamaml/own-script", "lamaml", "emcl",
+                "emcl/glances=2", "emcl/glances=5", "lamaml/glances=1")
+HELDOUT_SAMPLES = 2000  # incoming samples timed per stream (2 tasks of 1,000; 10 of 200)
+CPU = torch.device("cpu")
 
 
-def _import_continual():
-    """``emcl_continual``'s train loop, streams and method registry, or a clear stop."""
-    try:
-        from emcl_continual.training import train
-        from emcl_continual.methods import METHODS, get_method
-        from emcl_continual.data.streams import STREAMS, make_stream
-    except ImportError as exc:
-        raise SystemExit(
-            "bench_training.py needs the emcl_continual package (python/emcl_continual in this "
-            f"repository), which could not be imported: {exc}. Run it from a full checkout "
-            "(python -m benchmarks training) or install the repository with "
-            "`pip install --no-build-isolation -e .`.") from exc
-    return train, METHODS, get_method, STREAMS, make_stream
+def _check_methods(names: list, option: str) -> list:
+    from emcl_continual.methods import METHODS
 
-
-def available_methods(methods: dict, get_method) -> tuple[list, dict]:
-    """The registered methods whose modules are present, and why the others are not."""
-    ok, missing = [], {}
-    for name in methods:
-        try:
-            get_method(name)
-        except (ValueError, ImportError) as exc:
-            missing[name] = str(exc)
-            continue
-        ok.append(name)
-    return ok, missing
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown {option} {unknown}; registered: {', '.join(METHODS)}")
+    return list(names)
 
 
 def plan_runs(methods: list, emcl_backends: list) -> list:
     """(method, backend) pairs: EMCL once per backend, every other method once (backend None)."""
-    out = []
-    for m in methods:
-        if m == "emcl":
-            out.extend(("emcl", b) for b in emcl_backends)
-        else:
-            out.append((m, None))
-    return out
+    return [(m, b) for m in methods for b in (emcl_backends if m == "emcl" else [None])]
 
 
 def graph_modes(device: torch.device, choice: str) -> list:
@@ -88,35 +71,22 @@ def graph_modes(device: torch.device, choice: str) -> list:
 
 
 def label(method: str, backend: Optional[str], graph: Optional[bool] = None) -> str:
-    if backend is None:
-        return method
-    if graph is None:
-        return f"{method} ({backend})"
-    return f"{method} ({backend}, {'graph' if graph else 'eager'})"
+    tags = [t for t in (backend, None if graph is None else "graph" if graph else "eager") if t]
+    return f"{method} ({', '.join(tags)})" if tags else method
 
 
 def devices_for(choice: str) -> tuple[list, Optional[str]]:
-    """The devices ``--device`` asks for, and a note when ``auto`` found no GPU. ``cuda``
-    without a GPU stops with one line."""
-    if choice not in DEVICE_CHOICES:
-        raise SystemExit(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {choice!r}")
-    has_gpu = torch.cuda.is_available()
-    if choice == "cuda" and not has_gpu:
-        raise SystemExit("--device cuda: torch sees no CUDA device here "
-                         f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}); "
-                         "use --device cpu, or --device auto to time the GPU only where there is one")
-    if choice == "cpu":
-        return [torch.device("cpu")], None
-    if choice == "cuda":
-        return [torch.device("cuda")], None
-    if has_gpu:
-        return [torch.device("cpu"), torch.device("cuda")], None
-    return [torch.device("cpu")], "--device auto: no GPU here, timing the CPU only"
+    """The devices ``--device`` asks for (``cpu`` or ``cuda``, checked by
+    :func:`harness.device_of`; ``auto``: the CPU, and the GPU where there is one), and a note
+    when ``auto`` found no GPU."""
+    if choice != "auto":
+        return [harness.device_of(choice)], None
+    if torch.cuda.is_available():
+        return [CPU, torch.device("cuda")], None
+    return [CPU], "--device auto: no GPU here, timing the CPU only"
 
 
-# ---------------------------------------------------------------------------------------------
-# Image data files in their real formats
-# ---------------------------------------------------------------------------------------------
+# --- Image data files in their real formats ----------------------------------------------------
 
 def write_image_files(root: str, stream: str, samples_per_task: int, seed: int = 0) -> str:
     """Write ``stream``'s data files under ``root`` in the formats ``emcl_continual.data.sources``
@@ -153,311 +123,181 @@ def write_image_files(root: str, stream: str, samples_per_task: int, seed: int =
     raise ValueError(f"no image files to write for stream {stream!r}")
 
 
-# ---------------------------------------------------------------------------------------------
-# Machine-independent cost: forward passes, backward passes and weight updates, counted
-# ---------------------------------------------------------------------------------------------
+# --- The run machinery -------------------------------------------------------------------------
 
-def _unwrap(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor under torch.func's wrappers (vmap's batched tensors, grad's tracking
-    tensors), so that a forward under ``vmap`` counts every sample of its batch dimension."""
-    from torch._C import _functorch as ft
-    while ft.is_batchedtensor(t) or ft.is_functorch_wrapped_tensor(t):
-        t = ft.get_unwrapped(t)
-    return t
-
-
-class _CountBackward(torch.autograd.Function):
-    """The identity on the model's output; its backward counts the samples the gradient
-    carries (under ``torch.func`` transforms too: ``generate_vmap_rule``)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, counter):
-        return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.counter = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.counter._backward(grad)
-        return grad, None
-
-
-class CostCounter:
-    """Counts, while attached to a learner, what its training costs in machine-independent units.
-
-    * **forward passes**: samples through the model's forward (a forward hook on the model,
-      and a wrapper of its ``forward_with`` where it has one; a batch of 20 is 20; a forward
-      under ``torch.func.vmap`` counts every sample of every vmapped batch), and forward calls;
-    * **backward passes**: samples whose gradient flows back through a model forward (an
-      identity :class:`torch.autograd.Function` on the model's output counts the rows of the
-      gradient reaching it, whether from ``backward()``, ``torch.autograd.grad`` or
-      ``torch.func.grad``), and backward calls;
-    * **weight updates**: how many times the weights the model computes with change between two
-      uses: before each forward the tensors the forward will read (``functional_call``'s and
-      ``forward_with``'s fast weights included) are compared, by storage and version counter,
-      with the previous forward's, and a call of the optimizer's ``step`` / ``inner_step`` /
-      ``meta_step`` marks a change whose writes the version counters may not see (native
-      kernels); forwards inside a ``torch.func`` transform (GEM's vmapped memory gradients, on
-      wrapped copies of the current weights) are not compared. An update not followed by a
-      forward within a call is counted when the call returns (:meth:`flush`). Consecutive
-      writes with no forward between them are one update (MER's Reptile interpolation after its
-      last SGD step, La-MAML's learning-rate step with its weight step);
-    * MER's hand-written per-sample step (``_ReluMLPStepper.sgd_step``, NumPy on the weights'
-      memory, no torch forward) counts one forward, one backward and one update per call;
-    * EMCL's fused glance (``FusedGlance.inner_loop``, its inner loop in one native call)
-      counts, per sample, what the autograd loop it replaces does: one forward, one backward,
-      one ``inner_step`` and one update;
-    * optimizer calls by name (``step``, ``inner_step``, ``meta_step``) as the method makes
-      them (a call one of them makes of another counts once), whatever they update (La-MAML's
-      ``step`` moves its learning rates).
-
-    ``attach(learner)`` installs the hooks and wrappers, ``detach()`` removes them; counts are
-    in :meth:`counts`.
-    """
-
-    def __init__(self):
-        self.forward_samples = self.forward_calls = 0
-        self.backward_samples = self.backward_calls = 0
-        self.updates = 0
-        self.optimizer_calls: dict = {}
-        self._last = None  # (storage address, version) of the tensors the previous forward read
-        self._held = ()
-        self._pending = False
-        self._in_optimizer = 0
-        self._handles: list = []
-        self._restore: list = []
-        self._model = None
-        self._sample_numel = 1
-
-    # -- counting ------------------------------------------------------------------------------
-    def _weights_now(self) -> tuple:
-        return tuple(_unwrap(getattr(mod, name)) for mod, name in self._slots)
-
-    def _check_update(self, weights: tuple) -> None:
-        now = tuple((w.data_ptr(), w._version) for w in weights)
-        if self._last is not None and (self._pending or now != self._last):
-            self.updates += 1
-        self._pending = False
-        self._last = now
-        self._held = weights  # keeps their storages alive: no later tensor can reuse an address
-
-    def _samples(self, t: torch.Tensor) -> int:
-        return _unwrap(t).numel() // self._sample_numel
-
-    def _pre_forward(self, module, args, weights=None):
-        from torch._C import _functorch as ft
-        if ft.maybe_current_level() is not None:
-            return  # inside a torch.func transform (GEM's vmapped memory gradients): the weights it
-                    # reads are wrapped copies of the current ones, not an update
-        self._check_update(self._weights_now() if weights is None else tuple(weights))
-
-    def _post_forward(self, module, args, output):
-        self.forward_calls += 1
-        self.forward_samples += self._samples(args[0])
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            return _CountBackward.apply(output, self)
-        return output
-
-    def _backward(self, grad: torch.Tensor) -> None:
-        self.backward_calls += 1
-        g = _unwrap(grad)
-        self.backward_samples += g.numel() // g.shape[-1] if g.dim() > 1 else 1
-
-    def flush(self) -> None:
-        """Count an update made since the last forward (call after each ``observe`` / ``end_task``)."""
-        if self._model is not None:
-            self._check_update(self._weights_now())
-
-    # -- attaching -----------------------------------------------------------------------------
-    def attach(self, learner) -> "CostCounter":
-        model = learner.model
-        self._model = model
-        self._slots = [(mod, name) for mod in model.modules() for name, _ in mod.named_parameters(recurse=False)]
-        self._sample_numel = 1
-        for d in learner.info.input_shape:
-            self._sample_numel *= int(d)
-        self._handles.append(model.register_forward_pre_hook(self._pre_forward))
-        self._handles.append(model.register_forward_hook(self._post_forward))
-        opt = getattr(learner, "opt", None)
-        if opt is not None:
-            for name in ("step", "inner_step", "meta_step"):
-                if callable(getattr(opt, name, None)):
-                    self._wrap(opt, name, self._optimizer_call(name, getattr(opt, name)))
-        stepper = getattr(learner, "_stepper", None)
-        if stepper is not None:
-            self._wrap(stepper, "sgd_step", self._stepper_call(stepper.sgd_step))
-        fused = getattr(learner, "fused", None)
-        if fused is not None and callable(getattr(fused, "inner_loop", None)):
-            self._wrap(fused, "inner_loop", self._fused_glance_call(fused.inner_loop))
-        if callable(getattr(model, "forward_with", None)):
-            self._wrap(model, "forward_with", self._forward_with_call(model.forward_with))
-        return self
-
-    def _wrap(self, obj, name: str, fn) -> None:
-        had = name in vars(obj)
-        self._restore.append((obj, name, vars(obj).get(name), had))
-        setattr(obj, name, fn)
-
-    def _optimizer_call(self, name: str, fn):
-        def call(*args, **kwargs):
-            if self._in_optimizer == 0:  # a call made inside another (inner_step -> step) is that call
-                self.optimizer_calls[name] = self.optimizer_calls.get(name, 0) + 1
-            self._in_optimizer += 1
-            try:
-                out = fn(*args, **kwargs)
-            finally:
-                self._in_optimizer -= 1
-            self._pending = True
-            return out
-        return call
-
-    def _forward_with_call(self, fn):
-        """The model's ``forward_with(weights, x, task)`` (La-MAML's fast weights on the MLP),
-        counted as its ``forward`` is, with ``weights`` as the tensors the forward reads."""
-        def call(weights, x, task=0):
-            self._pre_forward(self._model, (x,), weights)
-            return self._post_forward(self._model, (x,), fn(weights, x, task))
-        return call
-
-    def _stepper_call(self, fn):
-        def call(*args, **kwargs):
-            self._check_update(self._weights_now())
-            self.forward_calls += 1
-            self.forward_samples += 1
-            self.backward_calls += 1
-            self.backward_samples += 1
-            out = fn(*args, **kwargs)
-            self._pending = True
-            return out
-        return call
-
-    def _fused_glance_call(self, fn):
-        """EMCL's fused glance ``inner_loop(xi, yi, ti)``: per sample the forward, backward,
-        ``inner_step`` and update of the autograd loop it replaces (an optimizer call it makes
-        itself, the zero-gradient step that creates the state, is part of the glance)."""
-        def call(xi, yi, ti):
-            for _ in range(int(xi.shape[0])):
-                self._check_update(self._weights_now())
-                self.forward_calls += 1
-                self.forward_samples += 1
-                self.backward_calls += 1
-                self.backward_samples += 1
-                self.optimizer_calls["inner_step"] = self.optimizer_calls.get("inner_step", 0) + 1
-                self._pending = True
-            self._in_optimizer += 1
-            try:
-                return fn(xi, yi, ti)
-            finally:
-                self._in_optimizer -= 1
-        return call
-
-    def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        for obj, name, old, had in reversed(self._restore):
-            if had:
-                setattr(obj, name, old)
-            else:
-                delattr(obj, name)
-        self._handles, self._restore, self._model, self._last, self._held = [], [], None, None, ()
-
-    def counts(self, n_samples: int) -> dict:
-        """Totals and per incoming sample (``n_samples``: the samples the stream delivered)."""
-        per = 1.0 / max(1, n_samples)
-        return {"incoming_samples": n_samples,
-                "forward_samples": self.forward_samples, "forward_calls": self.forward_calls,
-                "backward_samples": self.backward_samples, "backward_calls": self.backward_calls,
-                "updates": self.updates, "optimizer_calls": dict(self.optimizer_calls),
-                "forward_per_sample": self.forward_samples * per,
-                "backward_per_sample": self.backward_samples * per,
-                "updates_per_sample": self.updates * per}
-
-
-# ---------------------------------------------------------------------------------------------
-# Timing
-# ---------------------------------------------------------------------------------------------
-
-def run_prefix(train, get_method, method: str, overrides: dict, stream, seed: int, n_tasks: int,
-               batch_size: int, device: torch.device = torch.device("cpu"), count: bool = False) -> dict:
+def run_prefix(method: str, overrides: dict, stream, seed: int, n_tasks: int, batch_size: int,
+               device: torch.device = CPU, count: bool = False) -> dict:
     """Train ``method`` (its configuration: its defaults for ``stream`` updated with
     ``overrides``) on the first ``n_tasks`` tasks of ``stream`` as ``emcl_continual.training.train.run``
     does (``begin_task``, one ``observe`` per batch, ``end_task``; the model built and
     initialised alike), without evaluating. The stream stays whole, so that a method that sizes
     itself by the number of tasks (GEM's memory per task) is the configuration of the full run.
 
-    Returns ``train_time_s`` (the sum of those calls, timed as ``train.run`` times them),
-    ``cpu_time_s`` (the process's CPU time over the same calls, which a loaded machine
-    stretches less than the wall clock), ``incoming_samples`` and, with ``count``, the :class:`CostCounter` counts (the counting
-    hooks cost time: a counted run is not a timed one)."""
+    Returns ``train_time_s`` (the sum of those calls, the device synchronized around each, as
+    ``train.run`` times them), ``cpu_time_s`` (the process's CPU time over the same calls,
+    which a loaded machine stretches less than the wall clock), ``batch_s`` (each ``observe``),
+    ``incoming_samples`` and, with ``count``, the ``CostCounter`` counts (the counting hooks
+    cost time: a counted run is not a timed one)."""
     from emcl_continual.data.models import build_model
+    from emcl_continual.methods import get_method
+    from emcl_continual.training.config import RUN_DEFAULTS, build_config
+    from emcl_continual.training.cost import CostCounter
 
     info = stream.info
     if not 1 <= n_tasks <= info.n_tasks:
         raise ValueError(f"n_tasks must be in [1, {info.n_tasks}] for {info.name}, got {n_tasks}")
-    config = train.build_config(method, info.name, seed, overrides)
+    config = build_config(method, info.name, seed, overrides)
     torch.manual_seed(int(seed))
-    model = build_model(info, init=config.get("init", train.RUN_DEFAULTS["init"])).to(device)
+    model = build_model(info, init=config.get("init", RUN_DEFAULTS["init"])).to(device)
     learner = get_method(method)(model, info, config, device)
     counter = CostCounter().attach(learner) if count else None
-    elapsed, cpu, samples = 0.0, 0.0, 0
+    wall, cpu, batch_s, samples = [], [], [], 0
+
+    def timed(call, *args) -> float:
+        common.synchronize(device)
+        start, cstart = time.perf_counter(), time.process_time()
+        call(*args)
+        common.synchronize(device)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - cstart)
+        if counter is not None:
+            counter.flush()  # an update the call made after its last forward
+        return wall[-1]
+
     try:
         for t in range(n_tasks):
-            start, cstart = time.perf_counter(), time.process_time()
-            learner.begin_task(t)
-            elapsed += time.perf_counter() - start
-            cpu += time.process_time() - cstart
+            timed(learner.begin_task, t)
             for x, y in stream.batches(t, batch_size, device=device):
-                common.synchronize(device)
-                start, cstart = time.perf_counter(), time.process_time()
-                learner.observe(x, y, t)
-                common.synchronize(device)
-                elapsed += time.perf_counter() - start
-                cpu += time.process_time() - cstart
+                batch_s.append(timed(learner.observe, x, y, t))
                 samples += x.shape[0]
-                if counter is not None:
-                    counter.flush()
-            start, cstart = time.perf_counter(), time.process_time()
-            learner.end_task(t)
-            common.synchronize(device)
-            elapsed += time.perf_counter() - start
-            cpu += time.process_time() - cstart
-            if counter is not None:
-                counter.flush()
+            timed(learner.end_task, t)
     finally:
         if counter is not None:
             counter.detach()
-    out = {"train_time_s": elapsed, "cpu_time_s": cpu, "incoming_samples": samples}
+    out = {"train_time_s": sum(wall), "cpu_time_s": sum(cpu), "batch_s": batch_s,
+           "incoming_samples": samples}
     if counter is not None:
         out["counts"] = counter.counts(samples)
     return out
 
 
-def time_batches(train, get_method, method: str, stream, seed: int, overrides: dict,
-                 device: torch.device, batch_size: int) -> list:
-    """Seconds of each ``observe`` of ``method`` over ``stream``'s first task (device
-    synchronized around each), set up and bracketed by ``begin_task``/``end_task`` as
-    ``emcl_continual.training.train.run`` does (the boundaries themselves are not timed)."""
-    from emcl_continual.data.models import build_model
+def _one_run(method, backend, graph, stream, warm, seed, device, args, image, first) -> dict:
+    """One timed run: ``train.run`` on a permutation stream (ACC and BWT too), each
+    ``observe`` of the first task on an image stream; the first seed after a warm-up run."""
+    from emcl_continual.training import train
 
-    info = stream.info
-    config = train.build_config(method, info.name, seed, overrides)
-    torch.manual_seed(int(seed))
-    model = build_model(info).to(device)
-    learner = get_method(method)(model, info, config, device)
-    out = []
-    learner.begin_task(0)
-    for x, y in stream.batches(0, batch_size, device=device):
-        common.synchronize(device)
-        start = time.perf_counter()
-        learner.observe(x, y, 0)
-        common.synchronize(device)
-        out.append(time.perf_counter() - start)
-    learner.end_task(0)
-    return out
+    overrides = {k: v for k, v in (("backend", backend), ("cuda_graph", graph)) if v is not None}
+    n_batches = stream.n_batches(args.batch_size)
+    rec = {"method": method, "backend": backend, "graph": graph, "label": label(method, backend, graph),
+           "seed": seed, "stream": stream.info.name, "device": device.type, "n_batches": n_batches}
+    if first:  # lazy imports, compilation, allocator and cuDNN warm-up
+        train.run(method, warm, seed, overrides=overrides, batch_size=args.batch_size, device=device,
+                  progress=False)
+    t0 = time.perf_counter()
+    if image:
+        secs = run_prefix(method, overrides, stream, seed, 1, args.batch_size, device)["batch_s"]
+        steady = secs[STEADY_SKIP:] if len(secs) > STEADY_SKIP else secs[-1:]
+        rec.update(train_time_s=sum(secs), eval_time_s=None, n_batches=len(secs),
+                   ms_per_batch=1e3 * sum(secs) / len(secs),
+                   ms_per_batch_steady=1e3 * statistics.median(steady),
+                   batch_ms=[round(1e3 * s, 3) for s in secs], acc=None, bwt=None)
+    else:
+        r = train.run(method, stream, seed, overrides=overrides, batch_size=args.batch_size, device=device,
+                      progress=False)
+        rec.update(train_time_s=r["train_time_s"], eval_time_s=r["eval_time_s"],
+                   ms_per_batch=1e3 * r["train_time_s"] / max(1, n_batches), ms_per_batch_steady=None,
+                   acc=r["acc"], bwt=r["bwt"])
+    rec["wall_time_s"] = time.perf_counter() - t0
+    return rec
+
+
+def in_rounds(items: list, rounds: int, run) -> list:
+    """``(round, position, item, run(item, round))`` for every item once per round, in order on
+    even rounds and reversed on odd ones, so that a change of the machine's load falls on all alike."""
+    return [(rnd, pos, item, run(item, rnd)) for rnd in range(rounds)
+            for pos, item in enumerate(items if rnd % 2 == 0 else items[::-1])]
+
+
+# --- Devices: every method and backend on each device ------------------------------------------
+
+def run_devices(args, argv, devices: list, device_note: Optional[str]) -> dict:
+    from emcl_continual.data.streams import make_stream
+    from emcl_continual.methods import METHODS
+    from emcl_kernels.backends import auto_backend
+
+    methods = _check_methods(args.methods or list(METHODS), "--methods")
+    image_methods = _check_methods(args.image_methods or [m for m in IMAGE_METHODS if m in methods],
+                                   "--image-methods")
+    n_tasks = args.n_tasks or (2 if args.quick else 5)
+    per_task = args.samples_per_task or (50 if args.quick else 200)
+    image_batches = args.image_batches or (3 if args.quick else 8)
+
+    plans, skipped_backends = {}, {}
+    for device in devices:
+        only = None if not args.backends else \
+            list(dict.fromkeys(auto_backend(device) if b == "auto" else b for b in args.backends))
+        backends, skipped = common.backends_for(device, include_cpu_triton=args.cpu_triton, only=only)
+        if "emcl" in methods and not backends:
+            raise SystemExit(f"no EMCL backend available on {device}: {skipped}")
+        for name, why in skipped.items():
+            skipped_backends[f"{name} on {device.type}" if len(devices) > 1 else name] = why
+        plans[device.type] = backends
+
+    if device_note:
+        print(device_note, flush=True)
+    # the head before the runs: its machine's load average is the one at the start
+    result = harness.head("training", argv, schema="emcl-kernels/bench_training/2", note=args.note)
+    started = time.perf_counter()
+    records, per_stream = [], {}
+    with tempfile.TemporaryDirectory(prefix="emcl_bench_images_") as scratch:
+        for stream_name in args.streams:
+            image = stream_name in IMAGE_STREAMS
+            root, source = args.data_root, None
+            if image and root is None:
+                root = os.path.join(scratch, stream_name)
+                source = write_image_files(root, stream_name, image_batches * args.batch_size)
+            shape = (1, image_batches * args.batch_size) if image else (n_tasks, per_task)
+            for seed in args.seeds:
+                stream = make_stream(stream_name, seed, data_root=root, n_tasks=shape[0],
+                                     samples_per_task=shape[1])
+                per_stream[stream_name] = {"n_tasks": shape[0], "samples_per_task": shape[1],
+                                           "timing": "per batch" if image else "train.run",
+                                           "data_source": source or stream.info.source}
+                warm = make_stream(stream_name, seed, data_root=root, n_tasks=1,
+                                   samples_per_task=2 * args.batch_size)
+                for device in devices:
+                    # the image streams: EMCL's default backend only, unless --backends names some
+                    backends = [auto_backend(device)] if image and not args.backends else plans[device.type]
+                    for method, backend in plan_runs(image_methods if image else methods, backends):
+                        for graph in (graph_modes(device, args.emcl_graph) if method == "emcl" else [None]):
+                            rec = _one_run(method, backend, graph, stream, warm, seed, device, args, image,
+                                           first=seed == args.seeds[0])
+                            records.append(rec)
+                            steady = rec["ms_per_batch_steady"]
+                            print(f"{stream_name:<18} {device.type:<4} {rec['label']:<26} seed {seed}: "
+                                  f"train {rec['train_time_s']:.2f} s ({rec['ms_per_batch']:.2f} ms/batch"
+                                  + (f", steady {steady:.2f}" if steady is not None else "")
+                                  + (f"), ACC {rec['acc']:.2f}" if rec["acc"] is not None else ")"), flush=True)
+
+    result["machine"]["load_average_at_end"] = common.load_average()
+    result.update({
+        "device_names": {d.type: common.device_name(d) for d in devices},
+        "auto_backend": {d.type: auto_backend(d) for d in devices},
+        "notes": [device_note] if device_note else [],
+        "settings": {"streams": list(args.streams), "per_stream": per_stream,
+                     "batch_size": args.batch_size, "seeds": args.seeds,
+                     "device": devices[0].type if len(devices) == 1 else "auto",
+                     "devices": [d.type for d in devices], "emcl_graph": args.emcl_graph,
+                     "image_batches": image_batches, "steady_skip": STEADY_SKIP,
+                     "threads": torch.get_num_threads(), "mode": "quick" if args.quick else "full"},
+        "skipped_backends": skipped_backends,
+        "records": records,
+        "summary": summarize(records),
+        "wall_time_s": time.perf_counter() - started,
+    })
+    stem = args.name or f"training_{common.utc_stamp()}_{'-'.join(d.type for d in devices)}"
+    return harness.finish(result, args.out, stem, plot=plot, no_plot=args.no_plot,
+                          table=lambda res: tables([res]))
 
 
 def summarize(records: list) -> list:
@@ -465,29 +305,26 @@ def summarize(records: list) -> list:
     backend, graph), in the order first seen."""
     groups = {}
     for r in records:
-        key = (r.get("stream"), r.get("device"), r["method"], r["backend"], r.get("graph"))
-        groups.setdefault(key, []).append(r)
+        groups.setdefault((r["stream"], r["device"], r["method"], r["backend"], r["graph"]), []).append(r)
+
+    def mean(rs, key):
+        values = [r[key] for r in rs]
+        return None if None in values else statistics.mean(values)
+
     out = []
     for (stream, device, method, backend, graph), rs in groups.items():
         times = [r["train_time_s"] for r in rs]
-        row = {
-            "stream": stream, "device": device, "method": method, "backend": backend,
-            "graph": graph, "label": label(method, backend, graph),
-            "seeds": [r["seed"] for r in rs],
-            "train_time_s": statistics.mean(times),
-            "train_time_s_std": statistics.stdev(times) if len(times) > 1 else 0.0,
-            "ms_per_batch": statistics.mean(r["ms_per_batch"] for r in rs),
-            "acc": statistics.mean(r["acc"] for r in rs) if all(r.get("acc") is not None for r in rs) else None,
-            "bwt": statistics.mean(r["bwt"] for r in rs) if all(r.get("bwt") is not None for r in rs) else None,
-        }
-        steady = [r["ms_per_batch_steady"] for r in rs if r.get("ms_per_batch_steady") is not None]
-        row["ms_per_batch_steady"] = statistics.mean(steady) if steady else None
-        out.append(row)
+        out.append({"stream": stream, "device": device, "method": method, "backend": backend,
+                    "graph": graph, "label": label(method, backend, graph), "seeds": [r["seed"] for r in rs],
+                    "train_time_s": statistics.mean(times),
+                    "train_time_s_std": statistics.stdev(times) if len(times) > 1 else 0.0,
+                    "ms_per_batch": mean(rs, "ms_per_batch"), "acc": mean(rs, "acc"), "bwt": mean(rs, "bwt"),
+                    "ms_per_batch_steady": mean(rs, "ms_per_batch_steady")})
     return out
 
 
-def _fmt(v, spec=".2f", none="-"):
-    return none if v is None else format(v, spec)
+def _fmt(v, spec=".2f"):
+    return "-" if v is None else format(v, spec)
 
 
 def _num(v: float) -> str:
@@ -495,128 +332,73 @@ def _num(v: float) -> str:
     return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
 
 
-def format_table(result: dict) -> str:
-    """The run's summary as a plain-text table per stream and device."""
-    s = result["settings"]
-    lines = []
-    names = result.get("device_names", {})
-    for stream in s.get("streams", [s["stream"]]):
-        ss = s.get("per_stream", {}).get(stream, {"n_tasks": s["n_tasks"],
-                                                  "samples_per_task": s["samples_per_task"]})
-        for dev in s.get("devices", [s["device"]]):
-            rows = [r for r in result["summary"] if r.get("stream", stream) == stream
-                    and r.get("device", dev) == dev]
-            if not rows:
-                continue
-            lines.append(f"\n{names.get(dev, result.get('device_name', dev))}, {stream}: "
-                         f"{ss['n_tasks']} tasks x {ss['samples_per_task']} samples, batch "
-                         f"{s['batch_size']}, seeds {s['seeds']}, "
-                         f"{result['machine']['torch_threads']} torch thread(s)")
-            lines.append(harness.table(
-                ("method (backend)", "train s", "+-", "ms/batch", "steady", "ACC", "BWT"),
-                [(r["label"], r["train_time_s"], r["train_time_s_std"], r["ms_per_batch"],
-                  r.get("ms_per_batch_steady"), r["acc"], r["bwt"]) for r in rows]))
-    for name, why in result["skipped_methods"].items():
-        lines.append(f"not run: {name}: {why}")
-    for name, why in result["skipped_backends"].items():
-        lines.append(f"emcl backend not run: {name}: {why}")
-    return "\n".join(lines)
+def _value(row: dict, image: bool) -> float:
+    """What a row is compared by: the steady ms per batch on an image stream, else the training time."""
+    return (row["ms_per_batch_steady"] or row["ms_per_batch"]) if image else row["train_time_s"]
 
-
-# ---------------------------------------------------------------------------------------------
-# README tables (Figure 2 on both devices) from one or more results files
-# ---------------------------------------------------------------------------------------------
 
 def _headline(rows: list, method: str, device: str, auto: dict) -> Optional[dict]:
     """The row that stands for ``method`` on ``device``: for EMCL the backend ``auto`` picks
     there (what ``python -m emcl_continual`` runs), graphed on a GPU; for a baseline its row."""
-    mine = [r for r in rows if r["method"] == method and r.get("device") == device]
-    if method != "emcl" or not mine:
+    mine = [r for r in rows if r["method"] == method and r["device"] == device]
+    if method != "emcl":
         return mine[0] if mine else None
-    want_backend = auto.get(device)
-    for r in mine:
-        if r["backend"] == want_backend and r.get("graph") in (None, True):
-            return r
-    return None
+    return next((r for r in mine if r["backend"] == auto.get(device) and r["graph"] in (None, True)), None)
 
 
-def readme_tables(results: list) -> str:
-    """Markdown: per stream, the training time of every method on each device (the paper's
-    Figure 2) with the GPU's speed-up, then every row with its backend; captions name the
-    machines and the files the numbers come from."""
-    rows, auto, notes, sources = [], {}, [], []
+def tables(results: list) -> str:
+    """Markdown, per stream: the training time of every method on each device (the paper's
+    Figure 2) with the GPU's speed-up and ACC, then every row with its backend; then the files
+    the numbers come from with their machines, the notes, and the EMCL backends not run. One
+    results file is the run's terminal table; a CPU file and a GPU file (``--table``) merge."""
+    rows, auto, sources, notes, not_run = [], {}, [], [], []
     for res in results:
-        for r in res["summary"]:
-            rows.append(dict(r, stream=r.get("stream", res["settings"]["stream"]),
-                             device=r.get("device", res["settings"]["device"]),
-                             _file=res.get("_path", "?"), _res=res))
-        auto.update(res.get("auto_backend", {}))
-        names = res.get("device_names", {res["settings"]["device"]: res.get("device_name", "?")})
-        load = res["machine"].get("load_average_at_start")
-        end = res["machine"].get("load_average_at_end")
-        sources.append(f"`{res.get('_path', '?')}`: {', '.join(f'{d}: {n}' for d, n in names.items())}; "
-                       f"torch {res['machine']['torch']}, {res['machine']['torch_threads']} CPU thread(s), "
-                       f"load average at start {load}" + (f", at end {end}" if end else "") +
-                       f", commit {res['machine'].get('git_commit')}, "
-                       f"created {res.get('created_utc')}")
+        rows += [dict(r, _settings=res["settings"]) for r in res["summary"]]
+        auto.update(res["auto_backend"])
+        m = res["machine"]
+        end = m.get("load_average_at_end")
+        sources.append(f"`{res['paths']['json']}`: "
+                       + ", ".join(f"{d}: {n}" for d, n in res["device_names"].items())
+                       + f"; torch {m['torch']}, {m['torch_threads']} CPU thread(s), load average at start "
+                       f"{m.get('load_average_at_start')}" + (f", at end {end}" if end else "")
+                       + f", commit {m.get('git_commit')}, created {res.get('created_utc')}")
         notes += res.get("notes", [])
+        not_run += [f"EMCL backend not run: {b}: {why}" for b, why in res.get("skipped_backends", {}).items()]
     out = []
-    streams = list(dict.fromkeys(r["stream"] for r in rows))
-    for stream in streams:
+    for stream in dict.fromkeys(r["stream"] for r in rows):
         srows = [r for r in rows if r["stream"] == stream]
         image = stream in IMAGE_STREAMS
-        res0 = srows[0]["_res"]
-        ss = res0["settings"].get("per_stream", {}).get(stream, {"n_tasks": res0["settings"]["n_tasks"],
-                                                                 "samples_per_task": res0["settings"]["samples_per_task"]})
-        devices = list(dict.fromkeys(r["device"] for r in srows))
-        methods = list(dict.fromkeys(r["method"] for r in srows))
-        unit = "ms per batch (steady)" if image else "training time, s"
-        out.append(f"**{stream}**, {ss['n_tasks']} task(s) x {ss['samples_per_task']} samples, batch "
-                   f"{res0['settings']['batch_size']}: {unit}" + (" (random-pixel files; ACC not meaningful)" if image else ""))
+        settings = srows[0]["_settings"]
+        ss = settings["per_stream"][stream]
+        names = {d: "CPU" if d == "cpu" else "GPU" for d in dict.fromkeys(r["device"] for r in srows)}
+        both = set(names) == {"cpu", "cuda"}
+        out += [f"**{stream}**, {ss['n_tasks']} task(s) x {ss['samples_per_task']} samples, batch "
+                f"{settings['batch_size']}: " + ("ms per batch (steady) (random-pixel files; ACC not "
+                                                 "meaningful)" if image else "training time, s"), ""]
+        head = ["method", *names.values()] + (["GPU speed-up"] if both else []) \
+            + ([] if image else [f"ACC {n}" for n in names.values()])
+        out += ["| " + " | ".join(head) + " |", "|---|" + "--:|" * (len(head) - 1)]
+        for method in dict.fromkeys(r["method"] for r in srows):
+            cells, vals, accs = [method], {}, []
+            for d in names:
+                r = _headline(srows, method, d, auto)
+                vals[d] = None if r is None else _value(r, image)
+                tag = f" ({r['backend']}{', graph' if r['graph'] else ''})" if r and method == "emcl" else ""
+                cells.append("-" if r is None else _num(vals[d]) + tag)
+                accs.append(_fmt(r and r["acc"]))
+            if both:
+                cells.append(f"{vals['cpu'] / vals['cuda']:.1f}x" if None not in vals.values() else "-")
+            out.append("| " + " | ".join(cells + ([] if image else accs)) + " |")
+        out += ["", "| device | method (backend) | seeds | train s | ± | ms/batch | steady ms/batch | ACC | BWT |",
+                "|---|---|---|--:|--:|--:|--:|--:|--:|"]
+        out += [f"| {r['device']} | {r['label']} | {r['seeds']} | {r['train_time_s']:.2f} | "
+                f"{r['train_time_s_std']:.2f} | {r['ms_per_batch']:.2f} | {_fmt(r['ms_per_batch_steady'])} | "
+                f"{_fmt(r['acc'])} | {_fmt(r['bwt'])} |" for r in srows]
         out.append("")
-        head = ["method"] + [f"{d.upper() if d == 'cpu' else 'GPU'}" for d in devices]
-        if "cpu" in devices and "cuda" in devices:
-            head.append("GPU speed-up")
-        if not image:
-            head += [f"ACC {d.upper() if d == 'cpu' else 'GPU'}" for d in devices]
-        out.append("| " + " | ".join(head) + " |")
-        out.append("|" + "---|" + "--:|" * (len(head) - 1))
-        for m in methods:
-            cells, vals, accs = [m], {}, []
-            for d in devices:
-                r = _headline(srows, m, d, auto)
-                if r is None:
-                    cells.append("-")
-                    accs.append("-")
-                    continue
-                v = (r.get("ms_per_batch_steady") or r["ms_per_batch"]) if image else r["train_time_s"]
-                vals[d] = v
-                tag = "" if m != "emcl" else f" ({r['backend']}{', graph' if r.get('graph') else ''})"
-                cells.append(f"{_num(v)}{tag}")
-                accs.append(_fmt(r.get("acc")))
-            if "cpu" in devices and "cuda" in devices:
-                cells.append(f"{vals['cpu'] / vals['cuda']:.1f}x" if "cpu" in vals and "cuda" in vals else "-")
-            if not image:
-                cells += accs
-            out.append("| " + " | ".join(cells) + " |")
-        out.append("")
-        out.append("<details><summary>every row</summary>\n")
-        out.append("| device | method (backend) | train s | ms/batch | steady ms/batch | ACC | BWT |")
-        out.append("|---|---|--:|--:|--:|--:|--:|")
-        for r in srows:
-            out.append(f"| {r['device']} | {r['label']} | {r['train_time_s']:.2f} | {r['ms_per_batch']:.2f} | "
-                       f"{_fmt(r.get('ms_per_batch_steady'))} | {'-' if image else _fmt(r.get('acc'))} | "
-                       f"{'-' if image else _fmt(r.get('bwt'))} |")
-        out.append("\n</details>\n")
     out.append("From " + "; ".join(sources) + ".")
-    for n in dict.fromkeys(notes):
-        out.append(f"Note: {n}")
+    out += [f"Note: {n}" for n in dict.fromkeys(notes)] + not_run
     return "\n".join(out)
 
-
-# ---------------------------------------------------------------------------------------------
-# The plot
-# ---------------------------------------------------------------------------------------------
 
 def plot(result: dict, path: str) -> None:
     """Training time (image streams: steady ms per batch) per method / backend and device as
@@ -626,44 +408,34 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     summary = result["summary"]
-    streams = list(dict.fromkeys(r.get("stream", result["settings"]["stream"]) for r in summary))
-    heights = [sum(1 for r in summary if r.get("stream", streams[0]) == s) for s in streams]
+    streams = list(dict.fromkeys(r["stream"] for r in summary))
+    heights = [sum(1 for r in summary if r["stream"] == s) for s in streams]
     fig, axes = plt.subplots(len(streams), 1, figsize=(7.5, 0.42 * sum(heights) + 1.6 * len(streams)),
                              squeeze=False, gridspec_kw={"height_ratios": heights})
-    colors = {"cpu": "C7", "cuda": "C2"}
     for ax, stream in zip(axes[:, 0], streams):
-        rows = [r for r in summary if r.get("stream", stream) == stream]
+        rows = [r for r in summary if r["stream"] == stream]
         image = stream in IMAGE_STREAMS
-        vals = [(r.get("ms_per_batch_steady") or r["ms_per_batch"]) if image else r["train_time_s"] for r in rows]
+        vals = [_value(r, image) for r in rows]
         ys = list(range(len(rows)))
-        ax.barh(ys, vals, color=[colors.get(r.get("device", "cpu"), "C0") for r in rows],
+        ax.barh(ys, vals, color=["C7" if r["device"] == "cpu" else "C2" for r in rows],
                 edgecolor=["C0" if r["method"] == "emcl" else "none" for r in rows], linewidth=1.5)
         for y, v in zip(ys, vals):
             ax.text(v, y, f"  {_num(v)}", va="center", fontsize=8)
         ax.set_yticks(ys)
-        ax.set_yticklabels([f"{r['label']} [{r.get('device', 'cpu')}]" for r in rows], fontsize=8)
+        ax.set_yticklabels([f"{r['label']} [{r['device']}]" for r in rows], fontsize=8)
         ax.invert_yaxis()
         ax.set_xscale("log")
         ax.set_xlabel("ms per batch (steady)" if image else "training time, s (evaluation excluded)")
-        ss = result["settings"].get("per_stream", {}).get(stream, {})
-        ax.set_title(f"{stream}, {ss.get('n_tasks', '?')} task(s) x {ss.get('samples_per_task', '?')} samples "
-                     f"(grey: CPU, green: GPU)", fontsize=9)
+        ss = result["settings"]["per_stream"][stream]
+        ax.set_title(f"{stream}, {ss['n_tasks']} task(s) x {ss['samples_per_task']} samples "
+                     "(grey: CPU, green: GPU)", fontsize=9)
         ax.margins(x=0.25)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-# ---------------------------------------------------------------------------------------------
-# The held-out rows, timed like for like
-# ---------------------------------------------------------------------------------------------
-
-# the rows timed by --heldout, in the tables' order: each method's headline row, then the rows
-# that vary the visits per sample (emcl_continual.reports.tables: "headline" and "visits")
-HELDOUT_ROWS = ("sgd", "ewc", "agem", "er", "gem", "mer", "lamaml/own-script", "lamaml", "emcl",
-                "emcl/glances=2", "emcl/glances=5", "lamaml/glances=1")
-HELDOUT_SAMPLES = 2000  # incoming samples timed per stream (2 tasks of 1,000; 10 of 200)
-
+# --- The held-out rows, timed like for like ----------------------------------------------------
 
 def heldout_rows(folder: str, names=None) -> list:
     """The report rows of one stream's held-out folder (``plan.json``) to time: ``names``
@@ -683,93 +455,86 @@ def heldout_rows(folder: str, names=None) -> list:
     if unknown:
         raise SystemExit(f"--rows: {unknown} are not report rows of {path}")
     out, seen = [], {}
-    for name in (names or HELDOUT_ROWS):
-        row = by_name.get(name)
-        if row is None:
-            continue
+    for name in [n for n in (names or HELDOUT_ROWS) if n in by_name]:
+        row = by_name[name]
         key = json.dumps(build_config(row["method"], plan["stream"], 0, row["overrides"]), sort_keys=True)
         if key in seen:
             seen[key]["same_as"].append(name)
             continue
-        entry = {"name": name, "method": row["method"], "overrides": dict(row["overrides"]), "same_as": []}
-        seen[key] = entry
-        out.append(entry)
+        seen[key] = {"name": name, "method": row["method"], "overrides": dict(row["overrides"]), "same_as": []}
+        out.append(seen[key])
     return out
 
 
-def run_heldout(args, argv, train, get_method, make_stream) -> dict:
+def run_heldout(args, argv) -> dict:
     """Every row of :func:`heldout_rows` on each stream's first tasks (``--heldout-samples``
     incoming samples, whole tasks), seed = the stream's first report seed, on the CPU:
 
-    1. one counted pass per row (:class:`CostCounter`; it also warms the row up);
+    1. one counted pass per row (``CostCounter``; it also warms the row up);
     2. ``--rounds`` timed rounds, each running every (stream, row) once, in the same order on
        even rounds and reversed on odd ones, so that a change of the machine's load falls on
        every row alike.
 
     Writes the records (each with the load average when it ended), the counts, a summary
     (median, min and max over the rounds) and the machine to ``--out-dir/--name.json``."""
-    if args.device != "cpu":
-        raise SystemExit("--heldout times the CPU (--device cpu): the held-out sweeps ran there")
-    device = torch.device("cpu")
-    result = harness.head("training", argv, schema="emcl-kernels/bench_training/heldout/1",
-                          note=args.note)
+    from emcl_continual.data.streams import make_stream
+
+    rounds = 3 if args.rounds is None else args.rounds
+    if rounds < 1 or args.heldout_samples < 1:
+        raise SystemExit("--rounds and --heldout-samples must be >= 1")
+    result = harness.head("training", argv, schema="emcl-kernels/bench_training/heldout/1", note=args.note)
     result["machine"]["nice"] = os.nice(0)
     load_before = common.load_average()
     started = time.perf_counter()
     plan, streams, per_stream = [], {}, {}
     for name in args.streams:
         folder = os.path.join(args.heldout, name)
+        rows = heldout_rows(folder, args.rows)
         with open(os.path.join(folder, "plan.json")) as f:
             p = json.load(f)
         seed = int(p["report_seeds"][0])
         stream = make_stream(name, seed, data_root=p.get("data_root"), n_tasks=p.get("n_tasks"),
                              samples_per_task=p.get("samples_per_task"))
         per_task = len(stream.train[0])
+        n_tasks = args.heldout_samples // per_task
         if args.heldout_samples % per_task:
             raise SystemExit(f"--heldout-samples {args.heldout_samples} is not a whole number of "
                              f"{name}'s tasks of {per_task} samples")
-        n_tasks = args.heldout_samples // per_task
         if n_tasks > stream.info.n_tasks:
             raise SystemExit(f"--heldout-samples {args.heldout_samples}: {name} has only "
                              f"{stream.info.n_tasks * per_task} samples")
         streams[name] = stream
         per_stream[name] = {"seed": seed, "n_tasks_timed": n_tasks, "n_tasks_stream": stream.info.n_tasks,
                             "samples_per_task": per_task, "data_source": stream.info.source,
-                            "folder": os.path.relpath(folder, common.REPO) if os.path.isabs(folder) else folder}
-        plan += [(name, row) for row in heldout_rows(folder, args.rows)]
+                            "folder": common.relative(folder)}
+        plan += [(name, row) for row in rows]
+
+    def run(name, row, count=False):
+        ps = per_stream[name]
+        return run_prefix(row["method"], row["overrides"], streams[name], ps["seed"], ps["n_tasks_timed"],
+                          args.batch_size, count=count)
 
     counts = {}
     for name, row in plan:
-        ps = per_stream[name]
-        r = run_prefix(train, get_method, row["method"], row["overrides"], streams[name], ps["seed"],
-                       ps["n_tasks_timed"], args.batch_size, device, count=True)
-        counts[(name, row["name"])] = r["counts"]
-        c = r["counts"]
+        c = counts[(name, row["name"])] = run(name, row, count=True)["counts"]
         print(f"{name:<18} {row['name']:<18} counted: {c['forward_per_sample']:.1f} forward, "
               f"{c['backward_per_sample']:.1f} backward, {c['updates_per_sample']:.2f} updates per sample",
               flush=True)
 
-    records = []
-    for rnd in range(args.rounds):
-        order = plan if rnd % 2 == 0 else plan[::-1]
-        for pos, (name, row) in enumerate(order):
-            ps = per_stream[name]
-            r = run_prefix(train, get_method, row["method"], row["overrides"], streams[name], ps["seed"],
-                           ps["n_tasks_timed"], args.batch_size, device)
-            rec = {"stream": name, "row": row["name"], "method": row["method"], "round": rnd, "position": pos,
-                   "train_time_s": r["train_time_s"], "cpu_time_s": r["cpu_time_s"],
-                   "incoming_samples": r["incoming_samples"],
-                   "load_average": common.load_average()}
-            records.append(rec)
-            print(f"round {rnd + 1}/{args.rounds} {name:<18} {row['name']:<18} "
-                  f"{r['train_time_s']:.2f} s, cpu {r['cpu_time_s']:.2f} s (load {rec['load_average'][0] if rec['load_average'] else '?'})",
-                  flush=True)
+    def timed(item, rnd):
+        name, row = item
+        r = dict(run(name, row), load_average=common.load_average())
+        print(f"round {rnd + 1}/{rounds} {name:<18} {row['name']:<18} {r['train_time_s']:.2f} s, "
+              f"cpu {r['cpu_time_s']:.2f} s (load {(r['load_average'] or ['?'])[0]})", flush=True)
+        return r
 
+    records = [{"stream": name, "row": row["name"], "method": row["method"], "round": rnd, "position": pos,
+                **{k: r[k] for k in ("train_time_s", "cpu_time_s", "incoming_samples", "load_average")}}
+               for rnd, pos, (name, row), r in in_rounds(plan, rounds, timed)]
     summary = []
     for name, row in plan:
         mine = [r for r in records if r["stream"] == name and r["row"] == row["name"]]
-        times = [r["train_time_s"] for r in mine]
-        cpus = [r["cpu_time_s"] for r in mine]
+        times, cpus = [r["train_time_s"] for r in mine], [r["cpu_time_s"] for r in mine]
         n = per_stream[name]["n_tasks_timed"] * per_stream[name]["samples_per_task"]
         med = statistics.median(times)
         summary.append({"stream": name, "row": row["name"], "same_as": row["same_as"], "method": row["method"],
@@ -779,10 +544,9 @@ def run_heldout(args, argv, train, get_method, make_stream) -> dict:
                         "cpu_time_s_median": statistics.median(cpus), "cpu_times_s": cpus,
                         "ms_per_sample": 1e3 * med / n, "cpu_ms_per_sample": 1e3 * statistics.median(cpus) / n,
                         "counts": counts[(name, row["name"])]})
-    result["machine"].update(load_average_before=load_before,
-                             load_average_after=common.load_average())
+    result["machine"].update(load_average_before=load_before, load_average_after=common.load_average())
     result.update({
-        "settings": {"heldout": args.heldout, "streams": list(args.streams), "rounds": args.rounds,
+        "settings": {"heldout": args.heldout, "streams": list(args.streams), "rounds": rounds,
                      "incoming_samples": args.heldout_samples, "batch_size": args.batch_size,
                      "threads": torch.get_num_threads(), "device": "cpu", "per_stream": per_stream,
                      "order": "every (stream, row) once per round; odd rounds reversed",
@@ -791,17 +555,126 @@ def run_heldout(args, argv, train, get_method, make_stream) -> dict:
         "summary": summary,
         "wall_time_s": time.perf_counter() - started,
     })
-    harness.finish(result, args.out, args.name or f"heldout_{common.utc_stamp()}_cpu")
-    print(f"wall time {result['wall_time_s']:.1f} s; load {load_before} -> "
-          f"{result['machine']['load_average_after']}")
-    return result
+    return harness.finish(result, args.out, args.name or f"heldout_{common.utc_stamp()}_cpu")
 
 
-# ---------------------------------------------------------------------------------------------
-# The command line
-# ---------------------------------------------------------------------------------------------
+# --- What anytime evaluation costs -------------------------------------------------------------
 
-def build_parser() -> argparse.ArgumentParser:
+def run_anytime(args, argv) -> dict:
+    """Two measurements, on the CPU, seed = the first report seed:
+
+    1. **per method** (``--methods``, default every method at its selected configuration on the
+       stream, from ``DIR/STREAM/selected.json``; La-MAML at its own script's values, the
+       headline row), on the first ``--n-tasks`` tasks of the stream: the run without anytime
+       evaluation and the same run with the stream's preset, alternating over ``--rounds``
+       rounds. Reported: the training time of each (``observe`` only: the two must agree up to
+       noise), the evaluator's own time (``anytime_eval_time_s``), its ratio to the training
+       time, and whether both runs ended with the same accuracy matrix (they must);
+    2. **the whole stream** (``--whole``, default the stream): the anytime evaluation's time,
+       which does not depend on the method, from one run of plain fine-tuning (``sgd``), over
+       each method's whole-stream training time extrapolated from its run above
+       (:func:`anytime_overhead`)."""
+    from emcl_continual.core import presets
+    from emcl_continual.data.streams import make_stream
+    from emcl_continual.methods import METHODS
+    from emcl_continual.training import train
+
+    name = args.streams[0]
+    if len(args.streams) != 1 or name not in presets.ANYTIME:
+        raise SystemExit(f"--anytime times one stream with a preset: {', '.join(presets.ANYTIME)}")
+    path = os.path.join(args.anytime, name, "selected.json")
+    if not os.path.exists(path):
+        raise SystemExit(f"--anytime: no {path} (a folder written by python -m emcl_continual.selection)")
+    with open(path) as f:
+        selected = {m: dict(d["overrides"]) for m, d in json.load(f)["methods"].items() if m in METHODS}
+    selected["lamaml"] = {}
+    methods = _check_methods(args.methods or list(METHODS), "--methods")
+    n_tasks, seed = args.n_tasks or (2 if args.quick else 5), presets.REPORT_SEEDS[0]
+    rounds = 1 if args.rounds is None else args.rounds
+    if rounds < 1:
+        raise SystemExit("--rounds must be >= 1")
+    preset = presets.anytime_preset(name)
+    result = harness.head("training", argv, schema="emcl-kernels/bench_training/anytime/1", note=args.note)
+    started = time.perf_counter()
+    stream = make_stream(name, seed, n_tasks=n_tasks, samples_per_task=args.samples_per_task)
+
+    def once(run, rnd):
+        method, mode = run
+        kw = dict(eval_every=preset["every"], eval_subset=preset["subset"]) if mode == "on" else {}
+        return train.run(method, stream, seed, overrides=selected.get(method, {}), batch_size=args.batch_size,
+                         progress=False, **kw)
+
+    rows = []
+    for m in methods:
+        runs = in_rounds([(m, "off"), (m, "on")], rounds, once)
+        times = {mode: [r["train_time_s"] for _, _, (_, k), r in runs if k == mode] for mode in ("off", "on")}
+        evals = [r["anytime_eval_time_s"] for _, _, (_, k), r in runs if k == "on"]
+        same = all(r["acc_matrix"] == runs[0][3]["acc_matrix"] for *_, r in runs)
+        med = {k: statistics.median_high(v) for k, v in times.items()}
+        ev = statistics.median_high(evals)
+        rows.append({"method": m, "overrides": selected.get(m, {}), "train_time_s_off": med["off"],
+                     "train_time_s_on": med["on"], "anytime_eval_time_s": ev, "eval_over_train": ev / med["off"],
+                     "same_accuracy_matrix": bool(same), "rounds": rounds, "all_train_time_s": times,
+                     "all_anytime_eval_time_s": evals, "load_avg": common.load_average()})
+        print(f"{m:7s} train {med['off']:.2f}s off / {med['on']:.2f}s on, anytime eval {ev:.2f}s "
+              f"({100 * ev / med['off']:.0f} % of training), same matrix: {same}", flush=True)
+    result.update({"stream": name, "n_tasks": n_tasks, "samples_per_task": len(stream.train[0]), "seed": seed,
+                   "rounds": rounds, "anytime": preset, "per_method": rows, "whole_stream": []})
+    for whole_name in (args.whole if args.whole is not None else [name]):
+        whole_preset = presets.anytime_preset(whole_name)
+        whole = make_stream(whole_name, seed, samples_per_task=args.samples_per_task)
+        res = train.run("sgd", whole, seed, batch_size=args.batch_size, progress=False,
+                        eval_every=whole_preset["every"], eval_subset=whole_preset["subset"])
+        w = {"stream": whole_name, "samples": sum(len(td) for td in whole.train),
+             "points": len(res["anytime"]["samples"]), "anytime_eval_time_s": res["anytime_eval_time_s"],
+             "end_of_task_eval_time_s": res["eval_time_s"], "load_avg": common.load_average(), **whole_preset}
+        w["overhead"] = anytime_overhead(w, result)
+        result["whole_stream"].append(w)
+        print(f"{whole_name}: whole stream ({w['samples']} samples, {w['points']} points): anytime eval "
+              f"{w['anytime_eval_time_s']:.1f}s (the end-of-task evaluation: {w['end_of_task_eval_time_s']:.1f}s)",
+              flush=True)
+    result["wall_s"] = time.perf_counter() - started
+    return harness.finish(result, args.out, args.name or f"anytime_{common.utc_stamp()}_cpu",
+                          table=anytime_table)
+
+
+def anytime_overhead(whole: dict, result: dict) -> dict:
+    """method -> the anytime evaluation's whole-stream time over the method's training time of the
+    whole stream, the latter extrapolated from its per-method prefix run of the same file
+    (training time per incoming sample times the stream's samples), so that both come from one
+    machine in one state; only for the stream the per-method runs were on."""
+    if whole["stream"] != result["stream"]:
+        return {}
+    prefix = result["n_tasks"] * result["samples_per_task"]
+    return {r["method"]: whole["anytime_eval_time_s"] / (r["train_time_s_off"] / prefix * whole["samples"])
+            for r in result["per_method"] if r["train_time_s_off"] > 0}
+
+
+def anytime_table(result: dict) -> str:
+    """Markdown: the per-method runs, then each whole stream with its overheads (recomputed)."""
+    lines = [f"Per method, {result['n_tasks']} tasks of {result['stream']} (seed {result['seed']}), preset every "
+             f"{result['anytime']['every']} samples on {result['anytime']['subset']} images per task; "
+             f"median of {result['rounds']} rounds:", "",
+             "| method | train s (off) | train s (on) | anytime eval s | eval / train | same matrix |",
+             "|---|---|---|---|---|---|"]
+    for r in result["per_method"]:
+        lines.append(f"| {r['method']} | {r['train_time_s_off']:.2f} | {r['train_time_s_on']:.2f} | "
+                     f"{r['anytime_eval_time_s']:.2f} | {100 * r['eval_over_train']:.0f} % | "
+                     f"{'yes' if r['same_accuracy_matrix'] else 'NO'} |")
+    for w in result["whole_stream"]:
+        lines += ["", f"Whole {w['stream']} ({w['samples']} samples, {w['points']} points): anytime evaluation "
+                      f"{w['anytime_eval_time_s']:.1f} s, any method (the end-of-task evaluation: "
+                      f"{w['end_of_task_eval_time_s']:.1f} s)."]
+        overhead = anytime_overhead(w, result)
+        if overhead:
+            lines.append("Over each method's whole-stream training time (extrapolated from its run above): "
+                         + ", ".join(f"{k} {100 * v:.0f} %" for k, v in sorted(overhead.items())) + ".")
+    return "\n".join(lines)
+
+
+# --- The command line --------------------------------------------------------------------------
+
+def build_parser():
     p = harness.parser("training", __doc__, "threads", "out", "name", "note", "quick", "plot",
                        threads=1, quick="2 tasks x 50 samples; 3 image batches")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto (the CPU, and the GPU if any)")
@@ -809,15 +682,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="streams to time (default permuted-mnist)")
     p.add_argument("--n-tasks", type=int, default=None, help="permutation streams: default 5 (quick 2)")
     p.add_argument("--samples-per-task", type=int, default=None,
-                   help="permutation streams: default 200 (quick 50)")
+                   help="permutation streams: default 200 (quick 50; --anytime: the stream's)")
     p.add_argument("--image-batches", type=int, default=None,
                    help="image streams: batches of one task, each timed alone (default 8, quick 3)")
     p.add_argument("--image-methods", nargs="+", default=None,
                    help=f"methods timed on the image streams (default {' '.join(IMAGE_METHODS)})")
     p.add_argument("--batch-size", type=int, default=10)
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
-    p.add_argument("--methods", nargs="+", default=None,
-                   help="default: emcl and every baseline whose module is present")
+    p.add_argument("--methods", nargs="+", default=None, help="default: emcl and every baseline")
     p.add_argument("--backends", nargs="+", default=None,
                    help="EMCL backends (default: every one available on the device; 'auto': the one "
                         "FusedEMCLOptimizer picks there, as python -m emcl_continual runs)")
@@ -832,186 +704,64 @@ def build_parser() -> argparse.ArgumentParser:
                         "like for like: counted pass, then interleaved rounds (see run_heldout)")
     p.add_argument("--rows", nargs="+", default=None,
                    help=f"--heldout: the rows to time (default {' '.join(HELDOUT_ROWS)})")
-    p.add_argument("--rounds", type=int, default=3, help="--heldout: timed rounds (default 3)")
     p.add_argument("--heldout-samples", type=int, default=HELDOUT_SAMPLES,
                    help=f"--heldout: incoming samples per stream, whole tasks (default {HELDOUT_SAMPLES})")
+    p.add_argument("--anytime", metavar="DIR", nargs="?", default=None,
+                   const=os.path.join(common.REPO, "results", "heldout"),
+                   help="what --eval-every at the stream's preset adds to each method's training, at "
+                        "the configurations of DIR/STREAM/selected.json (default results/heldout; "
+                        "see run_anytime)")
+    p.add_argument("--whole", nargs="*", default=None, metavar="STREAM",
+                   help="--anytime: streams whose whole-stream evaluation time is measured (default: "
+                        "the stream; none when given empty)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="--heldout, --anytime: timed rounds (default 3 and 1)")
     p.add_argument("--table", nargs="+", metavar="RESULTS_JSON", default=None,
-                   help="print the README tables from these results files and exit")
+                   help="print the tables of these results files and exit")
     return p
+
+
+def print_tables(paths: list) -> str:
+    """The tables of results files: the training files' merged (:func:`tables`), then each
+    anytime file's (:func:`anytime_table`)."""
+    training, anytime = [], []
+    for path in paths:
+        with open(path) as f:
+            res = json.load(f)
+        res["paths"] = {"json": common.relative(path)}
+        (anytime if "per_method" in res else training).append(res)
+    text = "\n\n".join(([tables(training)] if training else []) + [anytime_table(r) for r in anytime])
+    print(text)
+    return text
 
 
 def main(argv: Optional[list] = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.table:
-        results = []
-        for path in args.table:
-            with open(path) as f:
-                res = json.load(f)
-            res["_path"] = common.relative(path)
-            results.append(res)
-        text = readme_tables(results)
-        print(text)
-        return {"table": text}
+        return {"table": print_tables(args.table)}
     devices, device_note = devices_for(args.device)
     if args.cpu_triton:
         if any(d.type != "cpu" for d in devices):
             raise SystemExit("--cpu-triton runs Triton through its interpreter; use it with --device cpu")
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton backend is imported
-    train, METHODS, get_method, STREAMS, make_stream = _import_continual()
+    try:
+        from emcl_continual.data.streams import STREAMS
+    except ImportError as exc:
+        raise SystemExit(
+            "bench_training.py needs the emcl_continual package (python/emcl_continual in this "
+            f"repository), which could not be imported: {exc}. Run it from a full checkout "
+            "(python -m benchmarks training) or install the repository with "
+            "`pip install --no-build-isolation -e .`.") from exc
     for stream in args.streams:
         if stream not in STREAMS:
             raise SystemExit(f"unknown stream {stream!r}; choose one of {', '.join(STREAMS)}")
-    if args.heldout:
-        if args.rounds < 1 or args.heldout_samples < 1:
-            raise SystemExit("--rounds and --heldout-samples must be >= 1")
-        with harness.threads(args.threads):
-            return run_heldout(args, argv, train, get_method, make_stream)
-    if device_note:
-        print(device_note, flush=True)
+    if args.heldout and args.anytime:
+        raise SystemExit("--heldout and --anytime are two modes: give one")
+    if (args.heldout or args.anytime) and args.device != "cpu":
+        raise SystemExit("--heldout and --anytime time the CPU (--device cpu): the held-out sweeps ran there")
     with harness.threads(args.threads or None):
-        return _main(args, argv, train, METHODS, get_method, make_stream, devices, device_note)
-
-
-def _methods(args, METHODS, get_method) -> tuple[list, dict]:
-    present, skipped_methods = available_methods(METHODS, get_method)
-    if args.methods:
-        unknown = [m for m in args.methods if m not in METHODS]
-        if unknown:
-            raise SystemExit(f"unknown method(s) {unknown}; registered: {', '.join(METHODS)}")
-        missing = [m for m in args.methods if m not in present]
-        if missing:
-            raise SystemExit("method(s) not present: " +
-                             "; ".join(f"{m}: {skipped_methods[m]}" for m in missing))
-        skipped_methods = {m: "not asked for (--methods)" for m in present if m not in args.methods}
-        return list(args.methods), skipped_methods
-    return present, skipped_methods
-
-
-def _main(args, argv, train, METHODS, get_method, make_stream, devices, device_note) -> dict:
-    from emcl_kernels.backends import auto_backend
-
-    methods, skipped_methods = _methods(args, METHODS, get_method)
-    image_methods = list(args.image_methods or [m for m in IMAGE_METHODS if m in methods])
-    bad = [m for m in image_methods if m not in METHODS]
-    if bad:
-        raise SystemExit(f"unknown --image-methods {bad}; registered: {', '.join(METHODS)}")
-    n_tasks = args.n_tasks or (2 if args.quick else 5)
-    per_task = args.samples_per_task or (50 if args.quick else 200)
-    image_batches = args.image_batches or (3 if args.quick else 8)
-    notes = [device_note] if device_note else []
-
-    plans, skipped_backends = {}, {}
-    for device in devices:
-        only = None if not args.backends else \
-            list(dict.fromkeys(auto_backend(device) if b == "auto" else b for b in args.backends))
-        backends, skipped = common.backends_for(device, include_cpu_triton=args.cpu_triton, only=only)
-        if "emcl" in methods and not backends:
-            raise SystemExit(f"no EMCL backend available on {device}: {skipped}")
-        for name, why in skipped.items():
-            skipped_backends[f"{name} on {device.type}" if len(devices) > 1 else name] = why
-        plans[device.type] = backends
-
-    tmp = None
-    # the head before the runs: its machine's load average is the one at the start
-    result = harness.head("training", argv, schema="emcl-kernels/bench_training/2", note=args.note)
-    started = time.perf_counter()
-    records, per_stream = [], {}
-    try:
-        for stream_name in args.streams:
-            image = stream_name in IMAGE_STREAMS
-            root = args.data_root
-            source_note = None
-            if image and root is None:
-                tmp = tmp or tempfile.TemporaryDirectory(prefix="emcl_bench_images_")
-                root = tmp.name
-                source_note = write_image_files(root, stream_name, image_batches * args.batch_size)
-            st_tasks = 1 if image else n_tasks
-            st_per_task = image_batches * args.batch_size if image else per_task
-            per_stream[stream_name] = {"n_tasks": st_tasks, "samples_per_task": st_per_task,
-                                       "timing": "per batch" if image else "train.run",
-                                       "data_source": source_note}
-            stream_methods = image_methods if image else methods
-            for seed in args.seeds:
-                stream = make_stream(stream_name, seed, data_root=root, n_tasks=st_tasks,
-                                     samples_per_task=st_per_task)
-                per_stream[stream_name]["data_source"] = source_note or stream.info.source
-                warm = make_stream(stream_name, seed, data_root=root, n_tasks=1,
-                                   samples_per_task=2 * args.batch_size)
-                n_batches = stream.n_batches(args.batch_size)
-                for device in devices:
-                    backends = plans[device.type]
-                    if image and not args.backends:  # the image streams: EMCL's default backend only
-                        backends = [auto_backend(device)]
-                    for method, backend in plan_runs(stream_methods, backends):
-                        graphs = graph_modes(device, args.emcl_graph) if method == "emcl" else [None]
-                        for graph in graphs:
-                            rec = _one_run(train, get_method, method, backend, graph, stream, warm, seed,
-                                           device, args, n_batches, image, first=seed == args.seeds[0])
-                            rec["samples_per_task"] = st_per_task
-                            records.append(rec)
-                            steady = rec.get("ms_per_batch_steady")
-                            print(f"{stream_name:<18} {device.type:<4} {rec['label']:<26} seed {seed}: "
-                                  f"train {rec['train_time_s']:.2f} s ({rec['ms_per_batch']:.2f} ms/batch"
-                                  + (f", steady {steady:.2f}" if steady is not None else "")
-                                  + (f"), ACC {rec['acc']:.2f}" if rec["acc"] is not None else ")"), flush=True)
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
-
-    first = args.streams[0]
-    device_names = {d.type: common.device_name(d) for d in devices}
-    result["machine"]["load_average_at_end"] = common.load_average()
-    result.update({
-        "device_name": device_names[devices[0].type],
-        "device_names": device_names,
-        "auto_backend": {d.type: auto_backend(d) for d in devices},
-        "notes": notes,
-        "settings": {"stream": first, "streams": list(args.streams),
-                     "n_tasks": per_stream[first]["n_tasks"],
-                     "samples_per_task": per_stream[first]["samples_per_task"], "per_stream": per_stream,
-                     "batch_size": args.batch_size, "seeds": args.seeds,
-                     "device": devices[0].type if len(devices) == 1 else "auto",
-                     "devices": [d.type for d in devices], "emcl_graph": args.emcl_graph,
-                     "image_batches": image_batches, "steady_skip": STEADY_SKIP,
-                     "threads": torch.get_num_threads(), "mode": "quick" if args.quick else "full"},
-        "skipped_methods": skipped_methods,
-        "skipped_backends": skipped_backends,
-        "records": records,
-        "summary": summarize(records),
-        "wall_time_s": time.perf_counter() - started,
-    })
-    stem = args.name or f"training_{common.utc_stamp()}_{'-'.join(d.type for d in devices)}"
-    return harness.finish(result, args.out, stem, plot=plot, no_plot=args.no_plot,
-                          table=format_table)
-
-
-def _one_run(train, get_method, method, backend, graph, stream, warm, seed, device, args, n_batches,
-             image, first) -> dict:
-    overrides = {}
-    if backend is not None:
-        overrides["backend"] = backend
-    if graph is not None:
-        overrides["cuda_graph"] = graph
-    rec = {"method": method, "backend": backend, "graph": graph, "label": label(method, backend, graph),
-           "seed": seed, "stream": stream.info.name, "n_tasks": stream.info.n_tasks,
-           "batch_size": args.batch_size, "n_batches": n_batches, "device": device.type,
-           "data_source": stream.info.source}
-    if first:  # lazy imports, compilation, allocator and cuDNN warm-up
-        train.run(method, warm, seed, overrides=overrides, batch_size=args.batch_size, device=device,
-                  progress=False)
-    t0 = time.perf_counter()
-    if image:
-        secs = time_batches(train, get_method, method, stream, seed, overrides, device, args.batch_size)
-        steady = secs[STEADY_SKIP:] if len(secs) > STEADY_SKIP else secs[-1:]
-        rec.update(train_time_s=sum(secs), eval_time_s=None, n_batches=len(secs),
-                   ms_per_batch=1e3 * sum(secs) / len(secs),
-                   ms_per_batch_steady=1e3 * statistics.median(steady),
-                   batch_ms=[round(1e3 * s, 3) for s in secs], acc=None, bwt=None)
-    else:
-        r = train.run(method, stream, seed, overrides=overrides, batch_size=args.batch_size, device=device,
-                      progress=False)
-        rec.update(train_time_s=r["train_time_s"], eval_time_s=r["eval_time_s"],
-                   ms_per_batch=1e3 * r["train_time_s"] / max(1, n_batches), ms_per_batch_steady=None,
-                   acc=r["acc"], bwt=r["bwt"])
-    rec["wall_time_s"] = time.perf_counter() - t0
-    return rec
+        if args.heldout:
+            return run_heldout(args, argv)
+        if args.anytime:
+            return run_anytime(args, argv)
+        return run_devices(args, argv, devices, device_note)

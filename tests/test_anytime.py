@@ -328,24 +328,39 @@ def test_tables_carry_the_anytime_runs(tmp_path, monkeypatch):
     assert tables.write_all(str(tmp_path), str(readme), check=True) == []
 
 
-def test_cost_benchmark_runs_and_finds_the_same_training(tmp_path):
-    """`python -m benchmarks anytime` on a tiny prefix: both runs of every method end alike, the
-    evaluation's time is recorded apart, and the whole-stream overhead is taken against the
-    methods' own training times."""
+def test_cost_benchmark_runs_and_finds_the_same_training(tmp_path, capsys):
+    """`python -m benchmarks training --anytime` on a tiny prefix: both runs of every method end
+    alike, the evaluation's time is recorded apart, and the whole-stream overhead is taken
+    against the methods' own training times; `--table` prints the file's table again."""
     import json
 
-    from benchmarks import bench_anytime as bench
-    out = str(tmp_path / "cost.json")
-    assert bench.main(["--methods", "sgd", "er", "--n-tasks", "2", "--samples-per-task", "60", "--whole",
-                       "--out", out]) == 0
-    result = json.load(open(out))
+    from benchmarks import bench_training as bench
+    bench.main(["--anytime", "--methods", "sgd", "er", "--n-tasks", "2", "--samples-per-task", "60", "--whole",
+                "--out-dir", str(tmp_path), "--name", "cost"])
+    result = json.load(open(tmp_path / "cost.json"))
+    assert result["schema"] == "emcl-kernels/bench_training/anytime/1"
     assert [r["method"] for r in result["per_method"]] == ["sgd", "er"]
     assert all(r["same_accuracy_matrix"] and r["anytime_eval_time_s"] > 0 for r in result["per_method"])
     assert result["whole_stream"] == []
-    assert result["samples_per_task"] == 60
+    assert result["samples_per_task"] == 60 and result["seed"] == 10 and result["anytime"]["every"] == 50
     whole = {"stream": "permuted-mnist", "samples": 20000, "anytime_eval_time_s": 2.0}
-    ov = bench.overhead(whole, result)
+    ov = bench.anytime_overhead(whole, result)
     er = result["per_method"][1]
     assert ov["er"] == pytest.approx(2.0 / (er["train_time_s_off"] / 120 * 20000))
-    assert bench.overhead(dict(whole, stream="rotated-mnist"), result) == {}
+    assert bench.anytime_overhead(dict(whole, stream="rotated-mnist"), result) == {}
+    capsys.readouterr()
+    text = bench.main(["--table", str(tmp_path / "cost.json")])["table"]
+    assert text.startswith("Per method, 2 tasks of permuted-mnist (seed 10)") and "| er | " in text
 
+
+def test_committed_cost_file_is_read_by_the_table():
+    """benchmarks/results/anytime_cost_cpu.json (made by the former `anytime` benchmark, whose
+    code is now `training --anytime`): its table, with the overheads recomputed from its runs."""
+    import os
+
+    from benchmarks import bench_training as bench
+    path = os.path.join(bench.common.REPO, "benchmarks", "results", "anytime_cost_cpu.json")
+    text = bench.print_tables([path])
+    assert "Per method, 3 tasks of permuted-mnist (seed 10), preset every 50 samples" in text
+    assert "Whole many-permutations (20000 samples, 1001 points)" in text
+    assert "Over each method's whole-stream training time (extrapolated from its run above): agem 111 %" in text

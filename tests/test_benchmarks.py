@@ -49,13 +49,15 @@ def test_the_entry_lists_every_benchmark_with_its_question():
         suite.get("nope")
 
 
-def _suite_names():
+def _suite_smokes():
+    """(name, smoke) for every registry entry's smoke, and its second mode's where it has one."""
     from benchmarks import suite
-    return list(suite.REGISTRY)
+    return [pytest.param(b.name, smoke, id=b.name + ("-mode" if smoke is b.mode_smoke else ""))
+            for b in suite.REGISTRY.values() for smoke in (b.smoke, b.mode_smoke) if smoke]
 
 
-@pytest.mark.parametrize("name", _suite_names())
-def test_every_benchmark_runs_its_smoke_arguments(name, tmp_path):
+@pytest.mark.parametrize("name, smoke", _suite_smokes())
+def test_every_benchmark_runs_its_smoke_arguments(name, smoke, tmp_path):
     """``python -m benchmarks NAME`` with the registry's smoke arguments, in a fresh process
     from the repository root: it exits 0, and a benchmark told to write into the scratch folder
     wrote a file there that names no folder of this machine."""
@@ -64,12 +66,12 @@ def test_every_benchmark_runs_its_smoke_arguments(name, tmp_path):
     bench = suite.REGISTRY[name]
     for module in bench.requires:
         pytest.importorskip(module, reason=f"benchmark {name} needs {module}")
-    args = [a.replace("{out}", str(tmp_path)) for a in bench.smoke]
+    args = [a.replace("{out}", str(tmp_path)) for a in smoke]
     proc = subprocess.run([sys.executable, "-m", "benchmarks", name, *args], cwd=ROOT,
                           env=child_env(**dict(bench.smoke_env)), capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
-    if any("{out}" in a for a in bench.smoke):
+    if any("{out}" in a for a in smoke):
         written = [p for p in tmp_path.rglob("*.json")]
         assert written, f"{name} wrote nothing into {tmp_path}"
         for path in written:
@@ -1074,7 +1076,7 @@ def test_training_benchmark_times_emcl_per_backend(tmp_path):
     assert [s["label"] for s in result["summary"]] == labels
     assert (tmp_path / "train.png").read_bytes()[:8] == PNG_MAGIC
     with open(tmp_path / "train.json") as f:
-        assert json.load(f)["settings"]["n_tasks"] == 1
+        assert json.load(f)["settings"]["per_stream"]["permuted-mnist"]["n_tasks"] == 1
 
 
 def test_training_benchmark_plans_baselines_once_and_emcl_per_backend():
@@ -1091,7 +1093,7 @@ def test_training_benchmark_fails_clearly_without_emcl_continual(monkeypatch):
 
 
 def test_training_benchmark_rejects_missing_methods():
-    with pytest.raises(SystemExit, match="unknown method"):
+    with pytest.raises(SystemExit, match="unknown --methods"):
         bench_training.main(["--methods", "nope", "--no-plot"])
 
 
