@@ -192,7 +192,7 @@ _TIMEOUTS = {"env": (300, 300), "deps": (300, 300), "build": (1800, 1800),
              "check_finite": (900, 300),
              "bench_training": (2400, 900), "main_job": (1800, 90),
              "smoke": (240, 150), "gpu_tests": (600, 600), "rest_tests": (600, 600),
-             "big_tests": (300, 120), "run_arrays": (900, 150), "fused_main_job": (300, 90),
+             "big_tests": (300, 120), "run_arrays": (900, 150), "fused_main_job": (300, 60),
              "heldout_sweep": (3600, 3600)}
 # Below this many seconds left in the budget, a stage is not started.
 _MIN_SECONDS = {"build": 60, "smoke": 30, "gpu_tests": 30, "rest_tests": 30, "big_tests": 40,
