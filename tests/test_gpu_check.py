@@ -463,14 +463,17 @@ def test_the_sweep_is_read_from_its_timings_and_selection():
     sel = gpu_check.selection_agreement(
         os.path.join(ROOT, gpu_check.COMMITTED_SWEEP, "selected.json"),
         os.path.join(folder, "selected.json"))
-    assert {"methods/lamaml", "methods/mer", "importance"} <= set(sel["differ"])
-    assert "methods/sgd" not in sel["differ"] and sel["same"] == sel["groups"] - len(sel["differ"])
+    assert set(sel["differ"]) == {"methods/lamaml", "methods/mer"}
+    assert sel["differ"]["methods/mer"]["b"] == {"beta": 0.1, "lr": 0.03}
+    assert {"importance", "methods/emcl/inner-lr-modulation"} <= set(sel["not_in_b"])
+    assert sel["same"] == sel["groups"] - 2 and "methods/sgd" not in sel["not_in_b"]
     hs = {"stream": "permuted-mnist", "command": "python -m emcl_continual.selection ...",
           "finished": True, "command_wall_s": 430.0, "goal_s": 180, "goal_met": False,
           "timings": t, "selection": sel}
     text = "\n".join(gpu_check.stage3_markdown({"heldout_sweep": hs}))
     assert "all three stages, 72 of 72 runs" in text and "(goal at most 180 s: missed)" in text
     assert f"the same in {sel['same']} of {sel['groups']} groups" in text
+    assert "; not chosen here: " in text and '"beta": 0.1' in text
     assert "- validation.jsonl: 72 of 72 runs, 9 array(s), 0 on a GPU, 428 s" in text
 
 

@@ -422,8 +422,9 @@ def sweep_timings(folder: str) -> Dict:
 def selection_agreement(a_path: str, b_path: str) -> Dict:
     """The whole held-out selection of two ``selected.json`` files, group by group: each
     method's configuration (select-a), Algorithm 1's cell, the importance candidate and whether
-    it beats importance-off (select-b). ``differ``: the groups whose choices differ, with both;
-    ``pending_b``: what ``b`` could not select yet (its runs not all done)."""
+    it beats importance-off (select-b), over the groups ``b`` has chosen. ``differ``: the groups
+    whose choices differ, with both; ``not_in_b``: the groups ``b`` has not chosen (a sweep cut
+    before that stage); ``pending_b``: what ``b`` could not select yet (its runs not all done)."""
     def groups(d: Dict) -> Dict:
         g = {f"methods/{m}": v.get("overrides") for m, v in (d.get("methods") or {}).items()}
         if d.get("algorithm-1"):
@@ -435,10 +436,9 @@ def selection_agreement(a_path: str, b_path: str) -> Dict:
     with open(a_path) as fa, open(b_path) as fb:
         a, b = json.load(fa), json.load(fb)
     ga, gb = groups(a), groups(b)
-    names = sorted(set(ga) | set(gb))
-    differ = {n: {"a": ga.get(n), "b": gb.get(n)} for n in names if ga.get(n) != gb.get(n)}
-    return {"groups": len(names), "same": len(names) - len(differ), "differ": differ,
-            "pending_b": list(b.get("pending") or [])}
+    differ = {n: {"a": ga.get(n), "b": gb[n]} for n in sorted(gb) if ga.get(n) != gb[n]}
+    return {"groups": len(gb), "same": len(gb) - len(differ), "differ": differ,
+            "not_in_b": sorted(set(ga) - set(gb)), "pending_b": list(b.get("pending") or [])}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -585,7 +585,9 @@ def stage3_markdown(summary: Dict) -> List[str]:
                          f"{sel['groups']} groups"
                          + "".join(f"; {g}: committed {json.dumps(v['a'], sort_keys=True)}, "
                                    f"here {json.dumps(v['b'], sort_keys=True)}"
-                                   for g, v in sel["differ"].items()))
+                                   for g, v in sel["differ"].items())
+                         + (f"; not chosen here: {', '.join(sel['not_in_b'])}"
+                            if sel["not_in_b"] else ""))
         d = hs.get("diff")
         if d:
             lines.append(f"- `python -m emcl_continual.sweep_diff` (`{d['file']}`): "
