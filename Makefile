@@ -24,6 +24,12 @@
 #   make gpu-check-2 OUT=dir   index needed): the two stages of the GPU check, each within one
 #                              10-minute command; summary and archive in OUT (docs/gpu-check.md)
 #   make gpu-check-12 OUT=dir  both stages in one command (one build; fits 10 minutes)
+#   make gpu-check-3 OUT=dir   the continual-learning side on the GPU in one command (540 s
+#                   budget; the build reused after gpu-check-12 on a warm machine): run-arrays
+#                   on cuda per method at widths 1-128, the main job's first 5 tasks with EMCL's
+#                   fused glance, the Permuted MNIST held-out sweep (all three stages) with
+#                   --array auto --device cuda in the time left, then sweep_diff against
+#                   results/heldout/permuted-mnist (docs/gpu-check.md)
 #   make gpu-validate-a OUT=dir  on the GPU machine (after gpu-check, or building here): the
 #                   Permuted MNIST validation stage with --device auto --jobs $(GPU_JOBS), then
 #                   emcl_continual.sweep_diff against the 2-core CPU's run in
@@ -51,7 +57,7 @@ GPU_CHECK_ARGS ?=
 OUT ?= build/gpu-check/out
 GPU_JOBS ?= 16
 
-.PHONY: setup setup-avalanche setup-frameworks setup-trackers setup-ray test-ray demo test bench gpu-check gpu-check-1 gpu-check-2 gpu-check-12 gpu-validate-a clean
+.PHONY: setup setup-avalanche setup-frameworks setup-trackers setup-ray test-ray demo test bench gpu-check gpu-check-1 gpu-check-2 gpu-check-12 gpu-check-3 gpu-validate-a clean
 
 setup: $(VENV)/.installed
 
@@ -119,6 +125,9 @@ gpu-check-12:
 	rc=0; $(PYTHON) tools/gpu_check.py --stage 1 --budget 300 --out $(OUT) $(GPU_CHECK_ARGS) || rc=1; \
 	$(PYTHON) tools/gpu_check.py --stage 2 --budget 270 --out $(OUT) $(GPU_CHECK_ARGS) || rc=1; \
 	exit $$rc
+
+gpu-check-3:
+	$(PYTHON) tools/gpu_check.py --stage 3 --out $(OUT) $(GPU_CHECK_ARGS)
 
 gpu-validate-a:
 	$(PYTHON) tools/gpu_check.py --only deps,build --out $(OUT)/build $(GPU_CHECK_ARGS)

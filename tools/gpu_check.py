@@ -16,7 +16,19 @@ command, the most valuable facts first, each within its own time budget (``--bud
   time is measured), ``triton_sweep`` (``python -m benchmarks triton`` at 2**26: the Triton
   step against a copy per block size and warp count), the main job on cuda for 5 tasks; then
   ``rest_tests`` (every other test file, mostly what CI runs on its CPU) in the time that is
-  left.
+  left;
+- ``--stage 3`` ([note: stage 3], a 540 s budget, ``make gpu-check-3``): the continual-learning
+  side, after env, deps and the build (reused when fresh): ``run_arrays`` (``python -m
+  benchmarks run-arrays --device cuda --quick``, every array method at 1, 8, 32 and 128 runs:
+  run-samples per second against width and the run alone), ``fused_main_job`` (the main job's
+  first 5 tasks on cuda with EMCL's fused glance, ``--set cuda_graph=False --set
+  fused_glance=True``: ACC and training time against the goal of 0.1 s), ``heldout_sweep``
+  (``python -m emcl_continual.selection --stream permuted-mnist --array auto --device cuda``,
+  all three stages, in what is left of the budget less 30 s, then SIGTERM, which keeps the runs
+  done; then ``python -m emcl_continual.sweep_diff`` against the committed sweep in
+  ``results/heldout/permuted-mnist/`` and the whole selection against its ``selected.json``:
+  the wall clock against the goal of 3 minutes, and the same selection or not). The summary
+  carries ``run_arrays``, ``fused_main_job`` and ``heldout_sweep``.
 
 A device tool's machine goes back 30 s after a command, so in practice each command starts a
 bare one (a minute) and builds (two): both stages in one command build once,
@@ -111,15 +123,28 @@ def repo_relative(text: str) -> str:
     return text.replace(ROOT + os.sep, "").replace(ROOT, ".")
 STAGES = ("env", "deps", "build", "smoke", "gpu_tests", "tests", "rest_tests", "big_tests",
           "sanitizer", "bench_kernels", "triton_sweep", "bench_step", "bench_arrays", "plan_key",
-          "bench_training", "main_job")
+          "bench_training", "main_job", "run_arrays", "fused_main_job", "heldout_sweep")
 #: The stages of the full run (no --stage).
 FULL = ("env", "deps", "build", "tests", "sanitizer", "bench_kernels", "triton_sweep",
         "bench_step", "bench_arrays", "plan_key", "bench_training", "main_job")
 #: [note: two stages]: the stages of --stage 1 and --stage 2, and their time budgets (s).
 STAGE_SETS = {1: ("env", "deps", "build", "smoke", "gpu_tests"),
               2: ("env", "deps", "build", "big_tests", "sanitizer", "bench_step", "bench_arrays",
-                  "bench_kernels", "triton_sweep", "plan_key", "main_job", "rest_tests")}
-STAGE_BUDGETS = {1: 360, 2: 300}
+                  "bench_kernels", "triton_sweep", "plan_key", "main_job", "rest_tests"),
+              3: ("env", "deps", "build", "run_arrays", "fused_main_job", "heldout_sweep")}
+STAGE_BUDGETS = {1: 360, 2: 300, 3: 540}
+#: [note: stage 3]: the continual-learning side on the GPU. The array methods in the order
+#: run_arrays measures them (the slowest last, so that a cut keeps the most), and its widths.
+RUN_ARRAY_METHODS = ("emcl", "sgd", "ewc", "agem", "er", "gem", "lamaml", "mer")
+RUN_ARRAY_WIDTHS = (1, 8, 32, 128)
+#: the main job's first 5 tasks with EMCL's fused glance: the goal for its training time (s)
+FUSED_MAIN_JOB_TASKS, FUSED_MAIN_JOB_GOAL_S = 5, 0.1
+#: the held-out sweep: its stream, the committed sweep it is compared with, the goal for its
+#: whole wall clock (s), the runs at a time (at most the cores), and the seconds kept for the
+#: comparison after the sweep
+SWEEP_STREAM = "permuted-mnist"
+COMMITTED_SWEEP = "results/heldout/permuted-mnist"
+SWEEP_GOAL_S, SWEEP_JOBS, SWEEP_DIFF_S = 180, 16, 30
 #: The test files with tests that run only on a GPU or on the GPU backends (stage 1); the
 #: others run in stage 2.
 GPU_TEST_FILES = ("tests/test_cuda_backend.py", "tests/test_triton_backend.py",
@@ -133,6 +158,7 @@ GPU_TESTS_ELSEWHERE = (
     "tests/test_selection_sweep.py::test_placer_reads_the_real_gpu_memory",
     "tests/test_selection_sweep.py::test_emcl_built_on_a_gpu_captures_exactly_where_auto_says_it_pays",
     "tests/test_benchmarks.py::test_step_benchmark_on_the_gpu",
+    "tests/test_benchmarks.py::test_run_arrays_benchmark_on_the_gpu",
     "tests/test_benchmarks.py::test_training_benchmark_times_emcl_per_backend",
     "tests/test_bench_training.py::test_auto_times_the_gpu_only_where_there_is_one",
     "tests/test_glance.py::test_gpu_kernels_against_the_reference",
@@ -162,12 +188,14 @@ _TIMEOUTS = {"env": (300, 300), "deps": (300, 300), "build": (1800, 1800),
              "bench_step": (2400, 120), "bench_arrays": (1200, 60), "plan_key": (300, 60),
              "bench_training": (2400, 900), "main_job": (1800, 90),
              "smoke": (240, 150), "gpu_tests": (600, 600), "rest_tests": (600, 600),
-             "big_tests": (300, 120)}
+             "big_tests": (300, 120), "run_arrays": (900, 150), "fused_main_job": (300, 60),
+             "heldout_sweep": (3600, 3600)}
 # Below this many seconds left in the budget, a stage is not started.
 _MIN_SECONDS = {"build": 60, "smoke": 30, "gpu_tests": 30, "rest_tests": 30, "big_tests": 40,
                 "sanitizer": 30, "bench_kernels": 30, "triton_sweep": 30, "bench_step": 30,
                 "bench_arrays": 20,
-                "plan_key": 20, "main_job": 30}
+                "plan_key": 20, "main_job": 30, "run_arrays": 30, "fused_main_job": 20,
+                "heldout_sweep": 60}
 
 
 @dataclass
@@ -347,6 +375,68 @@ def main_job_result(out_dir: str, log_text: str = "") -> Dict:
             "train_time_s": float(tt[-1]) if tt else None, "source": "output"}
 
 
+def run_arrays_headline(path: str) -> Dict:
+    """Per method of a ``python -m benchmarks run-arrays`` file: the run alone's run-samples
+    per second (the median over its widths' blocks), each width's, the width of the most and
+    its speed-up over the run alone, and the widths that did not fit (with their error)."""
+    with open(path) as fh:
+        data = json.load(fh)
+    out = {"file": os.path.relpath(path, ROOT), "device": data.get("device"),
+           "device_name": data.get("device_name"), "timer": data.get("timer"), "methods": {}}
+    for m in data.get("methods") or []:
+        ok = [r for r in m.get("rows", []) if "error" not in r]
+        alone = sorted(r["alone_run_samples_per_s"] for r in ok)
+        best = max(ok, key=lambda r: r["run_samples_per_s"], default=None)
+        out["methods"][m["method"]] = {
+            "alone_run_samples_per_s": round(alone[len(alone) // 2], 1) if alone else None,
+            "run_samples_per_s": {str(r["width"]): round(r["run_samples_per_s"], 1) for r in ok},
+            "speedup": {str(r["width"]): round(r["speedup"], 2) for r in ok},
+            "best_width": best["width"] if best else None,
+            "best_speedup": round(best["speedup"], 2) if best else None,
+            "failed_widths": {str(r["width"]): r["error"] for r in m.get("rows", []) if "error" in r}}
+    return out
+
+
+def sweep_timings(folder: str) -> Dict:
+    """The stage lines of a sweep folder's ``timings.jsonl`` (one per stage a command ran):
+    each stage's runs, runs done, failures, arrays and wall clock, and their sums."""
+    path = os.path.join(folder, "timings.jsonl")
+    lines = []
+    if os.path.isfile(path):
+        with open(path) as fh:
+            lines = [json.loads(line) for line in fh if line.strip()]
+    stages = [{"file": t.get("file"), "runs": t.get("runs"), "done": t.get("done"),
+               "failed": t.get("failed"), "arrays": len(t.get("arrays") or []),
+               "on_gpu": t.get("on_gpu"), "wall_s": t.get("wall_s"),
+               "interrupted": t.get("interrupted")} for t in lines]
+    return {"stages": stages, "runs": sum(t["runs"] or 0 for t in stages),
+            "done": sum(t["done"] or 0 for t in stages),
+            "failed": sum(t["failed"] or 0 for t in stages),
+            "wall_s": round(sum(t["wall_s"] or 0 for t in stages), 1)}
+
+
+def selection_agreement(a_path: str, b_path: str) -> Dict:
+    """The whole held-out selection of two ``selected.json`` files, group by group: each
+    method's configuration (select-a), Algorithm 1's cell, the importance candidate and whether
+    it beats importance-off (select-b), over the groups ``b`` has chosen. ``differ``: the groups
+    whose choices differ, with both; ``not_in_b``: the groups ``b`` has not chosen (a sweep cut
+    before that stage); ``pending_b``: what ``b`` could not select yet (its runs not all done)."""
+    def groups(d: Dict) -> Dict:
+        g = {f"methods/{m}": v.get("overrides") for m, v in (d.get("methods") or {}).items()}
+        if d.get("algorithm-1"):
+            g["algorithm-1"] = d["algorithm-1"].get("overrides")
+        if d.get("importance"):
+            g["importance"] = d["importance"].get("overrides")
+            g["importance/beats_importance_off"] = d["importance"].get("beats_importance_off")
+        return g
+    with open(a_path) as fa, open(b_path) as fb:
+        a, b = json.load(fa), json.load(fb)
+    ga, gb = groups(a), groups(b)
+    differ = {n: {"a": ga.get(n), "b": gb[n]} for n in sorted(gb) if ga.get(n) != gb[n]}
+    return {"groups": len(gb), "same": len(gb) - len(differ), "differ": differ,
+            "not_in_b": sorted(set(ga) - set(gb)), "pending_b": list(b.get("pending") or [])}
+
+
 # ---------------------------------------------------------------------------------------------
 # The summary
 # ---------------------------------------------------------------------------------------------
@@ -439,7 +529,68 @@ def render_markdown(summary: Dict) -> str:
                              f"{_fmt(mj[dev].get('train_time_s'), 1)} |")
         if mj.get("cpu_over_cuda_time"):
             lines.append(f"\nCPU time / GPU time: {mj['cpu_over_cuda_time']:.2f}x")
+    lines += stage3_markdown(summary)
     return "\n".join(lines) + "\n"
+
+
+def stage3_markdown(summary: Dict) -> List[str]:
+    """[note: stage 3]'s sections of the report: run arrays per method and width, the fused
+    glance's main job against its goal, the held-out sweep's time and selection."""
+    lines: List[str] = []
+    ra = summary.get("run_arrays")
+    if ra:
+        widths = sorted({int(w) for m in ra["methods"].values()
+                         for w in [*m["run_samples_per_s"], *m["failed_widths"]]})
+        lines += ["", f"## Run arrays on {ra.get('device_name') or ra.get('device')}", "",
+                  f"From `{ra['file']}` ({ra.get('timer')}): run-samples per second, the run "
+                  "alone and each width (in parentheses the speed-up over the run alone).", "",
+                  "| method | alone | " + " | ".join(str(w) for w in widths) + " |",
+                  "|---|--:|" + "--:|" * len(widths)]
+        for name, m in ra["methods"].items():
+            cells = [f"{m['run_samples_per_s'][str(w)]:.0f} ({m['speedup'][str(w)]:.2f}x)"
+                     if str(w) in m["run_samples_per_s"] else
+                     ("out of memory" if str(w) in m["failed_widths"] else "-") for w in widths]
+            lines.append(f"| {name} | {_fmt(m['alone_run_samples_per_s'], 0)} | "
+                         + " | ".join(cells) + " |")
+    fj = summary.get("fused_main_job")
+    if fj:
+        met = fj.get("goal_met")
+        lines += ["", "## The main job with EMCL's fused glance", "",
+                  f"`{fj.get('command', '-')}`: ACC {_fmt(fj.get('acc'))}, training time "
+                  f"{_fmt(fj.get('train_time_s'), 3)} s over {fj.get('n_tasks')} tasks on "
+                  f"{fj.get('device')} (goal at most {fj.get('goal_train_time_s')} s: "
+                  + ("met" if met else "missed" if met is False else "-") + ")."]
+    hs = summary.get("heldout_sweep")
+    if hs:
+        t = hs.get("timings") or {}
+        lines += ["", f"## The held-out sweep of {hs.get('stream')} on this machine", "",
+                  f"`{hs.get('command', '-')}`: "
+                  + ("all three stages" if hs.get("finished") else "cut short")
+                  + f", {t.get('done', 0)} of {t.get('runs', 0)} runs of the stages started "
+                  f"({t.get('failed', 0)} failed), {_fmt(hs.get('command_wall_s'), 0)} s for the "
+                  f"command (goal at most {hs.get('goal_s')} s: "
+                  + ("met" if hs.get("goal_met") else "missed") + ")."]
+        for st in t.get("stages", []):
+            lines.append(f"- {st['file']}: {st['done']} of {st['runs']} runs, {st['arrays']} "
+                         f"array(s), {st['on_gpu']} on a GPU, {_fmt(st['wall_s'], 0)} s"
+                         + (f" (interrupted: {st['interrupted']})" if st.get("interrupted") else ""))
+        sel = hs.get("selection")
+        if sel:
+            lines.append(f"- the whole selection against the committed sweep's "
+                         f"(`{COMMITTED_SWEEP}/selected.json`): the same in {sel['same']} of "
+                         f"{sel['groups']} groups"
+                         + "".join(f"; {g}: committed {json.dumps(v['a'], sort_keys=True)}, "
+                                   f"here {json.dumps(v['b'], sort_keys=True)}"
+                                   for g, v in sel["differ"].items())
+                         + (f"; not chosen here: {', '.join(sel['not_in_b'])}"
+                            if sel["not_in_b"] else ""))
+        d = hs.get("diff")
+        if d:
+            lines.append(f"- `python -m emcl_continual.sweep_diff` (`{d['file']}`): "
+                         f"{d['runs_in_both']} runs in both; the validation stage's selection "
+                         f"the same in {d['validation_selection_same']} of "
+                         f"{d['validation_selection_groups']} groups")
+    return lines
 
 
 def write_summary(summary: Dict, results_dir: str, stamp: str) -> List[str]:
@@ -1077,6 +1228,120 @@ class GpuCheck:
             + (f" (exit {result[d]['exit']})" if result[d]["exit"] else "")
             for d in ("cuda", "cpu") if d in result)
 
+    # -- [note: stage 3] ---------------------------------------------------------------------
+    def stage_run_arrays(self, st: StageResult) -> None:
+        """``python -m benchmarks run-arrays --device cuda --quick`` for every array method at
+        :data:`RUN_ARRAY_WIDTHS`: run-samples per second against width and the run alone."""
+        dev = self.args.device
+        stem = f"gpu_check_{self.stamp}_run_arrays_{dev}"
+        cmd = self._py("-m", "benchmarks", "run-arrays", "--device", dev,
+                       "--methods", *RUN_ARRAY_METHODS, "--widths", *map(str, RUN_ARRAY_WIDTHS),
+                       "--quick", "--out", os.path.relpath(self.results, ROOT), "--name", stem)
+        rc, _ = self.run(st, cmd, st.name, self.timeout(st.name))
+        if self.args.dry_run:
+            st.status = "passed"
+            return
+        path = os.path.join(self.results, stem + ".json")
+        if not os.path.isfile(path):
+            st.status, st.detail = "failed", f"exit {rc}; no result file"
+            return
+        self.files.append(path)
+        head = st.data = self.summary_extra["run_arrays"] = run_arrays_headline(path)
+        missing = [m for m in RUN_ARRAY_METHODS if m not in head["methods"]]
+        st.status = ("passed" if rc == 0 and not missing else
+                     "incomplete" if rc == 124 and head["methods"] else "failed")
+        st.detail = (f"exit {rc}; " if rc else "") + "; ".join(
+            f"{m}: most at {v['best_width']} runs ({v['best_speedup']}x the run alone)"
+            for m, v in head["methods"].items()) + (
+            f"; not measured: {', '.join(missing)}" if missing else "")
+
+    def stage_fused_main_job(self, st: StageResult) -> None:
+        """The main job's first :data:`FUSED_MAIN_JOB_TASKS` tasks with EMCL's fused glance
+        (``cuda_graph=False``: the glances eager, ``fused_glance=True``: the run fails rather
+        than fall back to autograd's loop), ACC and training time against the goal."""
+        dev = self.args.device
+        out_dir = os.path.join(self.results, f"gpu_check_{self.stamp}_fused_main_job_{dev}")
+        cmd = self._py("-m", "emcl_continual", "--method", "emcl", "--stream", "permuted-mnist",
+                       "--seeds", "0", "--device", dev, "--n-tasks", str(FUSED_MAIN_JOB_TASKS),
+                       "--set", "cuda_graph=False", "--set", "fused_glance=True",
+                       "--out", os.path.relpath(out_dir, ROOT), "--quiet")
+        t0 = time.time()
+        rc, tail = self.run(st, cmd, st.name, self.timeout(st.name))
+        if self.args.dry_run:
+            st.status = "passed"
+            return
+        r = main_job_result(out_dir, tail)
+        for name in ("results.json", "results.csv"):
+            if os.path.isfile(os.path.join(out_dir, name)):
+                self.files.append(os.path.join(out_dir, name))
+        t = r.get("train_time_s")
+        r.update({"exit": rc, "wall_s": round(time.time() - t0, 1), "device": dev,
+                  "n_tasks": FUSED_MAIN_JOB_TASKS, "command": st.commands[-1],
+                  "goal_train_time_s": FUSED_MAIN_JOB_GOAL_S,
+                  "goal_met": None if t is None else t <= FUSED_MAIN_JOB_GOAL_S})
+        st.data = self.summary_extra["fused_main_job"] = r
+        st.status = "passed" if rc == 0 and r.get("acc") is not None else "failed"
+        st.detail = (f"ACC {_fmt(r.get('acc'))}, training {_fmt(t, 3)} s over "
+                     f"{FUSED_MAIN_JOB_TASKS} tasks (goal <= {FUSED_MAIN_JOB_GOAL_S} s: "
+                     + ("met" if r["goal_met"] else "missed" if r["goal_met"] is False else "-")
+                     + ")" + (f"; exit {rc}" if rc else ""))
+
+    def stage_heldout_sweep(self, st: StageResult) -> None:
+        """The held-out sweep of :data:`SWEEP_STREAM`, all three stages, with ``--array auto``
+        on ``--sweep-device``, within what is left of the budget less :data:`SWEEP_DIFF_S`
+        (then SIGTERM: the runs done are kept and the stages' timing lines written); then
+        ``python -m emcl_continual.sweep_diff`` against :data:`COMMITTED_SWEEP` and the whole
+        selection against its ``selected.json``."""
+        word = self.args.sweep_device or self.args.device
+        folder = os.path.join(self.results, f"gpu_check_{self.stamp}_heldout_{SWEEP_STREAM}")
+        jobs = min(SWEEP_JOBS, os.cpu_count() or 1)
+        cmd = self._py("-m", "emcl_continual.selection", "--stream", SWEEP_STREAM,
+                       "--array", "auto", "--device", word, "--jobs", str(jobs), "--threads", "1",
+                       "--allow-dirty", "--out", os.path.relpath(folder, ROOT))
+        t0 = time.time()
+        rc, _ = self.run(st, cmd, st.name, max(self.timeout(st.name) - SWEEP_DIFF_S, 1.0))
+        wall = time.time() - t0
+        diff = folder + "-vs-committed"
+        rc_diff, _ = self.run(st, self._py(
+            "-m", "emcl_continual.sweep_diff", COMMITTED_SWEEP, os.path.relpath(folder, ROOT),
+            "--label-a", "the committed sweep (CPU)",
+            "--label-b", f"this machine, --array auto --device {word}",
+            "--out", os.path.relpath(diff, ROOT)), "heldout_sweep_diff", SWEEP_DIFF_S)
+        if self.args.dry_run:
+            st.status = "passed"
+            return
+        for base, _dirs, names in os.walk(folder):
+            self.files += [os.path.join(base, n) for n in names]
+        res: Dict = {"stream": SWEEP_STREAM, "device": word, "jobs": jobs, "exit": rc,
+                     "command": st.commands[0], "finished": rc == 0,
+                     "command_wall_s": round(wall, 1), "goal_s": SWEEP_GOAL_S,
+                     "goal_met": rc == 0 and wall <= SWEEP_GOAL_S,
+                     "folder": os.path.relpath(folder, ROOT), "timings": sweep_timings(folder)}
+        if os.path.isfile(diff + ".json"):
+            self.files += [diff + ".json", diff + ".md"]
+            with open(diff + ".json") as fh:
+                d = json.load(fh)
+            res["diff"] = {"file": os.path.relpath(diff + ".md", ROOT),
+                           "runs_in_both": d["runs_in_both"], "only_b": d["only_b"],
+                           "validation_selection_same": sum(v["same"] for v in d["selection"].values()),
+                           "validation_selection_groups": len(d["selection"]),
+                           "methods": d["methods"]}
+        selected = os.path.join(folder, "selected.json")
+        if os.path.isfile(selected):
+            res["selection"] = selection_agreement(
+                os.path.join(ROOT, COMMITTED_SWEEP, "selected.json"), selected)
+        st.data = self.summary_extra["heldout_sweep"] = res
+        t, sel = res["timings"], res.get("selection")
+        # cut at the limit: incomplete (sweep_diff fails when no run was done yet)
+        st.status = "passed" if rc == 0 and rc_diff == 0 else "incomplete" if rc == 124 else "failed"
+        st.detail = (f"{t['done']} of {t['runs']} runs ({t['failed']} failed), "
+                     + ("all three stages" if rc == 0 else f"cut at the limit (exit {rc})")
+                     + f" in {wall:.0f} s (goal {SWEEP_GOAL_S} s: "
+                     + ("met" if res["goal_met"] else "missed") + ")"
+                     + (f"; the selection the same as the committed sweep's in {sel['same']} of "
+                        f"{sel['groups']} groups" if sel else "")
+                     + (f"; sweep_diff exit {rc_diff}" if rc_diff else ""))
+
     # -- the whole run -----------------------------------------------------------------------
     def selected(self) -> List[str]:
         only = _split(self.args.only)
@@ -1197,10 +1462,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="stages, in order: " + ", ".join(STAGES))
     p.add_argument("--stage", type=int, choices=sorted(STAGE_SETS),
-                   help="run stage 1 or 2 of [note: two stages] (default: every full stage)")
+                   help="run stage 1 or 2 of [note: two stages], or stage 3 (the continual-"
+                        "learning side, [note: stage 3]) (default: every full stage)")
     p.add_argument("--budget", type=float,
                    help="seconds for the whole run (default: 360 for stage 1, 300 for stage "
-                        "2, none otherwise); a stage gets what is left")
+                        "2, 540 for stage 3, none otherwise); a stage gets what is left")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="where stage 3's steps train (cpu: to try them one by one without a "
+                        "GPU, as tests/test_gpu_check.py does; the check itself needs one)")
+    p.add_argument("--sweep-device", choices=("cuda", "auto", "cpu"),
+                   help="stage 3's held-out sweep: --device of the selection (default: "
+                        "--device; auto: only EMCL's captured runs on the GPU)")
     p.add_argument("--out", help="the folder that gets the summary and an archive of every "
                                  "file after each stage (the device tool's $OUT); the work "
                                  "files go to build/gpu-check/<stamp>/")
