@@ -606,7 +606,7 @@ def _device_table(result: dict, device: str, *, layouts, ops, dtypes, sizes, sou
         if r["layout"] == "single" and sizes != "all" and r["numel"] not in sizes:
             continue
         keep.append(r)
-    if not keep:
+    if not keep and records:
         raise SystemExit(f"no {device} records match the selection")
     groups = {}
     for r in keep:
@@ -633,6 +633,8 @@ def _device_table(result: dict, device: str, *, layouts, ops, dtypes, sizes, sou
     header = ["layout", "elements (tensors)", "dtype", "step"] + backends + ["fastest"]
     lines = [caption, "", "| " + " | ".join(header) + " |",
              "|" + "|".join(["---"] * 4 + ["--:"] * len(backends) + ["---"]) + "|"]
+    if not keep:
+        lines[1:] = ["", "Nothing was timed."]
     for key in order:
         layout, numel, dtype, op = key
         row = groups[key]

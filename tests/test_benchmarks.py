@@ -602,6 +602,8 @@ def test_kernel_run_says_what_it_left_out(kernel_run):
     assert result["settings"]["mode"] == "quick"
     table = bench_kernels.tables(result, sizes="all")
     assert "roof" in table and "\n- cuda: " in table
+    empty = bench_kernels.tables({**result, "records": []}, sizes="all")   # a run that timed nothing
+    assert "Nothing was timed." in empty and "\n- cuda: " in empty
 
 
 def test_reference_is_capped(tmp_path):
