@@ -3,6 +3,8 @@ roof measured in the same run.
 
     python -m benchmarks kernels            # full run (~10 min on a 2-core CPU)
     python -m benchmarks kernels --quick    # under a minute on a 2-core CPU
+    python -m benchmarks kernels --table benchmarks/results/kernels_epyc-2core_1thread.json \
+        --sizes 24                          # the tables of a results file (docs/performance.md)
 
 The layouts, the input rotation, the byte model and the roof: benchmarks/README.md, ``kernels``
 and "The memory roof". A record above the roof is a bug in the benchmark or the byte model,
@@ -24,6 +26,7 @@ import torch
 
 from emcl_kernels import functional as F
 
+SCHEMA = "emcl-kernels/bench_kernels/1"
 LAYOUT_CHOICES = ("single", "mlp", "resnet18", "many")
 LAYOUT_NAMES = {"mlp": "mlp-2x100", "resnet18": "resnet18-reduced", "many": "many-1000x4096"}
 MANY_TENSORS, MANY_NUMEL = 1000, 4096
@@ -516,29 +519,149 @@ def _finish_records(records: list, roof: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Output
+# Output: the tables (the terminal's at the end of a run, docs/performance.md's from a file)
 # ---------------------------------------------------------------------------------------------
 
-def format_table(result: dict) -> str:
-    """The terminal table: one row per measurement, per device."""
-    lines = []
-    for dev, info in result["devices"].items():
-        roof = info["roof"]
-        counting = ("bytes read + written + write-allocate reads" if roof["write_allocate"]
-                    else "bytes read + written")
-        rows = [(r["layout"], r["numel"], r["n_tensors"], r["dtype"], r["op"], r["backend"],
-                 r["time_ms"], r["gbps"], f"{100 * r['ratio_to_roof']:.1f}%",
-                 r["speedup_vs_reference"], r["speedup_vs_foreach"], r["launches"])
-                for r in result["records"] if r["device"] == dev]
-        lines.append(harness.table(
-            ("layout", "numel", "tensors", "dtype", "op", "backend", "time ms", "GB/s", "roof",
-             "x ref", "x foreach", "launches"), rows,
-            title=f"\n{info['name']}  |  roof {roof['roof_gbps']:.1f} GB/s ({roof['roof_kernel']}), "
-                  f"copy {roof['copy_gbps']:.1f} GB/s, {counting}  |  lr_mode "
-                  f"{result['settings']['lr_mode']}  |  {result['settings']['mode']} run"))
-        lines += [f"not timed: {name}: {why}" for name, why in info["skipped_backends"].items()]
-        lines += [f"note: {note}" for note in info["notes"]]
+OP_SHORT = {"inner_step": "inner", "meta_step": "meta", "inner_meta_step": "combined"}
+LAYOUT_ORDER = {"single": 0, "mlp-2x100": 1, "resnet18-reduced": 2, "many-1000x4096": 3}
+
+
+def _default_sizes(records: list, backends: list) -> set:
+    """2**20 and the largest single-tensor size that every backend except the reference
+    (which is capped) was timed at."""
+    full = [b for b in backends if b != "reference"] or backends
+    sizes = {}
+    for r in records:
+        if r["layout"] == "single":
+            sizes.setdefault(r["numel"], set()).add(r["backend"])
+    common_sizes = [n for n, bs in sizes.items() if set(full) <= bs]
+    out = {n for n in common_sizes if n == 2 ** 20}
+    if common_sizes:
+        out.add(max(common_sizes))
+    return out
+
+
+def _roof_source(roof: dict) -> str:
+    if roof.get("roof_kernel") == "probe":
+        return f"an in-place pass over the inputs, {roof['roof_source'].replace('probe on ', '')}"
+    return f"`{roof['roof_kernel']}`, the best streaming kernel"
+
+
+def _time(ms: float) -> str:
+    return f"{ms / 1e3:.3g} s" if ms >= 1000 else f"{ms:.3g} ms"
+
+
+def _cell(r: Optional[dict]) -> str:
+    if r is None:
+        return "-"
+    text = f"{r['gbps']:.2f} GB/s ({100 * r['ratio_to_roof']:.0f}%), {_time(r['time_ms'])}"
+    if r.get("launches") is not None:
+        text += f", {r['launches']} launch" + ("es" if r["launches"] != 1 else "")
+    return text
+
+
+def _best(rows: list) -> str:
+    best = min(rows, key=lambda r: r["time_ms"])
+    parts = [f"**{best['backend']}**"]
+    for base in ("foreach", "reference"):
+        s = best.get(f"speedup_vs_{base}")
+        if s is not None and best["backend"] != base:
+            parts.append(f"{s:.2f}x {base}")
+    return ", ".join(parts)
+
+
+def tables(result: dict, *, devices=None, layouts=None, ops=None, dtypes=None, sizes=None,
+           source: str = "") -> str:
+    """The markdown of a results file, per device (``devices``, default every one in it): a
+    caption naming the machine, the roof, the run and ``source`` (the file), then one row per
+    layout, size, dtype and step with every backend's GB/s, % of the roof, median time and
+    launches, and the fastest with its speed-ups; the skipped backends and the notes below.
+    ``layouts``: layout name prefixes; ``sizes``: the single-tensor sizes shown, as powers of
+    two, ``"all"`` for every one (default: 2**20 and the largest)."""
+    known = list(result["devices"])
+    for device in devices or ():
+        if device not in known:
+            raise SystemExit(f"no {device!r} results in this file (it has {known})")
+    return "\n\n".join(_device_table(result, device, layouts=layouts, ops=ops, dtypes=dtypes,
+                                     sizes=sizes, source=source)
+                       for device in (devices or known))
+
+
+def _device_table(result: dict, device: str, *, layouts, ops, dtypes, sizes, source: str) -> str:
+    info = result["devices"][device]
+    records = [r for r in result["records"] if r["device"] == device]
+    backends = list(dict.fromkeys(r["backend"] for r in records))
+    if sizes is None:
+        sizes = _default_sizes(records, backends)
+    elif sizes != "all":
+        sizes = {2 ** k for k in sizes}
+    keep = []
+    for r in records:
+        if layouts and not any(r["layout"].startswith(l) for l in layouts):
+            continue
+        if ops and r["op"] not in ops:
+            continue
+        if dtypes and r["dtype"] not in dtypes:
+            continue
+        if r["layout"] == "single" and sizes != "all" and r["numel"] not in sizes:
+            continue
+        keep.append(r)
+    if not keep and records:
+        raise SystemExit(f"no {device} records match the selection")
+    groups = {}
+    for r in keep:
+        groups.setdefault((r["layout"], r["numel"], r["dtype"], r["op"]), {})[r["backend"]] = r
+    op_rank = {o: i for i, o in enumerate(OP_SHORT)}
+    order = sorted(groups, key=lambda k: (LAYOUT_ORDER.get(k[0], 9), k[1], k[2] != "fp32",
+                                          op_rank.get(k[3], 9)))
+    machine = result.get("machine", {})
+    settings = result.get("settings", {})
+    roof = info["roof"]
+    counting = ("bytes read + written + write-allocate reads" if roof["write_allocate"]
+                else "bytes read + written")
+    caption = (f"**{info['name']}**, torch {machine.get('torch', '?')} with "
+               f"{machine.get('torch_threads', '?')} thread(s); roof {roof['roof_gbps']:.1f} GB/s "
+               f"({_roof_source(roof)}; "
+               f"copy {roof['copy_gbps']:.1f} GB/s; {counting}; percentages are of the roof); "
+               f"{settings.get('mode', '?')} run of {result.get('created_utc', '?')}, "
+               f"lr_mode `{settings.get('lr_mode', '?')}`"
+               + (f", from `{source}`" if source else "") + ".")
+    loads = [l for _, l in info.get("load_averages", []) if l]
+    if loads:
+        caption += (f" 1-minute load average during the run: {min(l[0] for l in loads):.1f} to "
+                    f"{max(l[0] for l in loads):.1f} on {machine.get('cpu_count', '?')} cores.")
+    header = ["layout", "elements (tensors)", "dtype", "step"] + backends + ["fastest"]
+    lines = [caption, "", "| " + " | ".join(header) + " |",
+             "|" + "|".join(["---"] * 4 + ["--:"] * len(backends) + ["---"]) + "|"]
+    if not keep:
+        lines[1:] = ["", "Nothing was timed."]
+    for key in order:
+        layout, numel, dtype, op = key
+        row = groups[key]
+        first = next(iter(row.values()))
+        elems = f"{numel:,} ({first['n_tensors']})"
+        name = f"single 2^{numel.bit_length() - 1}" if layout == "single" else layout
+        cells = [name, elems, dtype, OP_SHORT.get(op, op)]
+        cells += [_cell(row.get(b)) for b in backends]
+        cells.append(_best(list(row.values())))
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = [f"{k}: {v}" for k, v in info.get("skipped_backends", {}).items()
+             if not v.startswith("not asked")] + list(info.get("notes", []))
+    if notes:
+        lines += [""] + [f"- {n}" for n in notes]
     return "\n".join(lines)
+
+
+def print_tables(paths: list, args) -> str:
+    """The tables of kernels results files (none: the newest in benchmarks/results/), with the
+    selection of ``args`` (``--device``, ``--layouts``, ``--ops``, ``--dtypes``, ``--sizes``)."""
+    devices = None if "auto" in args.device else args.device
+    text = "\n\n".join(
+        tables(result, devices=devices, layouts=args.layouts, ops=args.ops, dtypes=args.dtypes,
+               sizes=args.sizes, source=source)
+        for source, result in harness.load_results(paths, "kernels", SCHEMA))
+    print(text)
+    return text
 
 
 def plot(result: dict, device: str, path: str) -> None:
@@ -609,12 +732,16 @@ def build_parser() -> argparse.ArgumentParser:
                        quick="small sizes, few repeats (< 1 min on 2 cores)")
     p.add_argument("--backends", nargs="+", default=None,
                    help="only these backends (default: every one available on the device)")
-    p.add_argument("--ops", nargs="+", default=list(common.OPS), choices=common.OPS)
-    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(common.DTYPE_NAMES))
-    p.add_argument("--layouts", nargs="+", default=list(LAYOUT_CHOICES), choices=LAYOUT_CHOICES)
+    p.add_argument("--ops", nargs="+", default=None, choices=common.OPS,
+                   help="default: every one (--table: every one in the file)")
+    p.add_argument("--dtypes", nargs="+", default=None, choices=list(common.DTYPE_NAMES),
+                   help="default: fp32 bf16 (--table: every one in the file)")
+    p.add_argument("--layouts", nargs="+", default=None, choices=LAYOUT_CHOICES,
+                   help="default: every one (--table: every one in the file)")
     p.add_argument("--sizes", nargs="+", type=int, default=None, metavar="LOG2",
                    help="single-tensor sizes as powers of two (default: 10..26 on CPU, 10..28 on "
-                        "a GPU; quick: 10 14 18)")
+                        "a GPU; quick: 10 14 18; --table: those shown, default 20 and the "
+                        "largest every backend but the reference ran)")
     p.add_argument("--lr-mode", default="inverse", choices=common.LR_MODES,
                    help="lr_mode of the meta and combined steps (recurrent moves 8 B more)")
     p.add_argument("--reference-cap", type=int, default=None, metavar="LOG2",
@@ -635,12 +762,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time the steps with the library's non-finite gradient check (its "
                         "default; off here so that the kernels are timed alone)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--table", nargs="*", metavar="RESULTS_JSON", default=None,
+                   help="print the tables of these results files (none: the newest "
+                        "benchmarks/results/kernels_*.json) and exit; --device (default: every "
+                        "one in the file), --layouts, --ops, --dtypes and --sizes select")
     return p
 
 
 def main(argv: Optional[list] = None) -> dict:
     """Run the benchmark; return the results dict (also written to ``--out-dir``)."""
     args = build_parser().parse_args(argv)
+    if args.table is not None:
+        return {"table": print_tables(args.table, args)}
+    args.ops = args.ops or list(common.OPS)
+    args.dtypes = args.dtypes or ["fp32", "bf16"]
+    args.layouts = args.layouts or list(LAYOUT_CHOICES)
     if args.cpu_triton:
         if "cuda" in args.device:
             raise SystemExit("--cpu-triton runs Triton through its interpreter everywhere; "
@@ -675,7 +811,7 @@ def _main(args, argv, settings: Settings) -> dict:
     log = (lambda *_: None) if args.quiet else (lambda msg: print(msg, flush=True))
 
     started = time.perf_counter()
-    result = harness.head("kernels", argv, schema="emcl-kernels/bench_kernels/1", note=args.note)
+    result = harness.head("kernels", argv, schema=SCHEMA, note=args.note)
     result.update({
         "settings": {"mode": settings.mode, "lr_mode": args.lr_mode,
                      "hyperparameters": {op: common.hyperparameters(op, args.lr_mode) for op in args.ops},
@@ -707,4 +843,5 @@ def _main(args, argv, settings: Settings) -> dict:
             plot(result, key[4:], png)
         return out
     return harness.finish(result, args.out, args.name or f"{base}_{'-'.join(result['devices'])}",
-                          plot=plots, no_plot=args.no_plot, table=format_table)
+                          plot=plots, no_plot=args.no_plot,
+                          table=lambda res: tables(res, sizes="all", source=res["paths"]["json"]))

@@ -5,6 +5,7 @@ time included, on the MLP, ResNet-18, 1,000 x 4,096 and GPT-2-124M layouts.
     python -m benchmarks step --quick              # fewer rounds (a few minutes on 2 cores)
     python -m benchmarks step --device cuda --out benchmarks/results
     python -m benchmarks step --layouts mlp resnet18 --dtypes fp32 --threads 1
+    python -m benchmarks step --table benchmarks/results/step_epyc-2core.json --backends cpu
 
 The contenders, their SPEC section 7 peers and goals (:data:`PEERS`), how each is timed and every
 field of a record: benchmarks/README.md, ``step``.
@@ -741,10 +742,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "plot", "quiet", many_threads=True,
                        threads_default="on CPU: 1 2; on a GPU: torch's",
                        quick="fewer rounds and warm-up steps")
-    p.add_argument("--layouts", nargs="+", default=list(LAYOUT_CHOICES), choices=LAYOUT_CHOICES)
-    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    p.add_argument("--layouts", nargs="+", default=None, choices=LAYOUT_CHOICES,
+                   help="default: every one (--table: every one in the file)")
+    p.add_argument("--dtypes", nargs="+", default=None, choices=["fp32", "bf16"],
+                   help="default: both (--table: every one in the file)")
     p.add_argument("--backends", nargs="+", default=None,
-                   help="EMCL backends (default: every one available on the device)")
+                   help="EMCL backends (default: every one available on the device; --table: "
+                        "every one in the file)")
     p.add_argument("--reference-cap", type=int, default=None, metavar="LOG2",
                    help="EMCL's reference backend only up to 2**LOG2 elements (default 20)")
     p.add_argument("--rounds", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
@@ -760,12 +764,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "last-level cache)")
     p.add_argument("--no-roof", action="store_true", help="skip the roof measurement")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--table", nargs="*", metavar="RESULTS_JSON", default=None,
+                   help="print the tables of these results files (none: the newest "
+                        "benchmarks/results/step_*.json) and exit; --backends, --layouts and "
+                        "--dtypes select")
     return p
 
 
 def main(argv: Optional[list] = None) -> dict:
     """Run the benchmark; return the results dict (also written to ``--out``)."""
     args = build_parser().parse_args(argv)
+    if args.table is not None:
+        return {"table": print_tables(args.table, args)}
+    args.layouts = args.layouts or list(LAYOUT_CHOICES)
+    args.dtypes = args.dtypes or ["fp32", "bf16"]
     settings = Settings.quick() if args.quick else Settings.full()
     if args.rounds:
         settings.min_rounds, settings.max_rounds = args.rounds
@@ -840,11 +852,11 @@ def _main(args, argv, settings: Settings, device: torch.device) -> dict:
     result["wall_time_s"] = time.perf_counter() - started
     result["complete"] = True
     return harness.finish(result, args.out, stem, plot=plot, no_plot=args.no_plot,
-                          table=format_table)
+                          table=lambda res: tables(res, source=res["paths"]["json"]))
 
 
 # ---------------------------------------------------------------------------------------------
-# Output
+# Output: the tables (the terminal's at the end of a run, docs/performance.md's from a file)
 # ---------------------------------------------------------------------------------------------
 
 def contender_order(records: list) -> list:
@@ -854,37 +866,190 @@ def contender_order(records: list) -> list:
                   (1, n.split("]")[0], "inner_step()" in n, "nocheck" in n, "scaler" in n, n))
 
 
-def format_table(result: dict) -> str:
-    """The terminal table: per thread count and layout/dtype, every contender's median wall
-    time, its ratio to Adam-fused and, for EMCL, to its SPEC section 7 peer."""
-    recs = result["records"]
-    lines = [f"\n{result['device_name']}  |  {result['settings']['mode']} run  |  wall ms per "
-             "step (median) and x Adam-fused"]
-    for roof in result["roofs"]:
-        lines.append(f"roof at {roof['threads']} thread(s): {roof['roof_gbps']:.1f} GB/s "
-                     f"({roof['roof_kernel']}), copy {roof['copy_gbps']:.1f} GB/s")
-    names = contender_order(recs)
+BASELINE_TITLES = {"adam_fused": "Adam fused", "adam_fused_checked": "Adam fused, checked",
+                   "adam_fused_scaler": "Adam fused + GradScaler", "adam_foreach": "Adam foreach",
+                   "sgd_foreach": "SGD foreach"}
+# the column title of each SPEC section 7 row (:data:`PEERS`), in the table's order
+PEER_TITLES = {("step()", False, False): "`step()`, check off / Adam fused",
+               ("step()", True, False): "`step()` / Adam fused, checked",
+               ("step()", True, True): "`step()` + GradScaler / Adam fused + GradScaler",
+               ("inner_step()", False, False): "`inner_step()`, check off / Adam fused"}
+VERDICT_MARK = {"met": "", "tie": " (tie)", "missed": " **(missed)**", None: ""}
+
+
+def _title(name: str) -> str:
+    if name in BASELINE_TITLES:
+        return BASELINE_TITLES[name]
+    return (name.replace("emcl[", "EMCL ").replace("]", "")
+            .replace(" nocheck", ", check off").replace(" scaler", " + GradScaler"))
+
+
+def _pair_key(r: dict) -> tuple:
+    return (r.get("call"), r.get("check_finite"), bool(r.get("grad_scaler")))
+
+
+def step_goals(records: list) -> list:
+    """Lines saying, per EMCL backend and SPEC section 7 row, in how many cells the EMCL call
+    met its goal against its like-for-like peer (``verdict`` of :func:`add_ratios`), tied
+    with it within the interquartile ranges, or missed it, and the worst cell."""
+    lines = []
+    emcl = [r for r in records if r.get("family") == "emcl" and r.get("ratio_to_peer")]
+    for key, title in PEER_TITLES.items():
+        rs = [r for r in emcl if _pair_key(r) == key]
+        for backend in dict.fromkeys(r["backend"] for r in rs):
+            mine = [r for r in rs if r["backend"] == backend]
+            count = {v: sum(r.get("verdict") == v for r in mine) for v in ("met", "tie", "missed")}
+            worst = max(mine, key=lambda r: r["ratio_to_peer"])
+            lines.append(
+                f"- EMCL `{backend}` {title} (goal <= {worst['goal']}x): met in {count['met']} of "
+                f"{len(mine)} cells, a tie within the quartiles in {count['tie']}, missed in "
+                f"{count['missed']}; highest {worst['ratio_to_peer']:.2f}x ({worst['layout']} "
+                f"{worst['dtype']}, {worst['threads']} thread(s))")
+    return lines
+
+
+def _error_cell(r: dict) -> str:
+    """A contender that has no time: "n/a" where torch cannot run it (a "not timed: ..."
+    error), "error" where it failed; the reason is listed under the table."""
+    return "n/a" if r["error"].startswith("not timed") else "error"
+
+
+def tables(result: dict, *, backends=None, layouts=None, dtypes=None, source: str = "") -> str:
+    """The markdown of a results file: per thread count (CPU) or for the GPU, one row per
+    layout and dtype; the three fused-Adam peers' median wall times, and per EMCL backend
+    (``backends``, default all) the median wall time of each SPEC section 7 row over its
+    peer's (in parentheses the same of the fastest steps; "(tie)" where the goal lies within
+    the interquartile ranges, "(missed)" where not); the goals met per row and the errors;
+    then every contender's wall time (on a GPU also host and device time and GPU activities
+    per step) and its ratios to Adam fused and to its peer."""
+    recs = [r for r in result["records"]
+            if (not layouts or any(r["layout"].startswith(l) for l in layouts))
+            and (not dtypes or r["dtype"] in dtypes)
+            and (r["family"] != "emcl" or not backends or r.get("backend") in backends)]
+    if not recs:
+        raise SystemExit("no records match the selection")
+    machine = result.get("machine", {})
+    loads = [l for r in recs for l in (r.get("load_average_before"), r.get("load_average_after"))
+             if l]
+    roofs = "; ".join(f"{r['threads']} thread(s) {r['roof_gbps']:.1f} GB/s ({r['roof_kernel']})"
+                      for r in result.get("roofs", []))
+    caption = (f"**{result['device_name']}**, torch {machine.get('torch', '?')}; "
+               f"{result['settings']['mode']} run of {result['created_utc']}"
+               + (f", from `{source}`" if source else "") + ". The three Adam peers: median "
+               "wall time of one step in ms [quartiles] (checked: torch's finite check "
+               "`_amp_foreach_non_finite_check_and_unscale_` feeding `found_inf` to the fused "
+               "step; + GradScaler: `scaler.step(opt); scaler.update()`). EMCL: median wall time "
+               "over its like-for-like peer's (SPEC section 7), in parentheses the same of the "
+               "fastest steps; every contender on the same tensors, interleaved round by round."
+               + (f" 1-minute load average during the run: {min(l[0] for l in loads):.1f} to "
+                  f"{max(l[0] for l in loads):.1f} on {machine.get('cpu_count', '?')} cores."
+                  if loads else "")
+               + (f" Memory roof: {roofs}." if roofs else ""))
+    lines = [caption]
+    emcl_backends = list(dict.fromkeys(r["backend"] for r in recs if r["family"] == "emcl"))
+    floors = any(r["family"] == "floor" for r in recs)
+    if floors:
+        lines[0] += (" Floors over Adam fused (`torch.ops.emcl.stream_probe_` on four flat "
+                     "tensors of the layout's size, fp32, in bf16 rows θ and g bf16, timed in "
+                     "the same rounds): step, "
+                     "`floor: step streams` (θ, g, θ₀, h read, θ, θ₀, h written: the "
+                     "inner+meta step's streams, as many as fused Adam's); inner, `floor: inner "
+                     "streams` (θ, g, θ₀, h read, θ written: the inner step's), in parentheses "
+                     "its reads alone (`floor: inner reads`).")
     for threads in dict.fromkeys(r["threads"] for r in recs):
-        lines.append(f"\n{threads} thread(s)")
-        for layout in dict.fromkeys(r["layout"] for r in recs):
-            for dtype in dict.fromkeys(r["dtype"] for r in recs):
-                by = {r["contender"]: r for r in recs if r["threads"] == threads
-                      and r["layout"] == layout and r["dtype"] == dtype}
-                if not by:
+        sub = [r for r in recs if r["threads"] == threads]
+        head = ["layout", "dtype"] + [f"{BASELINE_TITLES[b]} (ms)" for b in BASELINES[:3]]
+        for backend in emcl_backends:
+            prefix = f"EMCL `{backend}` " if len(emcl_backends) > 1 else "EMCL "
+            head += [prefix + title for title in PEER_TITLES.values()]
+        if floors:
+            head.append("floor / Adam fused")
+        title = f"{threads} thread(s)" if result["device"] == "cpu" else result["device_name"]
+        lines += ["", f"*{title}*", "", "| " + " | ".join(head) + " |",
+                  "|" + "|".join(["---", "---"] + ["--:"] * (len(head) - 2)) + "|"]
+        for layout in dict.fromkeys(r["layout"] for r in sub):
+            for dtype in dict.fromkeys(r["dtype"] for r in sub):
+                here = [r for r in sub if r["layout"] == layout and r["dtype"] == dtype]
+                if not here:
                     continue
-                lines.append(f"  {layout} {dtype}")
-                for n in names:
-                    r = by.get(n)
-                    if r is None:
-                        continue
-                    if r.get("error"):
-                        lines.append(f"    {n:<34} error: {r['error'][:80]}")
-                        continue
-                    ratio = r.get("ratio_to_adam_fused")
-                    lines.append(f"    {n:<34} {r['wall_ms']:10.4f} ms  "
-                                 f"{'-' if ratio is None else f'{ratio:5.2f}x'}"
-                                 f"{_peer_text(r)}")
+                cells = [layout, dtype]
+                for b in BASELINES[:3]:
+                    r = next((r for r in here if r["family"] == b), None)
+                    cells.append("-" if r is None else _error_cell(r) if r.get("error") else
+                                 f"{r['wall_ms']:.3g} [{r['wall_ms_q25']:.3g}-"
+                                 f"{r['wall_ms_q75']:.3g}]")
+                for backend in emcl_backends:
+                    for key in PEER_TITLES:
+                        r = next((r for r in here if r["family"] == "emcl"
+                                  and r["backend"] == backend and _pair_key(r) == key), None)
+                        if r is None:
+                            cells.append("-")
+                        elif r.get("error"):
+                            cells.append(_error_cell(r))
+                        elif r.get("ratio_to_peer") is None:
+                            cells.append(f"{r['wall_ms']:.3g} ms (no peer)")
+                        else:
+                            cells.append(f"{r['ratio_to_peer']:.2f}x "
+                                         f"({r['ratio_to_peer_min']:.2f}x)"
+                                         + VERDICT_MARK.get(r.get("verdict"), "")
+                                         + ("" if r.get("finite", True) else " (not finite)"))
+                if floors:
+                    cells.append(_floor_cell(here))
+                lines.append("| " + " | ".join(cells) + " |")
+    errors = {(r["contender"], r["error"]) for r in recs if r.get("error")}
+    goals = step_goals(recs)
+    if goals or errors:
+        lines.append("")
+    lines += goals
+    lines += [f"- {_title(n)}: {e}" for n, e in sorted(errors)]
+    lines += ["", _contender_table(recs, gpu=result["device"] != "cpu")]
     return "\n".join(lines)
+
+
+def _contender_table(recs: list, gpu: bool) -> str:
+    """Every timed contender, one row each: its wall time (on a GPU also the host's and the
+    device's, and GPU activities per step), over Adam fused's and over its peer's."""
+    head = ["layout", "dtype"] + ([] if gpu else ["threads"]) + ["contender", "wall ms"]
+    head += ["host ms", "device ms", "GPU activities / step"] if gpu else []
+    head += ["x Adam fused", "x peer"]
+    align = ["---" if h in ("layout", "dtype", "contender") else "--:" for h in head]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
+    for r in recs:
+        if r.get("error") or (gpu and r.get("device_ms") is None):
+            continue
+        base = r.get("ratio_to_adam_fused")
+        cells = [r["layout"], r["dtype"]] + ([] if gpu else [str(r["threads"])])
+        cells += [_title(r["contender"]), f"{r['wall_ms']:.3g}"]
+        if gpu:
+            cells += [f"{r['host_ms']:.3g}", f"{r['device_ms']:.3g}",
+                      f"{r['gpu_activities_per_step']:.3g}"]
+        cells += ["-" if base is None else f"{base:.2f}x",
+                  "-" if r.get("ratio_to_peer") is None else f"{r['ratio_to_peer']:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _floor_cell(here: list) -> str:
+    """"step 1.01x, inner 0.86x (0.74x)": the floors' median times over Adam fused's in one
+    group ("-" without; a file from before the step's floor has only the inner ones)."""
+    ratio = {r["contender"]: r.get("ratio_to_adam_fused") for r in here if r["family"] == "floor"}
+    step, streams = ratio.get("floor: step streams"), ratio.get("floor: inner streams")
+    reads = ratio.get("floor: inner reads")
+    parts = [] if step is None else [f"step {step:.2f}x"]
+    if streams is not None:
+        parts.append(f"inner {streams:.2f}x" + (f" ({reads:.2f}x)" if reads is not None else ""))
+    return ", ".join(parts) or "-"
+
+
+def print_tables(paths: list, args) -> str:
+    """The tables of step results files (none: the newest in benchmarks/results/), with the
+    selection of ``args`` (``--backends``, ``--layouts``, ``--dtypes``)."""
+    text = "\n\n".join(
+        tables(result, backends=args.backends, layouts=args.layouts, dtypes=args.dtypes,
+               source=source)
+        for source, result in harness.load_results(paths, "step", SCHEMA))
+    print(text)
+    return text
 
 
 def plot(result: dict, path: str) -> None:

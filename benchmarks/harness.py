@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import json
 import os
+import re
 import sys
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -147,6 +149,29 @@ def finish(result: dict, out: str, stem: str, *, plot: Optional[Callable] = None
         log(f"note: {note}")
     log("wrote " + ", ".join(result["paths"].values()))
     return result
+
+
+def load_results(paths: Sequence[str], name: str, schema: str) -> list:
+    """``(source, result)`` of each results file of benchmark ``name`` (none given: the newest
+    ``results/NAME_*.json`` by the UTC stamp in its name), ``source`` its path relative to the
+    repository (its file name when outside it); a file of another ``schema`` is an error."""
+    if not paths:
+        files = glob.glob(os.path.join(common.RESULTS_DIR, f"{name}_*.json"))
+        if not files:
+            raise SystemExit(f"no {name}_*.json in {common.relative(common.RESULTS_DIR)}; "
+                             f"run python -m benchmarks {name} first")
+        stamp = re.compile(r"(\d{8}T\d{6}Z)")
+        paths = [max(files, key=lambda f: (stamp.search(f).group(1) if stamp.search(f) else "", f))]
+    out = []
+    for path in paths:
+        with open(path) as f:
+            result = json.load(f)
+        if result.get("schema") != schema:
+            raise SystemExit(f"{path} is not a {name} results file (its schema: "
+                             f"{result.get('schema')!r}, not {schema!r})")
+        source = common.relative(os.path.abspath(path))
+        out.append((os.path.basename(path) if os.path.isabs(source) else source, result))
+    return out
 
 
 def interleaved(fns: dict, device: torch.device, rounds: int, *, calls: int = 1,

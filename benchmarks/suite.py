@@ -41,12 +41,16 @@ REGISTRY = {b.name: b for b in (
               "What does FusedEMCLOptimizer.step() cost against torch's Adam and SGD, host "
               "time included, on real layouts (MLP, ResNet-18, GPT-2)?",
               ("--quick", "--layouts", "mlp", "--dtypes", "fp32", "--threads", "1",
-               "--budget", "0.2", "--no-roof", "--no-plot", "--out", "{out}")),
+               "--budget", "0.2", "--no-roof", "--no-plot", "--out", "{out}"),
+              mode_smoke=("--table", "benchmarks/results/step_epyc-2core.json",
+                          "--backends", "cpu")),
     Benchmark("kernels", "bench_kernels",
               "How close do the kernels of every backend come to the memory roof (GB/s per "
               "step, size and dtype)?",
               ("--quick", "--sizes", "10", "--layouts", "single", "--dtypes", "fp32",
-               "--no-plot", "--roof-mb", "1", "--out-dir", "{out}")),
+               "--no-plot", "--roof-mb", "1", "--out-dir", "{out}"),
+              mode_smoke=("--table", "benchmarks/results/kernels_epyc-2core_1thread.json",
+                          "--sizes", "24")),
     Benchmark("host", "bench_host",
               "How much host time does a step spend outside the kernels (the plan key, the "
               "gradients' lists, the call into the backend)?",
@@ -79,9 +83,6 @@ REGISTRY = {b.name: b for b in (
               "What does EMCL's one-sample inner step on the MLP cost through autograd, as the "
               "fused glance, and against its bytes' floor; and the main job with each?",
               ("--quick", "--out-dir", "{out}"), requires=("mlxtend",)),
-    Benchmark("tables", "make_readme_table",
-              "The README's tables, made from a results file (default: the newest).",
-              ("--step",)),
 )}
 
 

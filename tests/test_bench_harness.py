@@ -110,3 +110,20 @@ def test_every_benchmark_prints_its_help(name, capsys):
         suite.run(name, ["--help"])
     assert exc.value.code == 0
     assert f"usage: python -m benchmarks {name}" in capsys.readouterr().out
+
+
+def test_load_results_takes_the_newest_and_refuses_another_schema(tmp_path, monkeypatch):
+    from benchmarks import common
+    monkeypatch.setattr(common, "RESULTS_DIR", str(tmp_path))
+    with pytest.raises(SystemExit, match="no step_\\*.json in"):
+        harness.load_results([], "step", "s/1")
+    for stem in ("step_20261127T000000Z_cpu", "step_20261128T000000Z_cpu", "kernels_x"):
+        (tmp_path / f"{stem}.json").write_text(json.dumps({"schema": "s/1", "stem": stem}))
+    [(source, result)] = harness.load_results([], "step", "s/1")
+    assert result["stem"] == "step_20261128T000000Z_cpu"
+    assert source == "step_20261128T000000Z_cpu.json"     # outside the repository: its name
+    inside = os.path.join(ROOT, "benchmarks", "results", "step_epyc-2core.json")
+    assert harness.load_results([inside], "step", "emcl-kernels/bench_step/1")[0][0] == \
+        "benchmarks/results/step_epyc-2core.json"
+    with pytest.raises(SystemExit, match="is not a kernels results file"):
+        harness.load_results([inside], "kernels", "emcl-kernels/bench_kernels/1")

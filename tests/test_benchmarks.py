@@ -20,8 +20,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import (bench_kernels, bench_step, bench_training, common,  # noqa: E402
-                        make_readme_table)
+from benchmarks import bench_kernels, bench_step, bench_training, common  # noqa: E402
 
 from emcl_kernels import available_backends  # noqa: E402
 from emcl_kernels.backends import BACKENDS, get_backend  # noqa: E402
@@ -601,8 +600,10 @@ def test_kernel_run_says_what_it_left_out(kernel_run):
     if _works_on_cpu("triton"):
         assert "interpreter" in info["skipped_backends"]["triton"]
     assert result["settings"]["mode"] == "quick"
-    table = bench_kernels.format_table(result)
-    assert "roof" in table and "not timed: cuda" in table
+    table = bench_kernels.tables(result, sizes="all")
+    assert "roof" in table and "\n- cuda: " in table
+    empty = bench_kernels.tables({**result, "records": []}, sizes="all")   # a run that timed nothing
+    assert "Nothing was timed." in empty and "\n- cuda: " in empty
 
 
 def test_reference_is_capped(tmp_path):
@@ -617,15 +618,16 @@ def test_reference_is_capped(tmp_path):
     assert big["speedup_vs_reference"] is None
 
 
-def test_readme_table_comes_from_the_results_file(kernel_run):
+def test_readme_table_comes_from_the_results_file(kernel_run, capsys):
     result, out = kernel_run
-    text = make_readme_table.main([str(out / "run.json"), "--sizes", "10"])
+    text = bench_kernels.main(["--table", str(out / "run.json"), "--sizes", "10"])["table"]
+    assert capsys.readouterr().out == text + "\n" and "`run.json`" in text
     assert result["devices"]["cpu"]["name"] in text
     assert f"roof {result['devices']['cpu']['roof_gbps']:.1f} GB/s" in text
     rows = [l for l in text.splitlines() if l.startswith("| ") and "GB/s" in l]
     backends = list(dict.fromkeys(r["backend"] for r in result["records"]))
     assert len(rows) == 2 * 2 * 3  # 2 layouts x 2 dtypes x 3 ops
-    op_of = {v: k for k, v in make_readme_table.OP_SHORT.items()}
+    op_of = {v: k for k, v in bench_kernels.OP_SHORT.items()}
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         layout = "single" if cells[0].startswith("single") else cells[0]
@@ -988,9 +990,10 @@ def test_step_records_are_consistent(step_run):
 
 def test_step_readme_table_comes_from_the_results_file(step_run):
     result, out = step_run
-    text = make_readme_table.main([str(out / "step.json"), "--backends", "cpu"])
+    text = bench_step.main(["--table", str(out / "step.json"), "--backends", "cpu"])["table"]
     assert result["device_name"] in text and "step.json" in text
-    rows = [l for l in text.splitlines() if l.startswith("| mlp")]
+    summary, contenders = text.split("\n\n| layout | dtype | threads | contender |")
+    rows = [l for l in summary.splitlines() if l.startswith("| mlp")]
     assert len(rows) == 2
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
@@ -1016,6 +1019,22 @@ def test_step_readme_table_comes_from_the_results_file(step_run):
     assert "emcl[foreach]" not in text and "EMCL `foreach`" not in text
     assert any(l.startswith("- EMCL `cpu` `step()`") for l in text.splitlines()) or \
         "cpu" not in result["emcl_backends"]
+    # then every timed contender of the selection, one row each, with its wall time
+    timed = [r for r in result["records"] if not r.get("error")
+             and (r["family"] != "emcl" or r["backend"] == "cpu")]
+    lines = contenders.splitlines()[2:]
+    assert len(lines) == len(timed)
+    for line, r in zip(lines, timed):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[:3] == [r["layout"], r["dtype"], str(r["threads"])]
+        assert cells[4] == f"{r['wall_ms']:.3g}"
+        assert cells[5] == f"{r['ratio_to_adam_fused']:.2f}x"
+
+
+def test_a_table_of_another_benchmarks_file_is_refused(step_run):
+    _, out = step_run
+    with pytest.raises(SystemExit, match="not a kernels results file"):
+        bench_kernels.main(["--table", str(out / "step.json")])
 
 
 def test_step_script_runs_from_the_command_line(tmp_path):

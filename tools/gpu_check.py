@@ -327,10 +327,10 @@ def generic_headline(path: str) -> Dict:
 
 def step_goal_lines(data: Dict) -> List[str]:
     """bench_step's verdicts per EMCL backend and SPEC section 7 row (the lines of
-    ``benchmarks/make_readme_table.py``), or why they could not be made."""
+    ``benchmarks/bench_step.py``'s tables), or why they could not be made."""
     sys.path.insert(0, ROOT)
     try:
-        from benchmarks.make_readme_table import step_goals
+        from benchmarks.bench_step import step_goals
         return step_goals(data["records"])
     except Exception as exc:  # noqa: BLE001 - the summary stands without them
         return [f"(no verdicts: {type(exc).__name__}: {exc})"]
