@@ -650,7 +650,7 @@ def test_kernel_script_runs_from_the_command_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the suite finds the repo itself
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "roof" in proc.stdout and "meta_step" in proc.stdout
+    assert "roof" in proc.stdout and "| single 2^10 | 1,024 (1) | bf16 | meta |" in proc.stdout
     assert (tmp_path / "cli.json").exists()
 
 
