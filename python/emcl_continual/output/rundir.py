@@ -505,6 +505,31 @@ def _warnings_of(caught) -> list:
     return [{"category": c, "message": m, "count": n} for (c, m), n in counts.items()]
 
 
+def _keep(record: dict, caught, out: RunDir | None, new: list, on_run) -> None:
+    """Save one finished run: its warnings, into ``out``, into ``new``, then ``on_run``."""
+    record["warnings"] = _warnings_of(caught)
+    if out is not None:
+        out.add(record)
+    new.append(record)
+    if on_run is not None:
+        on_run(record)
+
+
+@contextlib.contextmanager
+def _summaries_kept(out: RunDir | None):
+    """On an interrupt or an error, write ``out``'s summaries for the finished runs (partial)
+    before the exception propagates (the first error is the one to report)."""
+    try:
+        yield
+    except BaseException:
+        if out is not None:
+            try:
+                out.write()
+            except Exception:
+                pass
+        raise
+
+
 def execute(seeds: list, methods: list, make_stream, train, out: RunDir | None = None, on_run=None) -> list:
     """Run every (method, seed) not yet in ``out``: seeds outer, so that a cut-off command
     leaves whole seeds. ``make_stream(seed)`` builds a seed's stream (only when one of its runs
@@ -515,7 +540,7 @@ def execute(seeds: list, methods: list, make_stream, train, out: RunDir | None =
     propagates. Returns the new runs."""
     done = out.done if out is not None else set()
     new = []
-    try:
+    with _summaries_kept(out):
         for seed in seeds:
             todo = [m for m in methods if (m, seed) not in done]
             if not todo:
@@ -525,21 +550,9 @@ def execute(seeds: list, methods: list, make_stream, train, out: RunDir | None =
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     record = train(m, stream, seed)
-                record["warnings"] = _warnings_of(caught)
-                if out is not None:
-                    out.add(record)
-                new.append(record)
-                if on_run is not None:
-                    on_run(record)
+                _keep(record, caught, out, new, on_run)
             if out is not None:
                 out.write()
-    except BaseException:
-        if out is not None:
-            try:
-                out.write()
-            except Exception:  # the first error is the one to report
-                pass
-        raise
     return new
 
 
@@ -557,7 +570,7 @@ def execute_arrays(seeds: list, methods: list, widths: dict, make_stream, train_
     done = out.done if out is not None else set()
     streams: dict = {}
     new = []
-    try:
+    with _summaries_kept(out):
         for m in methods:
             todo = [s for s in seeds if (m, s) not in done]
             width = max(1, int(widths[m]))
@@ -570,21 +583,9 @@ def execute_arrays(seeds: list, methods: list, widths: dict, make_stream, train_
                     warnings.simplefilter("always")
                     records, failures = train_array(m, {s: streams[s] for s in chunk}, chunk)
                 for record in records:
-                    record["warnings"] = _warnings_of(caught)
-                    if out is not None:
-                        out.add(record)
-                    new.append(record)
-                    if on_run is not None:
-                        on_run(record)
+                    _keep(record, caught, out, new, on_run)
                 if out is not None:
                     out.write()
                 if failures:
                     raise RunFailed("; ".join(f"{m} seed {chunk[i]} failed: {reason}" for i, reason in failures))
-    except BaseException:
-        if out is not None:
-            try:
-                out.write()
-            except Exception:  # the first error is the one to report
-                pass
-        raise
     return new
