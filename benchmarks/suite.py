@@ -79,10 +79,6 @@ REGISTRY = {b.name: b for b in (
     Benchmark("imports", "bench_imports",
               "How much does `import emcl_kernels` cost beyond `import torch`?",
               ("--runs", "1", "--out", "{out}/imports.json")),
-    Benchmark("glance", "bench_glance",
-              "What does EMCL's one-sample inner step on the MLP cost through autograd, as the "
-              "fused glance, and against its bytes' floor; and the main job with each?",
-              ("--quick", "--out-dir", "{out}"), requires=("mlxtend",)),
 )}
 
 
