@@ -290,11 +290,6 @@ def _num(v: float) -> str:
     return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
 
 
-def _value(row: dict, image: bool) -> float:
-    """What a row is compared by: the steady ms per batch on an image stream, else the training time."""
-    return (row["ms_per_batch_steady"] or row["ms_per_batch"]) if image else row["train_time_s"]
-
-
 def _headline(rows: list, method: str, device: str, auto: dict) -> Optional[dict]:
     """The row that stands for ``method`` on ``device``: for EMCL the backend ``auto`` picks
     there (what ``python -m emcl_continual`` runs), graphed on a GPU; for a baseline its row."""
@@ -339,10 +334,12 @@ def tables(results: list) -> str:
             + ([] if image else [f"ACC {n}" for n in names.values()])
         out += ["| " + " | ".join(head) + " |", "|---|" + "--:|" * (len(head) - 1)]
         for method in dict.fromkeys(r["method"] for r in srows):
-            cells, vals, accs = [method], {}, []
+            cells, vals, accs = [method], dict.fromkeys(names), []
             for d in names:
                 r = _headline(srows, method, d, auto)
-                vals[d] = None if r is None else _value(r, image)
+                if r is not None:  # an image stream's steady ms per batch, else the training time
+                    steady = r["ms_per_batch_steady"] or r["ms_per_batch"]
+                    vals[d] = steady if image else r["train_time_s"]
                 tag = f" ({r['backend']}{', graph' if r['graph'] else ''})" if r and method == "emcl" else ""
                 cells.append("-" if r is None else _num(vals[d]) + tag)
                 accs.append(_fmt(r and r["acc"]))

@@ -93,7 +93,8 @@ def test_auto_times_the_gpu_only_where_there_is_one(tmp_path):
     """--device auto: the CPU, and the GPU where there is one; --backends auto: EMCL on the
     backend FusedEMCLOptimizer picks on each device (graphed and eager on a GPU)."""
     result = bench_training.main(["--device", "auto", "--quick", "--n-tasks", "1", "--samples-per-task", "10",
-                                  "--methods", "emcl", "sgd", "--backends", "auto", "--out-dir", str(tmp_path)])
+                                  "--methods", "emcl", "sgd", "--backends", "auto",
+                                  "--out-dir", str(tmp_path)])
     devices = ["cpu", "cuda"] if CUDA else ["cpu"]
     assert result["settings"]["devices"] == devices
     auto = result["auto_backend"]
@@ -146,7 +147,8 @@ def test_graph_modes_and_labels():
 def test_image_streams_without_their_data_are_random_pixels_in_their_shape(stream, shape):
     s = bench_training.make_stream(stream, 0, None, 1, 20)
     assert s.info.name == stream and s.info.input_shape == shape and s.info.n_tasks == 1
-    assert s.info.task_classes == [(0, 5)] and s.info.multi_head and "random pixels" in s.info.source
+    assert s.info.task_classes == [(0, 5)] and s.info.multi_head
+    assert "random pixels" in s.info.source
     assert [len(t) for t in s.train] == [20] and tuple(s.train[0].x.shape[1:]) == shape
     assert float(s.train[0].x.std()) > 0.2  # random pixels, not a constant image
 
