@@ -22,6 +22,7 @@ SCHEMA = "emcl-kernels/bench_arrays/1"
 RUNS = (1, 4, 16, 64, 256)
 OPS = {"inner": ("inner_step", 3, 20), "step": ("step", 2, 28)}  # call, probe kind, bytes
 GOAL_TO_FLOOR, GOAL_FROM_RUNS = 1.15, 16
+HYPER = dict(meta_lr=0.1, gamma=0.1, decay=0.9, lr_mode="inverse")
 
 
 def per_run_values(n: int) -> dict:
@@ -30,35 +31,29 @@ def per_run_values(n: int) -> dict:
             "reg": [1.0 + 9.0 * ((7 * i) % n) / max(1, n - 1) for i in range(n)]}
 
 
-HYPER = dict(meta_lr=0.1, gamma=0.1, decay=0.9, lr_mode="inverse")
-
-
-def make_array(n: int, device, gen) -> tuple:
-    params = [(0.1 * torch.randn((n, *s), generator=gen)).to(device).requires_grad_()
-              for s in common.mlp_shapes()]
-    for p in params:
-        p.grad = 1e-3 * torch.randn(p.shape, generator=gen).to(device)
+def make_array(n: Optional[int], device, gen) -> list:
+    """The MLP's weights with gradients, stacked ``[n, ...]`` (one run: ``n`` None)."""
+    params = []
+    for s in common.mlp_shapes():
+        shape = s if n is None else (n, *s)
+        p = (0.1 * torch.randn(shape, generator=gen)).to(device).requires_grad_()
+        p.grad = 1e-3 * torch.randn(shape, generator=gen).to(device)
+        params.append(p)
     return params
 
 
 def array_contender(n: int, device, gen, call: str) -> Callable[[], None]:
-    params = make_array(n, device, gen)
-    opt = FusedEMCLOptimizer([{"params": params, "runs": n, **per_run_values(n)}], **HYPER,
-                             meta_every=1 if call == "step" else None)
+    group = {"params": make_array(n, device, gen), "runs": n, **per_run_values(n)}
+    opt = FusedEMCLOptimizer([group], **HYPER, meta_every=1 if call == "step" else None)
     return getattr(opt, call)
 
 
 def separate_contender(n: int, device, gen, call: str) -> Callable[[], None]:
     values = per_run_values(n)
-    steps = []
-    for r in range(n):
-        params = [(0.1 * torch.randn(s, generator=gen)).to(device).requires_grad_()
-                  for s in common.mlp_shapes()]
-        for p in params:
-            p.grad = 1e-3 * torch.randn(p.shape, generator=gen).to(device)
-        opt = FusedEMCLOptimizer(params, lr=values["lr"][r], reg=values["reg"][r], **HYPER,
-                                 meta_every=1 if call == "step" else None)
-        steps.append(getattr(opt, call))
+    meta_every = 1 if call == "step" else None
+    steps = [getattr(FusedEMCLOptimizer(make_array(None, device, gen), lr=values["lr"][r],
+                                        reg=values["reg"][r], **HYPER, meta_every=meta_every), call)
+             for r in range(n)]
 
     def run() -> None:
         for s in steps:
@@ -96,42 +91,30 @@ def hfta_contender(n: int, device, gen, call: str) -> Callable[[], None]:
     return run
 
 
-def floor_contender(n: int, device, kind: int) -> Optional[Callable[[], None]]:
-    if not common.stream_probes_available(device):
-        return None
-    numel = n * sum(torch.Size(s).numel() for s in common.mlp_shapes())
-    tensors = [torch.rand(numel, device=device) for _ in range(4)]
-    return lambda: torch.ops.emcl.stream_probe_(*tensors, kind)
-
-
 def measure(n: int, op: str, device, threads: int, rounds: int, log) -> list:
+    """The records of every contender at ``n`` runs: times, GB/s and ratios."""
     call, kind, nbytes = OPS[op]
     gen = torch.Generator().manual_seed(n)
+    numel = n * sum(torch.Size(s).numel() for s in common.mlp_shapes())
     contenders = {"array": array_contender(n, device, gen, call),
                   "separate": separate_contender(n, device, gen, call),
                   "hfta": hfta_contender(n, device, gen, call)}
-    floor = floor_contender(n, device, kind) if device.type == "cpu" else None
-    if floor is not None:
-        contenders["floor"] = floor
-    numel = n * sum(torch.Size(s).numel() for s in common.mlp_shapes())
+    if device.type == "cpu" and common.stream_probes_available(device):
+        tensors = [torch.rand(numel, device=device) for _ in range(4)]
+        contenders["floor"] = lambda: torch.ops.emcl.stream_probe_(*tensors, kind)
     # about 20 ms of work per contender and round
     calls = max(1, min(50, int(2e-2 / max(numel * nbytes / 10e9, 2e-5 * n))))
     times = harness.interleaved(contenders, device, rounds, calls=calls)
     stats = {name: harness.summary(t) for name, t in times.items()}
-    records = []
-    for name, s in stats.items():
-        r = {"runs": n, "op": op, "threads": threads, "contender": name, **s,
+    log(f"  N={n:4d} {op:5s} {threads}T  "
+        + "  ".join(f"{k} {v['median_ms']:8.3f}" for k, v in stats.items()) + " ms")
+    return [{"runs": n, "op": op, "threads": threads, "contender": name, **s,
              "elements": numel, "bytes_per_element": nbytes,
              "gbps": numel * nbytes / (s["median_ms"] / 1e3) / 1e9,
              "ratio_to_separate": s["median_ms"] / stats["separate"]["median_ms"],
              "ratio_to_floor": (s["median_ms"] / stats["floor"]["median_ms"]
                                 if "floor" in stats else None)}
-        records.append(r)
-    a = stats["array"]
-    log(f"  N={n:4d} {op:5s} {threads}T  array {a['median_ms']:8.3f} ms  separate "
-        f"{stats['separate']['median_ms']:8.3f}  hfta {stats['hfta']['median_ms']:8.3f}"
-        + (f"  floor {stats['floor']['median_ms']:8.3f}" if "floor" in stats else ""))
-    return records
+            for name, s in stats.items()]
 
 
 def verdicts(records: list, device) -> dict:

@@ -5,27 +5,7 @@ CPU thread or on a GPU (the curves ``--array auto`` reads).
     python -m benchmarks run-arrays --methods mer lamaml --widths 1 2 4 8
     python -m benchmarks run-arrays --device cuda --widths 1 8 32 128 256   # on a GPU
 
-For each method: the run alone (the method's own ``observe`` with its default configuration, as
-``train.run`` steps it: MER with its NumPy stepper on the CPU; EMCL with its fused glance on the
-CPU and its glances captured in CUDA graphs on a GPU) and arrays of each width
-(:mod:`emcl_continual.arrays`), each run of an array with its own seed and the method's default
-configuration, on Permuted-MNIST batches (the embedded digits), the weights and the batches on
-``--device``. Each first trains ``--warm`` batches of the first task (the memories fill, lazy
-work is done, CUDA graphs are captured, the task is consolidated: EWC's penalty, A-GEM's
-reference gradient and GEM's projection are in the timed steps), then blocks of batches of the
-second task are timed, the run alone's block and the array's alternating ``--repeats`` times,
-the fastest of each kept. ``run_samples_per_s`` = width x samples / time; ``speedup`` is that
-over the run alone timed beside it.
-
-The timer (the file's ``timer``): on the CPU, process CPU time on one thread
-(``time.process_time``: on a shared machine the time other processes take from this one is not
-counted; their cache and memory-bandwidth pressure still is); on a GPU, the wall clock of the
-block with the device synchronised before and after it (:func:`benchmarks.timing.time_once`).
-A width that does not fit in the device's memory is recorded with its error, and the wider
-ones of that method are not tried.
-
-Writes ``OUT/NAME.json`` (default ``results/arrays/throughput_<device>.json``) after every
-method, so that a run cut short keeps the methods it finished, and its figure ``.png`` beside it.
+The runs, the timer and the file (written after every method): benchmarks/README.md, ``run-arrays``.
 """
 from __future__ import annotations
 
@@ -55,9 +35,8 @@ TIMERS = {"cpu": "process CPU time (time.process_time), one thread",
 
 def _data(width: int, warm: int, batches: int, bs: int = BATCH_SIZE):
     """Seeds ``0 .. width-1``: each one's first ``warm`` batches of task 0 and first ``batches``
-    batches of task 1, stacked (``[width, n, 784]``, on the CPU), and the stream's info with
-    Permuted MNIST's 20 tasks (the per-task memories of A-GEM and GEM are sized by it). Built
-    once per run of the benchmark: an array of ``w`` runs takes the first ``w`` seeds."""
+    of task 1, stacked (``[width, n, 784]``), and the stream's info with Permuted MNIST's 20 tasks
+    (A-GEM's and GEM's memories are sized by it); an array of ``w`` runs takes the first ``w``."""
     streams = [make_stream(STREAM, s, n_tasks=2, samples_per_task=max(warm, batches) * bs) for s in range(width)]
     w, n = warm * bs, batches * bs
     info = dataclasses.replace(streams[0].info, n_tasks=20)
@@ -82,33 +61,37 @@ def _out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc).lower()
 
 
+def _stepper(learner, warm_data, timed_data, warm: int, bs: int):
+    """Train ``learner`` ``warm`` batches of task 0, end it and begin task 1; return a step
+    that trains the next batch of ``timed_data`` (a run's [n, 784], an array's [width, n, 784])."""
+    (wx, wy), (x, y) = warm_data, timed_data
+    learner.begin_task(0)
+    for b in range(warm):
+        learner.observe(wx.narrow(-2, b * bs, bs), wy.narrow(-1, b * bs, bs), 0)
+    learner.end_task(0)
+    learner.begin_task(1)
+    pos = [0]
+
+    def step(_):
+        b = pos[0] % (y.shape[-1] // bs)
+        learner.observe(x.narrow(-2, b * bs, bs), y.narrow(-1, b * bs, bs), 1)
+        pos[0] += 1
+    return step
+
+
 def measure(method: str, widths: list, data: tuple, warm: int, batches: int, repeats: int,
             device: torch.device, bs: int = BATCH_SIZE, log=print) -> dict:
-    """The run alone and arrays of ``widths`` of ``method`` on ``device``, trained ``warm``
-    batches on task 0 (then ``end_task(0)``), timed on task 1 (so that EWC's penalty, A-GEM's
-    reference gradient and GEM's projection are in the step). ``data``: :func:`_data` for the
-    widest array. For each width the run alone's block and the array's block alternate
-    ``repeats`` times and the fastest of each is kept (on a shared machine the load changes
-    between widths: each speedup is against the run alone timed beside it)."""
+    """The run alone and arrays of ``widths`` of ``method``, trained ``warm`` batches on task 0,
+    timed on task 1, each width's blocks alternating with the run alone's (``data``: :func:`_data`
+    for the widest array)."""
     cls = get_method(method)
     lcls = arrays.get_learner(method)
     (w0x, w0y), (t1x, t1y), info = data
     t1x, t1y = t1x[:, :batches * repeats * bs], t1y[:, :batches * repeats * bs]
     torch.manual_seed(0)
     learner = cls(build_model(info).to(device), info, build_config(method, STREAM, 0, {}), device)
-    ax, ay = w0x[0].to(device), w0y[0].to(device)
-    learner.begin_task(0)
-    for b in range(warm):
-        learner.observe(ax[b * bs:(b + 1) * bs], ay[b * bs:(b + 1) * bs], 0)
-    learner.end_task(0)
-    learner.begin_task(1)
-    ax, ay = t1x[0].to(device), t1y[0].to(device)
-    apos = [0]
-
-    def alone_step(_):
-        b = apos[0] % (batches * repeats)
-        learner.observe(ax[b * bs:(b + 1) * bs], ay[b * bs:(b + 1) * bs], 1)
-        apos[0] += 1
+    alone_step = _stepper(learner, [w0x[0].to(device), w0y[0].to(device)],
+                          [t1x[0].to(device), t1y[0].to(device)], warm, bs)
     rows = []
     for w in widths:
         try:
@@ -131,8 +114,6 @@ def measure(method: str, widths: list, data: tuple, warm: int, batches: int, rep
 
 def _width(method, lcls, w, warm_data, timed_data, info, warm, batches, repeats, device, bs, alone_step) -> dict:
     """One row of :func:`measure`: an array of ``w`` runs, timed against ``alone_step``."""
-    wx, wy = (t[:w].to(device) for t in warm_data)
-    xs, ys = (t[:w].to(device) for t in timed_data)
     models = []
     for s in range(w):
         torch.manual_seed(s)
@@ -141,17 +122,8 @@ def _width(method, lcls, w, warm_data, timed_data, info, warm, batches, repeats,
         weights = [torch.stack([p.detach() for p in ps]).requires_grad_(True)
                    for ps in zip(*[list(m.parameters()) for m in models])]
     arr = lcls(weights, info, [build_config(method, STREAM, s, {}) for s in range(w)], device)
-    arr.begin_task(0)
-    for b in range(warm):
-        arr.observe(wx[:, b * bs:(b + 1) * bs], wy[:, b * bs:(b + 1) * bs], 0)
-    arr.end_task(0)
-    arr.begin_task(1)
-    pos = [0]
-
-    def array_step(_):
-        b = pos[0]
-        arr.observe(xs[:, b * bs:(b + 1) * bs], ys[:, b * bs:(b + 1) * bs], 1)
-        pos[0] += 1
+    array_step = _stepper(arr, [t[:w].to(device) for t in warm_data],
+                          [t[:w].to(device) for t in timed_data], warm, bs)
     t_alone, t_array = float("inf"), float("inf")
     for _ in range(repeats):
         t_alone = min(t_alone, _block(alone_step, batches, device))

@@ -10,26 +10,21 @@ the shape of the paper's training-time figure (Figure 2), on the CPU and on a GP
         many-permutations --out-dir results/efficiency --name controlled_cpu   # the results tables' times
     python -m benchmarks training --anytime --n-tasks 3 --name anytime_cost_cpu  # what --eval-every adds
 
-Three modes on one run machinery (:func:`run_prefix`, ``train.run``, the harness): every method
-and EMCL backend on each device (the default: a table per stream with the GPU's speed-up, and a
-plot); the held-out report rows timed like for like with their machine-independent cost
-(``--heldout``, :func:`run_heldout`; it makes ``results/efficiency/``); and what anytime evaluation
-costs (``--anytime``, :func:`run_anytime`). The runs, the image streams and the outputs:
-benchmarks/README.md, ``training``.
+Three modes on one run machinery (:func:`run_prefix`, ``train.run``, :func:`in_rounds`): every
+method and EMCL backend on each device (the default), the held-out report rows timed like for
+like (``--heldout``) and what anytime evaluation costs (``--anytime``). The runs, the streams and
+the outputs: benchmarks/README.md, ``training``.
 """
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import statistics
-import tempfile
 import time
 from typing import Optional
 
 from benchmarks import common, harness  # (puts the repository on sys.path)
 
-import numpy as np
 import torch
 
 IMAGE_STREAMS = ("split-cifar100", "split-miniimagenet")
@@ -75,69 +70,34 @@ def label(method: str, backend: Optional[str], graph: Optional[bool] = None) -> 
     return f"{method} ({', '.join(tags)})" if tags else method
 
 
-def devices_for(choice: str) -> tuple[list, Optional[str]]:
-    """The devices ``--device`` asks for (``cpu`` or ``cuda``, checked by
-    :func:`harness.device_of`; ``auto``: the CPU, and the GPU where there is one), and a note
-    when ``auto`` found no GPU."""
-    if choice != "auto":
-        return [harness.device_of(choice)], None
-    if torch.cuda.is_available():
-        return [CPU, torch.device("cuda")], None
-    return [CPU], "--device auto: no GPU here, timing the CPU only"
+def make_stream(name: str, seed: int, root: Optional[str], n_tasks: int, per_task: int):
+    """``name``'s first tasks; an image stream without a data folder ``root``: one task of random
+    pixels in the stream's shape (the time per batch does not depend on the pixels)."""
+    from emcl_continual.data import streams
 
+    if name not in IMAGE_STREAMS or root is not None:
+        return streams.make_stream(name, seed, data_root=root, n_tasks=n_tasks,
+                                   samples_per_task=per_task)
+    features = 3 * 32 * 32 if name == "split-cifar100" else 3 * 84 * 84
+    g = torch.Generator().manual_seed(seed)
 
-# --- Image data files in their real formats ----------------------------------------------------
-
-def write_image_files(root: str, stream: str, samples_per_task: int, seed: int = 0) -> str:
-    """Write ``stream``'s data files under ``root`` in the formats ``emcl_continual.data.sources``
-    reads, with random pixels and enough images per class for ``samples_per_task`` samples in
-    each task: ``cifar-100-python/{train,test}`` (pickled dicts with ``data`` uint8 (n, 3072)
-    and ``fine_labels``) or ``miniimagenet/mini-imagenet-cache-{train,val,test}.pkl`` (dicts
-    with ``image_data`` uint8 (n, 84, 84, 3) and ``class_dict``). Returns a description."""
-    rng = np.random.default_rng(seed)
-    per_class = -(-samples_per_task // 5)  # 5 classes per task
-    if stream == "split-cifar100":
-        folder = os.path.join(root, "cifar-100-python")
-        os.makedirs(folder, exist_ok=True)
-        for split, k in (("train", per_class), ("test", 2)):
-            labels = np.repeat(np.arange(100), k)
-            rng.shuffle(labels)
-            entry = {"batch_label": split, "filenames": [f"img{i}.png" for i in range(len(labels))],
-                     "fine_labels": labels.tolist(), "coarse_labels": (labels // 5).tolist(),
-                     "data": rng.integers(0, 256, size=(len(labels), 3072), dtype=np.uint8)}
-            with open(os.path.join(folder, split), "wb") as fh:
-                pickle.dump(entry, fh)
-        return (f"CIFAR-100 python pickles with random pixels ({per_class} training images per "
-                "class), written by bench_training.py")
-    if stream == "split-miniimagenet":
-        folder = os.path.join(root, "miniimagenet")
-        os.makedirs(folder, exist_ok=True)
-        n_img = -(-per_class * 6 // 5) + 1  # the stream keeps 5/6 of each class for training
-        for split, n_cls in (("train", 64), ("val", 16), ("test", 20)):
-            images = rng.integers(0, 256, size=(n_cls * n_img, 84, 84, 3), dtype=np.uint8)
-            classes = {f"n{split}{c:04d}": list(range(c * n_img, (c + 1) * n_img)) for c in range(n_cls)}
-            with open(os.path.join(folder, f"mini-imagenet-cache-{split}.pkl"), "wb") as fh:
-                pickle.dump({"image_data": images, "class_dict": classes}, fh)
-        return (f"miniImageNet cache pickles with random pixels ({n_img} images per class), "
-                "written by bench_training.py")
-    raise ValueError(f"no image files to write for stream {stream!r}")
+    def task(n):  # five classes, as the stream's tasks have
+        return torch.rand(n, features, generator=g), torch.arange(n) % 5
+    return streams.stream_from_tasks(name, [task(per_task)], [task(10)], seed,
+                                     source="random pixels in the stream's shape")
 
 
 # --- The run machinery -------------------------------------------------------------------------
 
 def run_prefix(method: str, overrides: dict, stream, seed: int, n_tasks: int, batch_size: int,
                device: torch.device = CPU, count: bool = False) -> dict:
-    """Train ``method`` (its configuration: its defaults for ``stream`` updated with
-    ``overrides``) on the first ``n_tasks`` tasks of ``stream`` as ``emcl_continual.training.train.run``
-    does (``begin_task``, one ``observe`` per batch, ``end_task``; the model built and
-    initialised alike), without evaluating. The stream stays whole, so that a method that sizes
-    itself by the number of tasks (GEM's memory per task) is the configuration of the full run.
+    """Train ``method`` (its defaults for ``stream`` updated with ``overrides``) on the first
+    ``n_tasks`` tasks of ``stream`` as ``emcl_continual.training.train.run`` does, without
+    evaluating; the stream stays whole (GEM sizes its memory by the number of tasks).
 
-    Returns ``train_time_s`` (the sum of those calls, the device synchronized around each, as
-    ``train.run`` times them), ``cpu_time_s`` (the process's CPU time over the same calls,
-    which a loaded machine stretches less than the wall clock), ``batch_s`` (each ``observe``),
-    ``incoming_samples`` and, with ``count``, the ``CostCounter`` counts (the counting hooks
-    cost time: a counted run is not a timed one)."""
+    Returns ``train_time_s`` (the device synchronized around each call), ``cpu_time_s``
+    (process CPU time over the same calls), ``batch_s`` (each ``observe``), ``incoming_samples``
+    and, with ``count``, the ``CostCounter`` counts (a counted run is not a timed one)."""
     from emcl_continual.data.models import build_model
     from emcl_continual.methods import get_method
     from emcl_continual.training.config import RUN_DEFAULTS, build_config
@@ -181,109 +141,108 @@ def run_prefix(method: str, overrides: dict, stream, seed: int, n_tasks: int, ba
     return out
 
 
-def _one_run(method, backend, graph, stream, warm, seed, device, args, image, first) -> dict:
-    """One timed run: ``train.run`` on a permutation stream (ACC and BWT too), each
-    ``observe`` of the first task on an image stream; the first seed after a warm-up run."""
+def in_rounds(items: list, rounds: int, run) -> list:
+    """``(round, position, item, run(item, round))`` for every item once per round, in order on
+    even rounds and reversed on odd ones (a change of the machine's load falls on all alike)."""
+    return [(rnd, pos, item, run(item, rnd)) for rnd in range(rounds)
+            for pos, item in enumerate(items if rnd % 2 == 0 else items[::-1])]
+
+
+def _one_run(method, backend, graph, stream, warm, seed, device, batch_size, first) -> dict:
+    """One timed run: ``train.run`` on a permutation stream (ACC and BWT too), each ``observe``
+    of the first task on an image stream; the first seed after a warm-up run on ``warm``."""
     from emcl_continual.training import train
 
     overrides = {k: v for k, v in (("backend", backend), ("cuda_graph", graph)) if v is not None}
-    n_batches = stream.n_batches(args.batch_size)
+    kw = dict(overrides=overrides, batch_size=batch_size, device=device, progress=False)
     rec = {"method": method, "backend": backend, "graph": graph, "label": label(method, backend, graph),
-           "seed": seed, "stream": stream.info.name, "device": device.type, "n_batches": n_batches}
+           "seed": seed, "stream": stream.info.name, "device": device.type,
+           "n_batches": stream.n_batches(batch_size)}
     if first:  # lazy imports, compilation, allocator and cuDNN warm-up
-        train.run(method, warm, seed, overrides=overrides, batch_size=args.batch_size, device=device,
-                  progress=False)
+        train.run(method, warm, seed, **kw)
     t0 = time.perf_counter()
-    if image:
-        secs = run_prefix(method, overrides, stream, seed, 1, args.batch_size, device)["batch_s"]
+    if stream.info.name in IMAGE_STREAMS:
+        secs = run_prefix(method, overrides, stream, seed, 1, batch_size, device)["batch_s"]
         steady = secs[STEADY_SKIP:] if len(secs) > STEADY_SKIP else secs[-1:]
         rec.update(train_time_s=sum(secs), eval_time_s=None, n_batches=len(secs),
                    ms_per_batch=1e3 * sum(secs) / len(secs),
                    ms_per_batch_steady=1e3 * statistics.median(steady),
                    batch_ms=[round(1e3 * s, 3) for s in secs], acc=None, bwt=None)
     else:
-        r = train.run(method, stream, seed, overrides=overrides, batch_size=args.batch_size, device=device,
-                      progress=False)
+        r = train.run(method, stream, seed, **kw)
         rec.update(train_time_s=r["train_time_s"], eval_time_s=r["eval_time_s"],
-                   ms_per_batch=1e3 * r["train_time_s"] / max(1, n_batches), ms_per_batch_steady=None,
-                   acc=r["acc"], bwt=r["bwt"])
+                   ms_per_batch=1e3 * r["train_time_s"] / max(1, rec["n_batches"]),
+                   ms_per_batch_steady=None, acc=r["acc"], bwt=r["bwt"])
     rec["wall_time_s"] = time.perf_counter() - t0
     return rec
 
 
-def in_rounds(items: list, rounds: int, run) -> list:
-    """``(round, position, item, run(item, round))`` for every item once per round, in order on
-    even rounds and reversed on odd ones, so that a change of the machine's load falls on all alike."""
-    return [(rnd, pos, item, run(item, rnd)) for rnd in range(rounds)
-            for pos, item in enumerate(items if rnd % 2 == 0 else items[::-1])]
-
-
 # --- Devices: every method and backend on each device ------------------------------------------
 
-def run_devices(args, argv, devices: list, device_note: Optional[str]) -> dict:
-    from emcl_continual.data.streams import make_stream
+def run_devices(args, argv) -> dict:
     from emcl_continual.methods import METHODS
     from emcl_kernels.backends import auto_backend
 
+    if args.device == "auto":
+        devices = [CPU] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    else:
+        devices = [harness.device_of(args.device)]
+    note = None
+    if args.device == "auto" and len(devices) == 1:
+        note = "--device auto: no GPU here, timing the CPU only"
     methods = _check_methods(args.methods or list(METHODS), "--methods")
     image_methods = _check_methods(args.image_methods or [m for m in IMAGE_METHODS if m in methods],
                                    "--image-methods")
     n_tasks = args.n_tasks or (2 if args.quick else 5)
     per_task = args.samples_per_task or (50 if args.quick else 200)
     image_batches = args.image_batches or (3 if args.quick else 8)
-
     plans, skipped_backends = {}, {}
     for device in devices:
-        only = None if not args.backends else \
-            list(dict.fromkeys(auto_backend(device) if b == "auto" else b for b in args.backends))
+        only = args.backends and list(dict.fromkeys(auto_backend(device) if b == "auto" else b
+                                                    for b in args.backends))
         backends, skipped = common.backends_for(device, include_cpu_triton=args.cpu_triton, only=only)
         if "emcl" in methods and not backends:
             raise SystemExit(f"no EMCL backend available on {device}: {skipped}")
-        for name, why in skipped.items():
-            skipped_backends[f"{name} on {device.type}" if len(devices) > 1 else name] = why
+        skipped_backends.update({f"{b} on {device.type}" if len(devices) > 1 else b: why
+                                 for b, why in skipped.items()})
         plans[device.type] = backends
-
-    if device_note:
-        print(device_note, flush=True)
+    if note:
+        print(note, flush=True)
     # the head before the runs: its machine's load average is the one at the start
     result = harness.head("training", argv, schema="emcl-kernels/bench_training/2", note=args.note)
     started = time.perf_counter()
     records, per_stream = [], {}
-    with tempfile.TemporaryDirectory(prefix="emcl_bench_images_") as scratch:
-        for stream_name in args.streams:
-            image = stream_name in IMAGE_STREAMS
-            root, source = args.data_root, None
-            if image and root is None:
-                root = os.path.join(scratch, stream_name)
-                source = write_image_files(root, stream_name, image_batches * args.batch_size)
-            shape = (1, image_batches * args.batch_size) if image else (n_tasks, per_task)
-            for seed in args.seeds:
-                stream = make_stream(stream_name, seed, data_root=root, n_tasks=shape[0],
-                                     samples_per_task=shape[1])
-                per_stream[stream_name] = {"n_tasks": shape[0], "samples_per_task": shape[1],
-                                           "timing": "per batch" if image else "train.run",
-                                           "data_source": source or stream.info.source}
-                warm = make_stream(stream_name, seed, data_root=root, n_tasks=1,
-                                   samples_per_task=2 * args.batch_size)
-                for device in devices:
-                    # the image streams: EMCL's default backend only, unless --backends names some
-                    backends = [auto_backend(device)] if image and not args.backends else plans[device.type]
-                    for method, backend in plan_runs(image_methods if image else methods, backends):
-                        for graph in (graph_modes(device, args.emcl_graph) if method == "emcl" else [None]):
-                            rec = _one_run(method, backend, graph, stream, warm, seed, device, args, image,
-                                           first=seed == args.seeds[0])
-                            records.append(rec)
-                            steady = rec["ms_per_batch_steady"]
-                            print(f"{stream_name:<18} {device.type:<4} {rec['label']:<26} seed {seed}: "
-                                  f"train {rec['train_time_s']:.2f} s ({rec['ms_per_batch']:.2f} ms/batch"
-                                  + (f", steady {steady:.2f}" if steady is not None else "")
-                                  + (f"), ACC {rec['acc']:.2f}" if rec["acc"] is not None else ")"), flush=True)
-
+    for name in args.streams:
+        image = name in IMAGE_STREAMS
+        shape = (1, image_batches * args.batch_size) if image else (n_tasks, per_task)
+        for seed in args.seeds:
+            stream = make_stream(name, seed, args.data_root, *shape)
+            warm = make_stream(name, seed, args.data_root, 1, 2 * args.batch_size)
+            per_stream[name] = {"n_tasks": shape[0], "samples_per_task": shape[1],
+                                "timing": "per batch" if image else "train.run",
+                                "data_source": stream.info.source}
+            for device in devices:
+                # the image streams: EMCL's default backend only, unless --backends names some
+                backends = plans[device.type]
+                if image and not args.backends:
+                    backends = [auto_backend(device)]
+                chosen = image_methods if image else methods
+                runs = [(m, b, g) for m, b in plan_runs(chosen, backends)
+                        for g in (graph_modes(device, args.emcl_graph) if m == "emcl" else [None])]
+                for method, backend, graph in runs:
+                    rec = _one_run(method, backend, graph, stream, warm, seed, device,
+                                   args.batch_size, first=seed == args.seeds[0])
+                    records.append(rec)
+                    steady, acc = rec["ms_per_batch_steady"], rec["acc"]
+                    print(f"{name:<18} {device.type:<4} {rec['label']:<26} seed {seed}: "
+                          f"train {rec['train_time_s']:.2f} s ({rec['ms_per_batch']:.2f} ms/batch"
+                          + (f", steady {steady:.2f}" if steady is not None else "")
+                          + (f"), ACC {acc:.2f}" if acc is not None else ")"), flush=True)
     result["machine"]["load_average_at_end"] = common.load_average()
     result.update({
         "device_names": {d.type: common.device_name(d) for d in devices},
         "auto_backend": {d.type: auto_backend(d) for d in devices},
-        "notes": [device_note] if device_note else [],
+        "notes": [note] if note else [],
         "settings": {"streams": list(args.streams), "per_stream": per_stream,
                      "batch_size": args.batch_size, "seeds": args.seeds,
                      "device": devices[0].type if len(devices) == 1 else "auto",
@@ -296,8 +255,7 @@ def run_devices(args, argv, devices: list, device_note: Optional[str]) -> dict:
         "wall_time_s": time.perf_counter() - started,
     })
     stem = args.name or f"training_{common.utc_stamp()}_{'-'.join(d.type for d in devices)}"
-    return harness.finish(result, args.out, stem, plot=plot, no_plot=args.no_plot,
-                          table=lambda res: tables([res]))
+    return harness.finish(result, args.out, stem, table=lambda res: tables([res]))
 
 
 def summarize(records: list) -> list:
@@ -332,11 +290,6 @@ def _num(v: float) -> str:
     return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
 
 
-def _value(row: dict, image: bool) -> float:
-    """What a row is compared by: the steady ms per batch on an image stream, else the training time."""
-    return (row["ms_per_batch_steady"] or row["ms_per_batch"]) if image else row["train_time_s"]
-
-
 def _headline(rows: list, method: str, device: str, auto: dict) -> Optional[dict]:
     """The row that stands for ``method`` on ``device``: for EMCL the backend ``auto`` picks
     there (what ``python -m emcl_continual`` runs), graphed on a GPU; for a baseline its row."""
@@ -347,11 +300,10 @@ def _headline(rows: list, method: str, device: str, auto: dict) -> Optional[dict
 
 
 def tables(results: list) -> str:
-    """Markdown, per stream: the training time of every method on each device (the paper's
-    Figure 2) with the GPU's speed-up and ACC, then every row with its backend; then the files
-    the numbers come from with their machines, the notes, and the EMCL backends not run. One
-    results file is the run's terminal table; a CPU file and a GPU file (``--table``) merge."""
-    rows, auto, sources, notes, not_run = [], {}, [], [], []
+    """Markdown, per stream: every method's time on each device with the GPU's speed-up and ACC,
+    then every row; then the source files, notes and EMCL backends not run. Several results
+    files (a CPU run and a GPU run) merge."""
+    rows, auto, sources, notes = [], {}, [], []
     for res in results:
         rows += [dict(r, _settings=res["settings"]) for r in res["summary"]]
         auto.update(res["auto_backend"])
@@ -362,8 +314,7 @@ def tables(results: list) -> str:
                        + f"; torch {m['torch']}, {m['torch_threads']} CPU thread(s), load average at start "
                        f"{m.get('load_average_at_start')}" + (f", at end {end}" if end else "")
                        + f", commit {m.get('git_commit')}, created {res.get('created_utc')}")
-        notes += res.get("notes", [])
-        not_run += [f"EMCL backend not run: {b}: {why}" for b, why in res.get("skipped_backends", {}).items()]
+        notes += [f"Note: {n}" for n in res.get("notes", [])]
     out = []
     for stream in dict.fromkeys(r["stream"] for r in rows):
         srows = [r for r in rows if r["stream"] == stream]
@@ -372,17 +323,23 @@ def tables(results: list) -> str:
         ss = settings["per_stream"][stream]
         names = {d: "CPU" if d == "cpu" else "GPU" for d in dict.fromkeys(r["device"] for r in srows)}
         both = set(names) == {"cpu", "cuda"}
+        what = "training time, s"
+        if image:
+            what = "ms per batch (steady)"
+            if "random pixels" in ss["data_source"]:
+                what += " (random pixels; ACC not meaningful)"
         out += [f"**{stream}**, {ss['n_tasks']} task(s) x {ss['samples_per_task']} samples, batch "
-                f"{settings['batch_size']}: " + ("ms per batch (steady) (random-pixel files; ACC not "
-                                                 "meaningful)" if image else "training time, s"), ""]
+                f"{settings['batch_size']}: {what}", ""]
         head = ["method", *names.values()] + (["GPU speed-up"] if both else []) \
             + ([] if image else [f"ACC {n}" for n in names.values()])
         out += ["| " + " | ".join(head) + " |", "|---|" + "--:|" * (len(head) - 1)]
         for method in dict.fromkeys(r["method"] for r in srows):
-            cells, vals, accs = [method], {}, []
+            cells, vals, accs = [method], dict.fromkeys(names), []
             for d in names:
                 r = _headline(srows, method, d, auto)
-                vals[d] = None if r is None else _value(r, image)
+                if r is not None:  # an image stream's steady ms per batch, else the training time
+                    steady = r["ms_per_batch_steady"] or r["ms_per_batch"]
+                    vals[d] = steady if image else r["train_time_s"]
                 tag = f" ({r['backend']}{', graph' if r['graph'] else ''})" if r and method == "emcl" else ""
                 cells.append("-" if r is None else _num(vals[d]) + tag)
                 accs.append(_fmt(r and r["acc"]))
@@ -396,53 +353,17 @@ def tables(results: list) -> str:
                 f"{_fmt(r['acc'])} | {_fmt(r['bwt'])} |" for r in srows]
         out.append("")
     out.append("From " + "; ".join(sources) + ".")
-    out += [f"Note: {n}" for n in dict.fromkeys(notes)] + not_run
+    out += list(dict.fromkeys(notes)) + [f"EMCL backend not run: {b}: {why}" for res in results
+                                         for b, why in res.get("skipped_backends", {}).items()]
     return "\n".join(out)
-
-
-def plot(result: dict, path: str) -> None:
-    """Training time (image streams: steady ms per batch) per method / backend and device as
-    horizontal bars on a log scale, one panel per stream (the paper's Figure 2 shape)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    summary = result["summary"]
-    streams = list(dict.fromkeys(r["stream"] for r in summary))
-    heights = [sum(1 for r in summary if r["stream"] == s) for s in streams]
-    fig, axes = plt.subplots(len(streams), 1, figsize=(7.5, 0.42 * sum(heights) + 1.6 * len(streams)),
-                             squeeze=False, gridspec_kw={"height_ratios": heights})
-    for ax, stream in zip(axes[:, 0], streams):
-        rows = [r for r in summary if r["stream"] == stream]
-        image = stream in IMAGE_STREAMS
-        vals = [_value(r, image) for r in rows]
-        ys = list(range(len(rows)))
-        ax.barh(ys, vals, color=["C7" if r["device"] == "cpu" else "C2" for r in rows],
-                edgecolor=["C0" if r["method"] == "emcl" else "none" for r in rows], linewidth=1.5)
-        for y, v in zip(ys, vals):
-            ax.text(v, y, f"  {_num(v)}", va="center", fontsize=8)
-        ax.set_yticks(ys)
-        ax.set_yticklabels([f"{r['label']} [{r['device']}]" for r in rows], fontsize=8)
-        ax.invert_yaxis()
-        ax.set_xscale("log")
-        ax.set_xlabel("ms per batch (steady)" if image else "training time, s (evaluation excluded)")
-        ss = result["settings"]["per_stream"][stream]
-        ax.set_title(f"{stream}, {ss['n_tasks']} task(s) x {ss['samples_per_task']} samples "
-                     "(grey: CPU, green: GPU)", fontsize=9)
-        ax.margins(x=0.25)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # --- The held-out rows, timed like for like ----------------------------------------------------
 
 def heldout_rows(folder: str, names=None) -> list:
-    """The report rows of one stream's held-out folder (``plan.json``) to time: ``names``
-    (default :data:`HELDOUT_ROWS`) that the plan holds, each as a dict with ``name``, ``method``
-    and ``overrides`` exactly as the sweep ran them. A row whose full configuration equals an
-    earlier one's (La-MAML selected at its own script's values) is timed once: it is listed
-    in that row's ``same_as``."""
+    """The report rows ``names`` (default :data:`HELDOUT_ROWS`) of a held-out folder's
+    ``plan.json``, each a dict of ``name``, ``method``, ``overrides`` and ``same_as``: the later
+    rows whose whole configuration is the same (timed once, under every name)."""
     from emcl_continual.training.config import build_config
 
     path = os.path.join(folder, "plan.json")
@@ -467,17 +388,9 @@ def heldout_rows(folder: str, names=None) -> list:
 
 
 def run_heldout(args, argv) -> dict:
-    """Every row of :func:`heldout_rows` on each stream's first tasks (``--heldout-samples``
-    incoming samples, whole tasks), seed = the stream's first report seed, on the CPU:
-
-    1. one counted pass per row (``CostCounter``; it also warms the row up);
-    2. ``--rounds`` timed rounds, each running every (stream, row) once, in the same order on
-       even rounds and reversed on odd ones, so that a change of the machine's load falls on
-       every row alike.
-
-    Writes the records (each with the load average when it ended), the counts, a summary
-    (median, min and max over the rounds) and the machine to ``--out-dir/--name.json``."""
-    from emcl_continual.data.streams import make_stream
+    """Every row of :func:`heldout_rows` on each stream's first ``--heldout-samples`` samples:
+    one counted pass per row, then ``--rounds`` timed rounds (:func:`in_rounds`)."""
+    from emcl_continual.data.streams import make_stream as stream_of
 
     rounds = 3 if args.rounds is None else args.rounds
     if rounds < 1 or args.heldout_samples < 1:
@@ -493,56 +406,54 @@ def run_heldout(args, argv) -> dict:
         with open(os.path.join(folder, "plan.json")) as f:
             p = json.load(f)
         seed = int(p["report_seeds"][0])
-        stream = make_stream(name, seed, data_root=p.get("data_root"), n_tasks=p.get("n_tasks"),
-                             samples_per_task=p.get("samples_per_task"))
+        stream = streams[name] = stream_of(name, seed, data_root=p.get("data_root"),
+                                           n_tasks=p.get("n_tasks"),
+                                           samples_per_task=p.get("samples_per_task"))
         per_task = len(stream.train[0])
-        n_tasks = args.heldout_samples // per_task
-        if args.heldout_samples % per_task:
+        n_tasks, rest = divmod(args.heldout_samples, per_task)
+        if rest:
             raise SystemExit(f"--heldout-samples {args.heldout_samples} is not a whole number of "
                              f"{name}'s tasks of {per_task} samples")
         if n_tasks > stream.info.n_tasks:
             raise SystemExit(f"--heldout-samples {args.heldout_samples}: {name} has only "
                              f"{stream.info.n_tasks * per_task} samples")
-        streams[name] = stream
         per_stream[name] = {"seed": seed, "n_tasks_timed": n_tasks, "n_tasks_stream": stream.info.n_tasks,
                             "samples_per_task": per_task, "data_source": stream.info.source,
                             "folder": common.relative(folder)}
         plan += [(name, row) for row in rows]
 
-    def run(name, row, count=False):
-        ps = per_stream[name]
-        return run_prefix(row["method"], row["overrides"], streams[name], ps["seed"], ps["n_tasks_timed"],
-                          args.batch_size, count=count)
-
-    counts = {}
-    for name, row in plan:
-        c = counts[(name, row["name"])] = run(name, row, count=True)["counts"]
-        print(f"{name:<18} {row['name']:<18} counted: {c['forward_per_sample']:.1f} forward, "
-              f"{c['backward_per_sample']:.1f} backward, {c['updates_per_sample']:.2f} updates per sample",
-              flush=True)
-
-    def timed(item, rnd):
+    def run(item, rnd=None, count=False):
         name, row = item
-        r = dict(run(name, row), load_average=common.load_average())
+        ps = per_stream[name]
+        r = run_prefix(row["method"], row["overrides"], streams[name], ps["seed"],
+                       ps["n_tasks_timed"], args.batch_size, count=count)
+        if count:
+            c = r["counts"]
+            print(f"{name:<18} {row['name']:<18} counted: {c['forward_per_sample']:.1f} forward, "
+                  f"{c['backward_per_sample']:.1f} backward, {c['updates_per_sample']:.2f} "
+                  "updates per sample", flush=True)
+            return c
+        r["load_average"] = common.load_average()
         print(f"round {rnd + 1}/{rounds} {name:<18} {row['name']:<18} {r['train_time_s']:.2f} s, "
               f"cpu {r['cpu_time_s']:.2f} s (load {(r['load_average'] or ['?'])[0]})", flush=True)
         return r
 
+    counts = {(name, row["name"]): run((name, row), count=True) for name, row in plan}
     records = [{"stream": name, "row": row["name"], "method": row["method"], "round": rnd, "position": pos,
                 **{k: r[k] for k in ("train_time_s", "cpu_time_s", "incoming_samples", "load_average")}}
-               for rnd, pos, (name, row), r in in_rounds(plan, rounds, timed)]
+               for rnd, pos, (name, row), r in in_rounds(plan, rounds, run)]
     summary = []
     for name, row in plan:
         mine = [r for r in records if r["stream"] == name and r["row"] == row["name"]]
         times, cpus = [r["train_time_s"] for r in mine], [r["cpu_time_s"] for r in mine]
         n = per_stream[name]["n_tasks_timed"] * per_stream[name]["samples_per_task"]
-        med = statistics.median(times)
+        med, cpu_med = statistics.median(times), statistics.median(cpus)
         summary.append({"stream": name, "row": row["name"], "same_as": row["same_as"], "method": row["method"],
                         "overrides": row["overrides"], "rounds": len(times),
                         "train_time_s_median": med, "train_time_s_min": min(times),
                         "train_time_s_max": max(times), "train_times_s": times,
-                        "cpu_time_s_median": statistics.median(cpus), "cpu_times_s": cpus,
-                        "ms_per_sample": 1e3 * med / n, "cpu_ms_per_sample": 1e3 * statistics.median(cpus) / n,
+                        "cpu_time_s_median": cpu_med, "cpu_times_s": cpus,
+                        "ms_per_sample": 1e3 * med / n, "cpu_ms_per_sample": 1e3 * cpu_med / n,
                         "counts": counts[(name, row["name"])]})
     result["machine"].update(load_average_before=load_before, load_average_after=common.load_average())
     result.update({
@@ -561,21 +472,10 @@ def run_heldout(args, argv) -> dict:
 # --- What anytime evaluation costs -------------------------------------------------------------
 
 def run_anytime(args, argv) -> dict:
-    """Two measurements, on the CPU, seed = the first report seed:
-
-    1. **per method** (``--methods``, default every method at its selected configuration on the
-       stream, from ``DIR/STREAM/selected.json``; La-MAML at its own script's values, the
-       headline row), on the first ``--n-tasks`` tasks of the stream: the run without anytime
-       evaluation and the same run with the stream's preset, alternating over ``--rounds``
-       rounds. Reported: the training time of each (``observe`` only: the two must agree up to
-       noise), the evaluator's own time (``anytime_eval_time_s``), its ratio to the training
-       time, and whether both runs ended with the same accuracy matrix (they must);
-    2. **the whole stream** (``--whole``, default the stream): the anytime evaluation's time,
-       which does not depend on the method, from one run of plain fine-tuning (``sgd``), over
-       each method's whole-stream training time extrapolated from its run above
-       (:func:`anytime_overhead`)."""
+    """Per method, the run without anytime evaluation and with the stream's preset in rounds;
+    then each ``--whole`` stream's evaluation time (benchmarks/README.md, ``training``)."""
     from emcl_continual.core import presets
-    from emcl_continual.data.streams import make_stream
+    from emcl_continual.data.streams import make_stream as stream_of
     from emcl_continual.methods import METHODS
     from emcl_continual.training import train
 
@@ -596,7 +496,7 @@ def run_anytime(args, argv) -> dict:
     preset = presets.anytime_preset(name)
     result = harness.head("training", argv, schema="emcl-kernels/bench_training/anytime/1", note=args.note)
     started = time.perf_counter()
-    stream = make_stream(name, seed, n_tasks=n_tasks, samples_per_task=args.samples_per_task)
+    stream = stream_of(name, seed, n_tasks=n_tasks, samples_per_task=args.samples_per_task)
 
     def once(run, rnd):
         method, mode = run
@@ -622,7 +522,7 @@ def run_anytime(args, argv) -> dict:
                    "rounds": rounds, "anytime": preset, "per_method": rows, "whole_stream": []})
     for whole_name in (args.whole if args.whole is not None else [name]):
         whole_preset = presets.anytime_preset(whole_name)
-        whole = make_stream(whole_name, seed, samples_per_task=args.samples_per_task)
+        whole = stream_of(whole_name, seed, samples_per_task=args.samples_per_task)
         res = train.run("sgd", whole, seed, batch_size=args.batch_size, progress=False,
                         eval_every=whole_preset["every"], eval_subset=whole_preset["subset"])
         w = {"stream": whole_name, "samples": sum(len(td) for td in whole.train),
@@ -639,10 +539,8 @@ def run_anytime(args, argv) -> dict:
 
 
 def anytime_overhead(whole: dict, result: dict) -> dict:
-    """method -> the anytime evaluation's whole-stream time over the method's training time of the
-    whole stream, the latter extrapolated from its per-method prefix run of the same file
-    (training time per incoming sample times the stream's samples), so that both come from one
-    machine in one state; only for the stream the per-method runs were on."""
+    """method -> the whole stream's anytime evaluation time over the method's training time of
+    the whole stream, extrapolated per sample from its run of ``result`` (same stream only)."""
     if whole["stream"] != result["stream"]:
         return {}
     prefix = result["n_tasks"] * result["samples_per_task"]
@@ -675,49 +573,50 @@ def anytime_table(result: dict) -> str:
 # --- The command line --------------------------------------------------------------------------
 
 def build_parser():
-    p = harness.parser("training", __doc__, "threads", "out", "name", "note", "quick", "plot",
+    p = harness.parser("training", __doc__, "threads", "out", "name", "note", "quick",
                        threads=1, quick="2 tasks x 50 samples; 3 image batches")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto (the CPU, and the GPU if any)")
-    p.add_argument("--streams", "--stream", dest="streams", nargs="+", default=["permuted-mnist"],
-                   help="streams to time (default permuted-mnist)")
-    p.add_argument("--n-tasks", type=int, default=None, help="permutation streams: default 5 (quick 2)")
-    p.add_argument("--samples-per-task", type=int, default=None,
-                   help="permutation streams: default 200 (quick 50; --anytime: the stream's)")
-    p.add_argument("--image-batches", type=int, default=None,
-                   help="image streams: batches of one task, each timed alone (default 8, quick 3)")
-    p.add_argument("--image-methods", nargs="+", default=None,
-                   help=f"methods timed on the image streams (default {' '.join(IMAGE_METHODS)})")
-    p.add_argument("--batch-size", type=int, default=10)
-    p.add_argument("--seeds", nargs="+", type=int, default=[0])
-    p.add_argument("--methods", nargs="+", default=None, help="default: emcl and every baseline")
-    p.add_argument("--backends", nargs="+", default=None,
-                   help="EMCL backends (default: every one available on the device; 'auto': the one "
-                        "FusedEMCLOptimizer picks there, as python -m emcl_continual runs)")
-    p.add_argument("--emcl-graph", choices=("on", "off", "both"), default="both",
-                   help="on a GPU: EMCL's glances from CUDA graphs (on), eagerly (off) or both")
-    p.add_argument("--cpu-triton", action="store_true", help="also time interpreted Triton on CPU")
-    p.add_argument("--data-root", default=None,
-                   help="data sets on disk (see emcl_continual); without it the image streams' "
-                        "files are generated (random pixels)")
-    p.add_argument("--heldout", metavar="DIR", default=None,
-                   help="time the held-out report rows of DIR/STREAM/plan.json (e.g. results/heldout) "
-                        "like for like: counted pass, then interleaved rounds (see run_heldout)")
-    p.add_argument("--rows", nargs="+", default=None,
-                   help=f"--heldout: the rows to time (default {' '.join(HELDOUT_ROWS)})")
-    p.add_argument("--heldout-samples", type=int, default=HELDOUT_SAMPLES,
-                   help=f"--heldout: incoming samples per stream, whole tasks (default {HELDOUT_SAMPLES})")
-    p.add_argument("--anytime", metavar="DIR", nargs="?", default=None,
-                   const=os.path.join(common.REPO, "results", "heldout"),
-                   help="what --eval-every at the stream's preset adds to each method's training, at "
-                        "the configurations of DIR/STREAM/selected.json (default results/heldout; "
-                        "see run_anytime)")
-    p.add_argument("--whole", nargs="*", default=None, metavar="STREAM",
-                   help="--anytime: streams whose whole-stream evaluation time is measured (default: "
-                        "the stream; none when given empty)")
-    p.add_argument("--rounds", type=int, default=None,
-                   help="--heldout, --anytime: timed rounds (default 3 and 1)")
-    p.add_argument("--table", nargs="+", metavar="RESULTS_JSON", default=None,
-                   help="print the tables of these results files and exit")
+    add = p.add_argument
+    add("--device", default="cpu",
+        help="cpu (default), cuda, or auto (the CPU, and the GPU if any)")
+    add("--streams", "--stream", dest="streams", nargs="+", default=["permuted-mnist"],
+        help="streams to time (default permuted-mnist)")
+    add("--n-tasks", type=int, default=None, help="permutation streams: default 5 (quick 2)")
+    add("--samples-per-task", type=int, default=None,
+        help="permutation streams: default 200 (quick 50; --anytime: the stream's)")
+    add("--image-batches", type=int, default=None,
+        help="image streams: batches of one task, each timed alone (default 8, quick 3)")
+    add("--image-methods", nargs="+", default=None,
+        help=f"methods timed on the image streams (default {' '.join(IMAGE_METHODS)})")
+    add("--batch-size", type=int, default=10)
+    add("--seeds", nargs="+", type=int, default=[0])
+    add("--methods", nargs="+", default=None, help="default: emcl and every baseline")
+    add("--backends", nargs="+", default=None,
+        help="EMCL backends (default: every one available on the device; 'auto': the one "
+             "FusedEMCLOptimizer picks there, as python -m emcl_continual runs)")
+    add("--emcl-graph", choices=("on", "off", "both"), default="both",
+        help="on a GPU: EMCL's glances from CUDA graphs (on), eagerly (off) or both")
+    add("--cpu-triton", action="store_true", help="also time interpreted Triton on CPU")
+    add("--data-root", default=None,
+        help="data sets on disk (see emcl_continual); without it the image streams are "
+             "random pixels")
+    add("--heldout", metavar="DIR", default=None,
+        help="time the held-out report rows of DIR/STREAM/plan.json (e.g. results/heldout) like "
+             "for like: a counted pass, then interleaved rounds")
+    add("--rows", nargs="+", default=None,
+        help=f"--heldout: the rows to time (default {' '.join(HELDOUT_ROWS)})")
+    add("--heldout-samples", type=int, default=HELDOUT_SAMPLES,
+        help=f"--heldout: incoming samples per stream, whole tasks (default {HELDOUT_SAMPLES})")
+    add("--anytime", metavar="DIR", nargs="?", default=None,
+        const=os.path.join(common.REPO, "results", "heldout"),
+        help="what --eval-every at the stream's preset adds to each method's training, at the "
+             "configurations of DIR/STREAM/selected.json (default results/heldout)")
+    add("--whole", nargs="*", default=None, metavar="STREAM",
+        help="--anytime: streams whose whole-stream evaluation time is measured (default: the "
+             "stream; none when given empty)")
+    add("--rounds", type=int, default=None,
+        help="--heldout, --anytime: timed rounds (default 3 and 1)")
+    add("--table", nargs="+", metavar="RESULTS_JSON", default=None,
+        help="print the tables of these results files and exit")
     return p
 
 
@@ -739,9 +638,10 @@ def main(argv: Optional[list] = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.table:
         return {"table": print_tables(args.table)}
-    devices, device_note = devices_for(args.device)
+    if args.device not in ("cpu", "auto"):
+        harness.device_of(args.device)  # the one-line error of a device that is not there
     if args.cpu_triton:
-        if any(d.type != "cpu" for d in devices):
+        if args.device != "cpu":
             raise SystemExit("--cpu-triton runs Triton through its interpreter; use it with --device cpu")
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton backend is imported
     try:
@@ -760,8 +660,5 @@ def main(argv: Optional[list] = None) -> dict:
     if (args.heldout or args.anytime) and args.device != "cpu":
         raise SystemExit("--heldout and --anytime time the CPU (--device cpu): the held-out sweeps ran there")
     with harness.threads(args.threads or None):
-        if args.heldout:
-            return run_heldout(args, argv)
-        if args.anytime:
-            return run_anytime(args, argv)
-        return run_devices(args, argv, devices, device_note)
+        mode = run_heldout if args.heldout else run_anytime if args.anytime else run_devices
+        return mode(args, argv)

