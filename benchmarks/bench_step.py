@@ -14,7 +14,6 @@ field of a record: benchmarks/README.md, ``step``.
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import itertools
 import os
@@ -161,13 +160,9 @@ class Contender:
 
 
 def checked_step(optimizer) -> Callable[[], object]:
-    """``optimizer.step()`` (a torch optimizer with ``_step_supports_amp_scaling``, e.g.
-    ``Adam(fused=True)``) skipping non-finite steps the way ``torch.amp.GradScaler.step`` does
-    for it, without a scale (``_check_inf_per_device`` then ``step``, in
-    torch/amp/grad_scaler.py): the gradients grouped by device and dtype, one
-    ``torch._amp_foreach_non_finite_check_and_unscale_`` per group with an inverse scale of 1.0
-    into a fresh ``found_inf``, the flags summed onto one device and handed to the step as
-    ``optimizer.found_inf`` with ``optimizer.grad_scale = None``."""
+    """``optimizer.step()`` (e.g. ``Adam(fused=True)``) skipping non-finite steps the way
+    ``torch.amp.GradScaler.step`` does for it (``_check_inf_per_device``, then ``found_inf``
+    handed to the step), without a scale: benchmarks/README.md, ``adam_fused_checked``."""
     def step():
         by_device = defaultdict(lambda: defaultdict(list))
         with torch.no_grad():
@@ -224,13 +219,9 @@ def torch_check_missing(params: list) -> Optional[str]:
 
 
 def make_contenders(params: list, emcl_backends: list, log) -> tuple:
-    """(contenders, errors): torch's baselines (fused Adam plain, checked and under a
-    GradScaler, on one ``Adam(fused=True)``; foreach Adam; foreach SGD) and, per EMCL backend,
-    one optimizer with its defaults (``step()``, ``inner_step()``, ``step()`` under a
-    GradScaler) and one with ``check_finite=False`` (``step()``, ``inner_step()``); contenders
-    that share an optimizer share its state. A constructor that raises is recorded, not fatal;
-    so are the checked and GradScaler contenders where torch cannot check the gradients' dtype
-    (:func:`torch_check_missing`)."""
+    """(contenders, errors): torch's baselines and, per EMCL backend, its contenders (which
+    they are: benchmarks/README.md, ``step``). A constructor that raises is recorded, not
+    fatal; so are the contenders whose finite check torch cannot run (:func:`torch_check_missing`)."""
     out, errors = [], {}
     device = params[0].device if params else torch.device("cpu")
     no_check = torch_check_missing(params)
@@ -280,10 +271,8 @@ def make_contenders(params: list, emcl_backends: list, log) -> tuple:
     return out, errors
 
 
-# The floors: the extension's probes ([note: stream probes] in csrc/emcl_cpu_kernels.h), per
-# dtype, name -> (stream_probe_ kind, byte model): "step streams" reads θ, g, θ₀, h and writes
-# θ, θ₀, h (the inner+meta step's streams, as many as fused Adam's); "inner streams" writes θ
-# alone (the inner step's); "inner reads" writes nothing. bf16: θ and g bf16, θ₀ and h fp32.
+# The floors ([note: stream probes] in csrc/emcl_cpu_kernels.h; benchmarks/README.md, "The
+# memory roof"), per dtype: name -> (stream_probe_ kind, byte model).
 FLOORS = {torch.float32: {"floor: step streams": (5, "emcl_step"),
                           "floor: inner streams": (3, "emcl_inner"),
                           "floor: inner reads": (4, "inner_reads")},
@@ -469,11 +458,9 @@ def record_of(c: Contender, group: dict, device: torch.device, dtype: torch.dtyp
 
 
 def add_ratios(records: list) -> None:
-    """Within each group (device, threads, layout, dtype): ``ratio_to_<baseline>`` (and
-    ``_min``) of every record, and for EMCL records with a SPEC section 7 peer (:data:`PEERS`)
-    ``peer``, ``goal``, ``ratio_to_peer`` (and ``_min``, ``_spread``) and ``verdict``; for
-    those without the check, where the group timed floors, :func:`add_floor_ratios`. What
-    each means: benchmarks/README.md, ``step``."""
+    """Within each group (device, threads, layout, dtype): every record's ``ratio_to_*``, an
+    EMCL record's ``peer``, ``goal``, ``verdict`` (SPEC section 7, :data:`PEERS`) and floor
+    ratios (:func:`add_floor_ratios`); what each means: benchmarks/README.md, ``step``."""
     groups = {}
     for r in records:
         groups.setdefault((r["device"], r["threads"], r["layout"], r["dtype"]), []).append(r)
@@ -506,10 +493,8 @@ def add_ratios(records: list) -> None:
 
 
 def add_floor_ratios(r: dict, peer: dict, floors: dict) -> None:
-    """``floor_ratio_to_peer`` (each floor of ``r``'s step: its median time over the
-    peer's), ``floor`` (the one with all the step's streams), ``ratio_to_floor`` and
-    ``ratio_to_floor_spread`` (the step's median over that floor's, its lower quartile over
-    the floor's upper one)."""
+    """``floor_ratio_to_peer``, ``floor``, ``ratio_to_floor`` and ``ratio_to_floor_spread``
+    of ``r`` from the floors of its step timed in its group."""
     mine = {n: f for n, f in floors.items() if f.get("emcl_step") == r.get("emcl_step")}
     if not mine:
         return
@@ -667,11 +652,9 @@ def _median_us(fn, calls: int) -> float:
 
 def host_times(choice: str, device: torch.device, settings: Settings, backend: str,
                seed: int) -> dict:
-    """The host time of ``step()`` (µs per call) on layout ``choice`` in fp32 with the
-    backend's ``step`` a no-op (put back after): with the same gradients every step, and with
-    gradients that change every step (three sets in turn, as autograd allocates them anew;
-    the time of assigning them, timed alone, subtracted). Per round the median of the calls;
-    the record gives the median and the fastest round, and every round."""
+    """The host time of ``step()`` (µs per call) on layout ``choice`` in fp32, the backend's
+    ``step`` a no-op while timed, with the same and with changing gradients (the record:
+    benchmarks/README.md, ``--host-only``)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     params = make_params(layout_shapes(choice)[1], torch.float32, device, gen)
     pool = [[p.grad for p in params]] + [
@@ -708,9 +691,8 @@ def host_times(choice: str, device: torch.device, settings: Settings, backend: s
             **{f"{k}_rounds_us": v for k, v in rounds.items()}}
 
 
-def run_host_only(args, argv, settings: Settings, device: torch.device, log) -> dict:
-    """``--host-only``: :func:`host_times` per layout (default the MLP and 1,000 x 4,096) at
-    one thread (``--threads``: its first count), written to ``OUT/host_<stamp>_<device>.json``."""
+def run_host_only(args, argv, settings: Settings, device: torch.device) -> dict:
+    """``--host-only``: :func:`host_times` per layout, written to ``OUT/host_*.json``."""
     torch.set_num_threads((args.threads or [1])[0])
     backend = (args.backends or ["auto"])[0]
     result = harness.head("step", argv, device, schema=HOST_SCHEMA, note=args.note)
@@ -719,21 +701,16 @@ def run_host_only(args, argv, settings: Settings, device: torch.device, log) -> 
     for choice in args.layouts or ("mlp", "many"):
         result["layouts"][choice] = host_times(choice, device, settings, backend, args.seed)
     result["load_after"] = common.load_average()
-    stem = args.name or f"host_{common.utc_stamp()}_{device.type}"
-    return harness.finish(result, args.out, stem, table=host_table)
+    keys = ("same_grads_us", "changing_grads_us", "same_grads_fastest_us",
+            "changing_grads_fastest_us")
+    return harness.finish(
+        result, args.out, args.name or f"host_{common.utc_stamp()}_{device.type}",
+        table=lambda res: harness.table(["layout", *keys], [
+            (name, *(r[k] for k in keys)) for name, r in res["layouts"].items()]))
 
 
-def host_table(result: dict) -> str:
-    """The terminal table of a ``--host-only`` run."""
-    rows = [(name, r["same_grads_us"], r["changing_grads_us"], r["same_grads_fastest_us"],
-             r["changing_grads_fastest_us"]) for name, r in result["layouts"].items()]
-    return harness.table(["layout", "same grads (us)", "changing grads (us)",
-                          "fastest same", "fastest changing"], rows,
-                         title=f"host time of step() on {result['device_name']}, the backend's "
-                               f"kernels a no-op, {result['threads']} thread(s)")
-
-
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: Optional[list] = None) -> dict:
+    """Run the benchmark; return the results dict (also written to ``--out``)."""
     p = harness.parser("step", __doc__, "device", "threads", "out", "name", "note", "quick",
                        "plot", "quiet", many_threads=True,
                        threads_default="on CPU: 1 2; on a GPU: torch's; --host-only: 1",
@@ -766,14 +743,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the tables of these results files (none: the newest "
                         "benchmarks/results/step_*.json) and exit; --backends, --layouts and "
                         "--dtypes select")
-    return p
-
-
-def main(argv: Optional[list] = None) -> dict:
-    """Run the benchmark; return the results dict (also written to ``--out``)."""
-    args = build_parser().parse_args(argv)
+    args = p.parse_args(argv)
     if args.table is not None:
-        return {"table": print_tables(args.table, args)}
+        text = "\n\n".join(tables(result, backends=args.backends, layouts=args.layouts,
+                                   dtypes=args.dtypes, source=source)
+                            for source, result in harness.load_results(args.table, "step", SCHEMA))
+        print(text)
+        return {"table": text}
     settings = Settings(**(QUICK if args.quick else {}))
     if args.rounds:
         settings.min_rounds, settings.max_rounds = args.rounds
@@ -786,7 +762,9 @@ def main(argv: Optional[list] = None) -> dict:
     log = (lambda *_: None) if args.quiet else (lambda msg: print(msg, flush=True))
     with harness.threads(None):
         device = harness.device_of(args.device)
-        return (run_host_only if args.host_only else run)(args, argv, settings, device, log)
+        if args.host_only:
+            return run_host_only(args, argv, settings, device)
+        return run(args, argv, settings, device, log)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -828,9 +806,8 @@ def _pair_key(r: dict) -> tuple:
 
 
 def step_goals(records: list) -> list:
-    """Lines saying, per EMCL backend and SPEC section 7 row, in how many cells the EMCL call
-    met its goal against its like-for-like peer (``verdict`` of :func:`add_ratios`), tied
-    with it within the interquartile ranges, or missed it, and the worst cell."""
+    """Lines saying, per EMCL backend and SPEC section 7 row, in how many cells the call met
+    its goal, tied with it or missed it (``verdict``), and the worst cell."""
     lines = []
     emcl = [r for r in records if r.get("family") == "emcl" and r.get("ratio_to_peer")]
     for key, title in PEER_TITLES.items():
@@ -883,10 +860,8 @@ def _floor_cell(here: list) -> str:
 
 
 def tables(result: dict, *, backends=None, layouts=None, dtypes=None, source: str = "") -> str:
-    """The markdown of a results file (what it shows: benchmarks/README.md, ``step``): a
-    caption, per thread count (CPU) or for the GPU the summary table (the three fused-Adam
-    peers, each EMCL backend's SPEC section 7 rows, the floors), the goals met per row and
-    the errors, then every timed contender."""
+    """The markdown of a results file, its records selected by ``backends``, ``layouts`` and
+    ``dtypes`` (what it shows: benchmarks/README.md, ``step``)."""
     recs = [r for r in result["records"]
             if (not layouts or any(r["layout"].startswith(l) for l in layouts))
             and (not dtypes or r["dtype"] in dtypes)
@@ -939,8 +914,7 @@ def tables(result: dict, *, backends=None, layouts=None, dtypes=None, source: st
 
 
 def _contender_table(recs: list, gpu: bool) -> str:
-    """Every timed contender, one row each: its wall time (on a GPU also the host's and the
-    device's, and GPU activities per step), over Adam fused's and over its peer's."""
+    """Every timed contender's times, one row each."""
     head = ["layout", "dtype"] + ([] if gpu else ["threads"]) + ["contender", "wall ms"]
     head += ["host ms", "device ms", "GPU activities / step"] if gpu else []
     rows = []
@@ -955,17 +929,6 @@ def _contender_table(recs: list, gpu: bool) -> str:
         rows.append(cells + ["-" if r.get(k) is None else f"{r[k]:.2f}x"
                              for k in ("ratio_to_adam_fused", "ratio_to_peer")])
     return "\n".join(_markdown(head + ["x Adam fused", "x peer"], rows))
-
-
-def print_tables(paths: list, args) -> str:
-    """The tables of step results files (none: the newest in benchmarks/results/), with the
-    selection of ``args`` (``--backends``, ``--layouts``, ``--dtypes``)."""
-    text = "\n\n".join(
-        tables(result, backends=args.backends, layouts=args.layouts, dtypes=args.dtypes,
-               source=source)
-        for source, result in harness.load_results(paths, "step", SCHEMA))
-    print(text)
-    return text
 
 
 def plot(result: dict, path: str) -> None:
@@ -983,10 +946,9 @@ def plot(result: dict, path: str) -> None:
     layouts = list(dict.fromkeys(r["layout"] for r in recs))
     peer = {r["contender"]: r["peer"] for r in recs}
     names = list(peer)
-    width = 0.8 / len(names)
+    width, height = 0.8 / len(names), 4.0 * len(threads) + 1.2
     fig, axes = plt.subplots(len(threads), len(dtypes), squeeze=False,
-                             figsize=(max(7.0, 2.2 * len(layouts)) * len(dtypes),
-                                      4.0 * len(threads) + 1.2))
+                             figsize=(max(7.0, 2.2 * len(layouts)) * len(dtypes), height))
     for (i, t), (j, dt) in itertools.product(enumerate(threads), enumerate(dtypes)):
         ax = axes[i][j]
         for k, name in enumerate(names):
@@ -1008,6 +970,6 @@ def plot(result: dict, path: str) -> None:
     fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
     fig.suptitle(f"EMCL's step over its peer's on {result['device_name']} "
                  f"({result['settings']['mode']} run, {result['created_utc']})", fontsize=10)
-    fig.tight_layout(rect=(0, 0.12, 1, 0.95))
+    fig.tight_layout(rect=(0, 0.8 / height, 1, 1 - 0.4 / height))
     fig.savefig(path, dpi=110)
     plt.close(fig)
