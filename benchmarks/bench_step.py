@@ -641,15 +641,6 @@ def run(args, argv, settings: Settings, device: torch.device, log) -> dict:
 # --host-only: the host's part of a step
 # ---------------------------------------------------------------------------------------------
 
-def _median_us(fn, calls: int) -> float:
-    out = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out) * 1e6
-
-
 def host_times(choice: str, device: torch.device, settings: Settings, backend: str,
                seed: int) -> dict:
     """The host time of ``step()`` (µs per call) on layout ``choice`` in fp32, the backend's
@@ -680,7 +671,9 @@ def host_times(choice: str, device: torch.device, settings: Settings, backend: s
             for p, g in zip(params, pool[0]):
                 p.grad = g
             for key, fn in (("same", opt.step), ("changing", changing), ("assign", assign)):
-                rounds[key].append(_median_us(fn, calls))
+                # host time on any device: time_calls' CPU clock, perf_counter around each call
+                secs = timing.time_calls([fn] * calls, torch.device("cpu"))
+                rounds[key].append(statistics.median(secs) * 1e6)
     finally:
         kernels.step = real
     median = {k: statistics.median(v) for k, v in rounds.items()}
