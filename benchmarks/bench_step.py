@@ -142,8 +142,8 @@ class Contender:
     backend: Optional[str] = None
     check_finite: Optional[bool] = None
     settings: dict = field(default_factory=dict)
-    wall: list = field(default_factory=list)     # seconds per step (CPU: every step; GPU: per block)
-    host: list = field(default_factory=list)     # seconds per step() call (GPU; CPU: = wall)
+    wall: list = field(default_factory=list)     # s per step (CPU: every step; GPU: per block)
+    host: list = field(default_factory=list)     # s per step() call (GPU; CPU: = wall)
     blocks: int = 0                              # blocks timed (one per round)
     steps: int = 0
     estimate_s: float = 0.0                      # the last warm-up step's wall time
@@ -221,7 +221,8 @@ def torch_check_missing(params: list) -> Optional[str]:
 def make_contenders(params: list, emcl_backends: list, log) -> tuple:
     """(contenders, errors): torch's baselines and, per EMCL backend, its contenders (which
     they are: benchmarks/README.md, ``step``). A constructor that raises is recorded, not
-    fatal; so are the contenders whose finite check torch cannot run (:func:`torch_check_missing`)."""
+    fatal; so are the contenders whose finite check torch cannot run
+    (:func:`torch_check_missing`)."""
     out, errors = [], {}
     device = params[0].device if params else torch.device("cpu")
     no_check = torch_check_missing(params)
