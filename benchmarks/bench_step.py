@@ -703,64 +703,6 @@ def run_host_only(args, argv, settings: Settings, device: torch.device) -> dict:
             (name, *(r[k] for k in keys)) for name, r in res["layouts"].items()]))
 
 
-def main(argv: Optional[list] = None) -> dict:
-    """Run the benchmark; return the results dict (also written to ``--out``)."""
-    p = harness.parser("step", __doc__, "device", "threads", "out", "name", "note", "quick",
-                       "plot", "quiet", many_threads=True,
-                       threads_default="on CPU: 1 2; on a GPU: torch's; --host-only: 1",
-                       quick="fewer rounds and warm-up steps")
-    p.add_argument("--layouts", nargs="+", default=None, choices=LAYOUT_CHOICES,
-                   help="default: every one (--table: every one in the file; --host-only: "
-                        "mlp many)")
-    p.add_argument("--dtypes", nargs="+", default=None, choices=["fp32", "bf16"],
-                   help="default: both (--table: every one in the file)")
-    p.add_argument("--backends", nargs="+", default=None,
-                   help="EMCL backends (default: every one available on the device; --table: "
-                        "every one in the file; --host-only: the first, default auto)")
-    p.add_argument("--rounds", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
-                   help="rounds per group (full 5 60, quick 3 15; --host-only: MIN)")
-    p.add_argument("--budget", type=float, default=None,
-                   help="seconds of rounds per group, about (full 20, quick 3)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps per contender")
-    p.add_argument("--roof-mb", type=float, default=None,
-                   help="MiB per tensor of the roof's largest size (default: 256 on CPU, 1 GiB on "
-                        "a GPU)")
-    p.add_argument("--rotate-mb", type=float, default=None,
-                   help="MiB of the roof's rotated tensor sets per size (default: 4 x the "
-                        "last-level cache)")
-    p.add_argument("--no-roof", action="store_true", help="skip the roof measurement")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--host-only", action="store_true",
-                   help="the host's part of step() alone, the backend's kernels a no-op, fp32, "
-                        "same and changing gradients (host_<stamp>_<device>.json)")
-    p.add_argument("--table", nargs="*", metavar="RESULTS_JSON", default=None,
-                   help="print the tables of these results files (none: the newest "
-                        "benchmarks/results/step_*.json) and exit; --backends, --layouts and "
-                        "--dtypes select")
-    args = p.parse_args(argv)
-    if args.table is not None:
-        text = "\n\n".join(tables(result, backends=args.backends, layouts=args.layouts,
-                                   dtypes=args.dtypes, source=source)
-                            for source, result in harness.load_results(args.table, "step", SCHEMA))
-        print(text)
-        return {"table": text}
-    settings = Settings(**(QUICK if args.quick else {}))
-    if args.rounds:
-        settings.min_rounds, settings.max_rounds = args.rounds
-        if not 1 <= settings.min_rounds <= settings.max_rounds:
-            raise SystemExit("--rounds: need 1 <= MIN <= MAX")
-    if args.budget is not None:
-        settings.budget_s = args.budget
-    if args.warmup is not None:
-        settings.warmup = args.warmup
-    log = (lambda *_: None) if args.quiet else (lambda msg: print(msg, flush=True))
-    with harness.threads(None):
-        device = harness.device_of(args.device)
-        if args.host_only:
-            return run_host_only(args, argv, settings, device)
-        return run(args, argv, settings, device, log)
-
-
 # ---------------------------------------------------------------------------------------------
 # Output: the tables (the terminal's at the end of a run, docs/performance.md's from a file)
 # ---------------------------------------------------------------------------------------------
@@ -967,3 +909,61 @@ def plot(result: dict, path: str) -> None:
     fig.tight_layout(rect=(0, 0.8 / height, 1, 1 - 0.4 / height))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def main(argv: Optional[list] = None) -> dict:
+    """Run the benchmark; return the results dict (also written to ``--out``)."""
+    p = harness.parser("step", __doc__, "device", "threads", "out", "name", "note", "quick",
+                       "plot", "quiet", many_threads=True,
+                       threads_default="on CPU: 1 2; on a GPU: torch's; --host-only: 1",
+                       quick="fewer rounds and warm-up steps")
+    p.add_argument("--layouts", nargs="+", default=None, choices=LAYOUT_CHOICES,
+                   help="default: every one (--table: every one in the file; --host-only: "
+                        "mlp many)")
+    p.add_argument("--dtypes", nargs="+", default=None, choices=["fp32", "bf16"],
+                   help="default: both (--table: every one in the file)")
+    p.add_argument("--backends", nargs="+", default=None,
+                   help="EMCL backends (default: every one available on the device; --table: "
+                        "every one in the file; --host-only: the first, default auto)")
+    p.add_argument("--rounds", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="rounds per group (full 5 60, quick 3 15; --host-only: MIN)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds of rounds per group, about (full 20, quick 3)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per contender")
+    p.add_argument("--roof-mb", type=float, default=None,
+                   help="MiB per tensor of the roof's largest size (default: 256 on CPU, 1 GiB on "
+                        "a GPU)")
+    p.add_argument("--rotate-mb", type=float, default=None,
+                   help="MiB of the roof's rotated tensor sets per size (default: 4 x the "
+                        "last-level cache)")
+    p.add_argument("--no-roof", action="store_true", help="skip the roof measurement")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--host-only", action="store_true",
+                   help="the host's part of step() alone, the backend's kernels a no-op, fp32, "
+                        "same and changing gradients (host_<stamp>_<device>.json)")
+    p.add_argument("--table", nargs="*", metavar="RESULTS_JSON", default=None,
+                   help="print the tables of these results files (none: the newest "
+                        "benchmarks/results/step_*.json) and exit; --backends, --layouts and "
+                        "--dtypes select")
+    args = p.parse_args(argv)
+    if args.table is not None:
+        text = "\n\n".join(tables(result, backends=args.backends, layouts=args.layouts,
+                                   dtypes=args.dtypes, source=source)
+                            for source, result in harness.load_results(args.table, "step", SCHEMA))
+        print(text)
+        return {"table": text}
+    settings = Settings(**(QUICK if args.quick else {}))
+    if args.rounds:
+        settings.min_rounds, settings.max_rounds = args.rounds
+        if not 1 <= settings.min_rounds <= settings.max_rounds:
+            raise SystemExit("--rounds: need 1 <= MIN <= MAX")
+    if args.budget is not None:
+        settings.budget_s = args.budget
+    if args.warmup is not None:
+        settings.warmup = args.warmup
+    log = (lambda *_: None) if args.quiet else (lambda msg: print(msg, flush=True))
+    with harness.threads(None):
+        device = harness.device_of(args.device)
+        if args.host_only:
+            return run_host_only(args, argv, settings, device)
+        return run(args, argv, settings, device, log)
