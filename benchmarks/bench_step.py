@@ -1,35 +1,37 @@
 """Optimizer-step benchmark: ``FusedEMCLOptimizer.step()`` against torch's own optimizers, host
-time included, on the MLP, ResNet-18, 1,000 x 4,096 and GPT-2-124M layouts.
+time included, on the MLP, ResNet-18, 1,000 x 4,096 and GPT-2-124M layouts; with
+``--host-only``, the host's part of ``step()`` alone, the backend's kernels a no-op.
 
     python -m benchmarks step             # the GPU if there is one, else the CPU (1, 2 threads)
     python -m benchmarks step --quick              # fewer rounds (a few minutes on 2 cores)
     python -m benchmarks step --device cuda --out benchmarks/results
     python -m benchmarks step --layouts mlp resnet18 --dtypes fp32 --threads 1
     python -m benchmarks step --table benchmarks/results/step_epyc-2core.json --backends cpu
+    python -m benchmarks step --host-only --device cpu --name host_xeon-2core
 
 The contenders, their SPEC section 7 peers and goals (:data:`PEERS`), how each is timed and every
 field of a record: benchmarks/README.md, ``step``.
 """
 from __future__ import annotations
 
-import argparse
 import gc
+import itertools
 import os
 import statistics
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from benchmarks import common, harness  # (puts the repository on sys.path)
+from benchmarks import common, harness, timing  # (puts the repository on sys.path)
 
 import torch
 
 from emcl_kernels import FusedEMCLOptimizer
 
 SCHEMA = "emcl-kernels/bench_step/1"
+HOST_SCHEMA = "emcl-kernels/bench_step_host/1"
 LAYOUT_CHOICES = ("mlp", "resnet18", "many", "gpt2")
-LAYOUT_NAMES = {"mlp": "mlp-784-100-100-10", "resnet18": "resnet18", "many": "many-1000x4096",
-                "gpt2": "gpt2-124m"}
 BASELINES = ("adam_fused", "adam_fused_checked", "adam_fused_scaler", "adam_foreach",
              "sgd_foreach")
 # SPEC section 7: each EMCL call and setting, its like-for-like torch peer and the goal of the
@@ -39,37 +41,26 @@ PEERS = {("step()", False, False): ("adam_fused", 1.0),
          ("step()", True, True): ("adam_fused_scaler", 1.0),
          ("inner_step()", False, False): ("adam_fused", 0.8)}
 PARAM_SCALE, GRAD_SCALE = 0.1, 1e-3   # θ ~ 0.1·N(0,1), g ~ 1e-3·N(0,1): finite over many steps
+REFERENCE_CAP = 2 ** 20               # EMCL's reference backend only up to this many elements
 
 
 # ---------------------------------------------------------------------------------------------
 # Layouts: parameter shapes, nothing downloaded
 # ---------------------------------------------------------------------------------------------
 
-def resnet18_shapes_by_hand() -> list:
+def resnet18_shapes() -> list:
     """torchvision's ``resnet18()`` parameter shapes in its parameter order, written out from
-    the architecture (for machines without torchvision): 62 tensors, 11,689,512 elements."""
+    the architecture (tested equal to torchvision's): 62 tensors, 11,689,512 elements."""
     shapes = [(64, 3, 7, 7), (64,), (64,)]                      # conv1, bn1
     inplanes = 64
-    for planes, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+    for planes in (64, 128, 256, 512):
         for block in range(2):                                    # two BasicBlocks per stage
             shapes += [(planes, inplanes, 3, 3), (planes,), (planes,),
                        (planes, planes, 3, 3), (planes,), (planes,)]
-            if block == 0 and (stride != 1 or inplanes != planes):
+            if block == 0 and inplanes != planes:
                 shapes += [(planes, inplanes, 1, 1), (planes,), (planes,)]  # downsample
             inplanes = planes
     return shapes + [(1000, 512), (1000,)]                        # fc
-
-
-def resnet18_shapes() -> tuple:
-    """(shapes, source): torchvision's ``resnet18()`` (no weights) when torchvision imports,
-    else :func:`resnet18_shapes_by_hand`."""
-    try:
-        import torchvision
-    except Exception:  # noqa: BLE001 - any import failure means: not usable here
-        return resnet18_shapes_by_hand(), "written out by hand (torchvision not importable)"
-    model = torchvision.models.resnet18(weights=None)
-    return [tuple(p.shape) for p in model.parameters()], \
-        f"torchvision {torchvision.__version__} resnet18()"
 
 
 def gpt2_shapes(n_layer: int = 12, d: int = 768, vocab: int = 50257, ctx: int = 1024) -> list:
@@ -87,18 +78,19 @@ def gpt2_shapes(n_layer: int = 12, d: int = 768, vocab: int = 50257, ctx: int = 
     return shapes + [(d,), (d,)]                     # ln_f
 
 
+# a --layouts choice -> (its name in the records, its shapes, where they come from)
+LAYOUTS = {"mlp": ("mlp-784-100-100-10", common.mlp_shapes, "784-100-100-10"),
+           "resnet18": ("resnet18", resnet18_shapes, "torchvision's resnet18(), written out"),
+           "many": ("many-1000x4096", lambda: [(4096,)] * 1000, "1,000 tensors of 4,096"),
+           "gpt2": ("gpt2-124m", gpt2_shapes, "GPT-2-124M shapes, written out")}
+
+
 def layout_shapes(choice: str) -> tuple:
     """(name, shapes, where the shapes come from) of a ``--layouts`` choice."""
-    if choice == "mlp":
-        return LAYOUT_NAMES[choice], common.mlp_shapes(), "784-100-100-10"
-    if choice == "resnet18":
-        shapes, source = resnet18_shapes()
-        return LAYOUT_NAMES[choice], shapes, source
-    if choice == "many":
-        return LAYOUT_NAMES[choice], [(4096,)] * 1000, "1,000 tensors of 4,096"
-    if choice == "gpt2":
-        return LAYOUT_NAMES[choice], gpt2_shapes(), "GPT-2-124M shapes, written out"
-    raise ValueError(f"unknown layout {choice!r}; the layouts are {LAYOUT_CHOICES}")
+    if choice not in LAYOUTS:
+        raise ValueError(f"unknown layout {choice!r}; the layouts are {LAYOUT_CHOICES}")
+    name, shapes, source = LAYOUTS[choice]
+    return name, shapes(), source
 
 
 def numel_of(shapes) -> int:
@@ -127,47 +119,31 @@ def make_params(shapes, dtype: torch.dtype, device: torch.device, gen) -> list:
 # ---------------------------------------------------------------------------------------------
 
 def bytes_per_element(kind: str, dtype: torch.dtype) -> int:
-    """Bytes read + written per parameter element by one step, the least any implementation
-    of the update must move (a multi-pass foreach step moves more; its GB/s is then an
-    effective rate). p = the parameter dtype's size:
-
-    * EMCL inner+meta (``step()`` with ``meta_every=1``): SPEC section 5's combined step, θ, g
-      in p and θ₀, h in fp32: 3p + 16 (fp32 28 B, bf16 22 B);
-    * EMCL inner (``inner_step()``): 3p + 8 (20 B, 14 B);
-    * Adam: θ read+write, g, exp_avg and exp_avg_sq read+write, the state in the parameter's
-      dtype (as torch keeps it): 7p (28 B, 14 B);
-    * SGD with momentum: θ read+write, g, the buffer read+write: 5p (20 B, 10 B);
-    * the inner step's reads alone (a floor, :func:`floor_contenders`): 2p + 8 (16 B).
-
-    The non-finite check of EMCL's default setting reads g once more (+p), not counted here.
-    """
+    """Bytes read + written per parameter element by one step of ``kind`` (``emcl_step``,
+    ``emcl_inner``, ``adam``, ``sgd``, ``inner_reads``), the least any implementation of the
+    update must move (the byte model: benchmarks/README.md, ``bytes_per_element``)."""
     p = torch.empty((), dtype=dtype).element_size()
-    if kind == "emcl_step":
-        return common.bytes_per_element("inner_meta_step", dtype)
-    if kind == "emcl_inner":
-        return common.bytes_per_element("inner_step", dtype)
-    if kind == "adam":
-        return 7 * p
-    if kind == "sgd":
-        return 5 * p
-    if kind == "inner_reads":
-        return common.bytes_per_element("inner_step", dtype) - p
-    raise ValueError(f"no byte model for {kind!r}")
+    inner = common.bytes_per_element("inner_step", dtype)
+    sizes = {"emcl_step": common.bytes_per_element("inner_meta_step", dtype),
+             "emcl_inner": inner, "adam": 7 * p, "sgd": 5 * p, "inner_reads": inner - p}
+    if kind not in sizes:
+        raise ValueError(f"no byte model for {kind!r}")
+    return sizes[kind]
 
 
 @dataclass
 class Contender:
     """One timed call: an optimizer and the method called on it."""
     name: str                      # e.g. "emcl[cpu] step() nocheck"
-    family: str                    # adam_fused | adam_foreach | sgd_foreach | emcl
+    family: str                    # a BASELINES name | emcl | floor
     optimizer: object
     call: str                      # "step()" or "inner_step()"
     bytes_kind: str
     backend: Optional[str] = None
     check_finite: Optional[bool] = None
     settings: dict = field(default_factory=dict)
-    wall: list = field(default_factory=list)     # seconds per step (CPU: every step; GPU: per block)
-    host: list = field(default_factory=list)     # seconds per step() call (GPU; CPU: = wall)
+    wall: list = field(default_factory=list)     # s per step (CPU: every step; GPU: per block)
+    host: list = field(default_factory=list)     # s per step() call (GPU; CPU: = wall)
     blocks: int = 0                              # blocks timed (one per round)
     steps: int = 0
     estimate_s: float = 0.0                      # the last warm-up step's wall time
@@ -184,16 +160,9 @@ class Contender:
 
 
 def checked_step(optimizer) -> Callable[[], object]:
-    """``optimizer.step()`` (a torch optimizer with ``_step_supports_amp_scaling``, e.g.
-    ``Adam(fused=True)``) skipping non-finite steps the way torch does, without a scale: what
-    ``torch.amp.GradScaler.step`` does for such an optimizer (``_check_inf_per_device`` then
-    ``step``, in torch/amp/grad_scaler.py): every step, the gradients grouped by device and
-    dtype, one ``torch._amp_foreach_non_finite_check_and_unscale_`` per group with an inverse
-    scale of 1.0 into a fresh ``found_inf``, the flags summed onto one device, handed to the
-    step as ``optimizer.found_inf`` with ``optimizer.grad_scale = None`` (the fused kernel then
-    skips the update, and the step counters, where ``found_inf`` is non-zero)."""
-    from collections import defaultdict
-
+    """``optimizer.step()`` (e.g. ``Adam(fused=True)``) skipping non-finite steps the way
+    ``torch.amp.GradScaler.step`` does for it (``_check_inf_per_device``, then ``found_inf``
+    handed to the step), without a scale: benchmarks/README.md, ``adam_fused_checked``."""
     def step():
         by_device = defaultdict(lambda: defaultdict(list))
         with torch.no_grad():
@@ -221,10 +190,7 @@ def checked_step(optimizer) -> Callable[[], object]:
 
 def scaler_step(optimizer, device: torch.device) -> Callable[[], object]:
     """``scaler.step(optimizer); scaler.update()`` with a ``torch.amp.GradScaler`` of its own
-    (default settings; its scale made once by ``scaler.scale``, as the first backward of a
-    training loop would): torch's finite check of every gradient, then the optimizer's step with
-    the scale and ``found_inf`` (fused Adam and EMCL divide the gradients by the scale in their
-    own pass), then the scale's update."""
+    (default settings; its scale made once by ``scaler.scale``, as a first backward would)."""
     scaler = torch.amp.GradScaler(device.type)
     scaler.scale(torch.ones((), device=device))
 
@@ -236,9 +202,8 @@ def scaler_step(optimizer, device: torch.device) -> Callable[[], object]:
 
 def torch_check_missing(params: list) -> Optional[str]:
     """Why torch's finite check (``torch._amp_foreach_non_finite_check_and_unscale_``, what a
-    ``GradScaler`` runs) cannot check these gradients, or None where it can: on CUDA torch 2.11
-    has no bf16 kernel for it, so neither ``adam_fused_checked`` nor any ``... scaler``
-    contender exists there (a bf16 model is trained without a scaler)."""
+    ``GradScaler`` runs) cannot check these gradients, or None where it can (on CUDA torch 2.11
+    has no bf16 kernel for it)."""
     if not params:
         return None
     probe = torch.ones(1, dtype=params[0].dtype, device=params[0].device)
@@ -254,30 +219,22 @@ def torch_check_missing(params: list) -> Optional[str]:
 
 
 def make_contenders(params: list, emcl_backends: list, log) -> tuple:
-    """(contenders, errors): torch's baselines (fused Adam plain, checked and under a
-    GradScaler, on one ``Adam(fused=True)``; foreach Adam; foreach SGD) and, per EMCL backend,
-    one optimizer with its defaults (timed through ``step()``, ``inner_step()`` and ``step()``
-    under a GradScaler) and one with ``check_finite=False`` (``step()``, ``inner_step()``).
-    Contenders that share an optimizer share its state: they step the same tensors anyway.
-    A constructor that raises is recorded, not fatal; so are the checked and GradScaler
-    contenders where torch cannot check the gradients' dtype (:func:`torch_check_missing`)."""
+    """(contenders, errors): torch's baselines and, per EMCL backend, its contenders (which
+    they are: benchmarks/README.md, ``step``). A constructor that raises is recorded, not
+    fatal; so are the contenders whose finite check torch cannot run
+    (:func:`torch_check_missing`)."""
     out, errors = [], {}
     device = params[0].device if params else torch.device("cpu")
     no_check = torch_check_missing(params)
     if no_check:
         log(f"      adam_fused_checked and every GradScaler contender: {no_check}")
         errors["adam_fused_checked"] = errors["adam_fused_scaler"] = no_check
-    specs = [
-        ("adam_fused", lambda: torch.optim.Adam(params, lr=1e-3, fused=True),
-         {"lr": 1e-3, "fused": True}),
-        ("adam_foreach", lambda: torch.optim.Adam(params, lr=1e-3, foreach=True),
-         {"lr": 1e-3, "foreach": True}),
-        ("sgd_foreach", lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True),
-         {"lr": 1e-3, "momentum": 0.9, "foreach": True}),
-    ]
-    for name, build, settings in specs:
+    specs = [("adam_fused", torch.optim.Adam, {"lr": 1e-3, "fused": True}),
+             ("adam_foreach", torch.optim.Adam, {"lr": 1e-3, "foreach": True}),
+             ("sgd_foreach", torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9, "foreach": True})]
+    for name, cls, settings in specs:
         try:
-            opt = build()
+            opt = cls(params, **settings)
         except Exception as exc:  # noqa: BLE001 - recorded in the results
             errors[name] = f"{type(exc).__name__}: {exc}"
             log(f"      {name}: cannot be built: {errors[name]}")
@@ -285,13 +242,13 @@ def make_contenders(params: list, emcl_backends: list, log) -> tuple:
         kind = "adam" if name.startswith("adam") else "sgd"
         out.append(Contender(name, name, opt, "step()", kind, settings=settings))
         if name == "adam_fused" and not no_check:
-            out.append(Contender("adam_fused_checked", "adam_fused_checked", opt, "step()",
-                                 "adam", settings={**settings, "finite_check":
-                                                   "_amp_foreach_non_finite_check_and_unscale_"},
-                                 runner=checked_step(opt)))
-            out.append(Contender("adam_fused_scaler", "adam_fused_scaler", opt, "step()",
-                                 "adam", settings={**settings, "grad_scaler": "default"},
-                                 runner=scaler_step(opt, device), scaler=True))
+            check = "_amp_foreach_non_finite_check_and_unscale_"
+            out += [Contender("adam_fused_checked", "adam_fused_checked", opt, "step()", "adam",
+                              settings={**settings, "finite_check": check},
+                              runner=checked_step(opt)),
+                    Contender("adam_fused_scaler", "adam_fused_scaler", opt, "step()", "adam",
+                              settings={**settings, "grad_scaler": "default"},
+                              runner=scaler_step(opt, device), scaler=True)]
     for backend in emcl_backends:
         for check in (True, False):
             suffix = "" if check else " nocheck"
@@ -302,10 +259,9 @@ def make_contenders(params: list, emcl_backends: list, log) -> tuple:
                 errors[f"emcl[{backend}]{suffix}"] = f"{type(exc).__name__}: {exc}"
                 continue
             settings = {"meta_every": 1, "backend": backend, "check_finite": check}
-            out.append(Contender(f"emcl[{backend}] step(){suffix}", "emcl", opt, "step()",
-                                 "emcl_step", backend, check, settings))
-            out.append(Contender(f"emcl[{backend}] inner_step(){suffix}", "emcl", opt,
-                                 "inner_step()", "emcl_inner", backend, check, settings))
+            out += [Contender(f"emcl[{backend}] {call}{suffix}", "emcl", opt, call, kind,
+                              backend, check, settings)
+                    for call, kind in (("step()", "emcl_step"), ("inner_step()", "emcl_inner"))]
             if check and no_check:
                 errors[f"emcl[{backend}] step() scaler"] = no_check
             elif check:
@@ -316,54 +272,37 @@ def make_contenders(params: list, emcl_backends: list, log) -> tuple:
     return out, errors
 
 
-# The floors: the extension's probes ([note: stream probes] in csrc/emcl_cpu_kernels.h) with the
-# fp32 steps' streams, timed in the same rounds as the optimizers, on four flat tensors of the
-# layout's size: name -> (stream_probe_ kind, byte model, the EMCL step it bounds).
-FLOORS = {"floor: step streams": (5, "emcl_step", "inner+meta"),  # reads θ, g, θ₀, h; writes
-                                                                  # θ, θ₀, h (28 B, as Adam's)
-          "floor: inner streams": (3, "emcl_inner", "inner"),     # writes θ alone (20 B)
-          "floor: inner reads": (4, "inner_reads", "inner")}      # writes nothing (16 B)
-#: The same floors for bf16 layouts: θ and g bf16, θ₀ and h fp32, as the bf16 steps read them
-#: (kinds 6 and 7: 22 B and 14 B per element).
-BF16_FLOORS = {"floor: step streams": (6, "emcl_step", "inner+meta"),
-               "floor: inner streams": (7, "emcl_inner", "inner")}
-#: The EMCL step each floor bounds (the same name bounds the same step in either dtype).
-FLOOR_STEP = {name: step for floors in (FLOORS, BF16_FLOORS)
-              for name, (_, _, step) in floors.items()}
-#: The floor a step's ``ratio_to_floor`` is taken against: the one with all its streams.
+# The floors ([note: stream probes] in csrc/emcl_cpu_kernels.h; benchmarks/README.md, "The
+# memory roof"), per dtype: name -> (stream_probe_ kind, byte model).
+FLOORS = {torch.float32: {"floor: step streams": (5, "emcl_step"),
+                          "floor: inner streams": (3, "emcl_inner"),
+                          "floor: inner reads": (4, "inner_reads")},
+          torch.bfloat16: {"floor: step streams": (6, "emcl_step"),
+                           "floor: inner streams": (7, "emcl_inner")}}
+# the EMCL step each byte model belongs to, and the floor a step's ratio_to_floor is taken against
+EMCL_STEP = {"emcl_step": "inner+meta", "emcl_inner": "inner", "inner_reads": "inner"}
 STREAMS_FLOOR = {"inner+meta": "floor: step streams", "inner": "floor: inner streams"}
 
 
 def floor_contenders(numel: int, dtype: torch.dtype, device: torch.device) -> list:
-    """The :data:`FLOORS` as contenders (family ``floor``) for an fp32 layout, the
-    :data:`BF16_FLOORS` for a bf16 one, on a CPU whose extension has the probes, else none. No
-    kernel that reads θ, g, θ₀ and h and writes θ moves them faster than ``floor: inner
-    streams`` does on the same machine in the same rounds, give or take how well a loop is
-    written, and none that also writes θ₀ and h (or, fused Adam, reads θ, g, m, v and writes θ,
-    m, v) faster than ``floor: step streams``: a step's ``ratio_to_floor`` says how close it
-    is, and ``floor_ratio_to_peer`` what ratio to fused Adam that speed gives."""
-    floors = {torch.float32: FLOORS, torch.bfloat16: BF16_FLOORS}.get(dtype)
+    """The :data:`FLOORS` of ``dtype`` as contenders (family ``floor``) on four flat tensors of
+    ``numel`` elements, where the extension has the probes on ``device``, else none."""
+    floors = FLOORS.get(dtype)
     if floors is None or not common.stream_probes_available(device):
         return []
     tensors = [torch.rand(numel, device=device).to(dtype if i < 2 else torch.float32)
                for i in range(4)]
-    out = []
-    for name, (kind, bytes_kind, _) in floors.items():
-        run = (lambda kind=kind: torch.ops.emcl.stream_probe_(*tensors, kind))
-        out.append(Contender(name, "floor", None, "stream_probe_", bytes_kind,
-                             settings={"stream_probe_kind": kind}, runner=run))
-    return out
+    return [Contender(name, "floor", None, "stream_probe_", bytes_kind,
+                      settings={"stream_probe_kind": kind},
+                      runner=lambda kind=kind: torch.ops.emcl.stream_probe_(*tensors, kind))
+            for name, (kind, bytes_kind) in floors.items()]
 
 
-def state_tensors(optimizer) -> list:
-    if optimizer is None:
-        return []
-    return [v for st in optimizer.state.values() for v in st.values()
-            if torch.is_tensor(v) and v.is_floating_point()]
-
-
-def all_finite(tensors) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+def finite_state(params: list, optimizer) -> bool:
+    """The parameters and ``optimizer``'s floating-point state all finite."""
+    state = [v for st in getattr(optimizer, "state", {}).values() for v in st.values()
+             if torch.is_tensor(v) and v.is_floating_point()]
+    return all(bool(torch.isfinite(t).all()) for t in params + state)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,30 +311,22 @@ def all_finite(tensors) -> bool:
 
 @dataclass
 class Settings:
-    """How hard to measure; ``full()`` and ``quick()`` are the presets."""
-    mode: str
-    warmup: int            # steps of every contender before timing (state, plans, caches)
-    min_rounds: int
-    max_rounds: int
-    budget_s: float        # time for the rounds of one (layout, dtype, threads) group, about
-    block_s: float         # time of one contender's block of consecutive steps, about
-    max_block: int
-    gpu_min_block: int
-    profile_steps: int     # GPU steps under torch.profiler per contender
-    reference_cap: int     # EMCL's reference backend only up to this many elements
-    roof_reps: int
+    """How hard to measure: the full run's defaults, :data:`QUICK` for ``--quick``."""
+    mode: str = "full"
+    warmup: int = 2            # steps of every contender before timing (state, plans, caches)
+    min_rounds: int = 5
+    max_rounds: int = 60
+    budget_s: float = 20.0     # time for the rounds of one (layout, dtype, threads) group, about
+    block_s: float = 0.002     # time of one contender's block of consecutive steps, about
+    max_block: int = 50
+    gpu_min_block: int = 20
+    profile_steps: int = 10    # GPU steps under torch.profiler per contender
+    roof_reps: int = 10
+    host_calls: int = 400      # --host-only: calls per round on the MLP (a tenth, >= 40, else)
 
-    @classmethod
-    def full(cls) -> "Settings":
-        return cls("full", warmup=2, min_rounds=5, max_rounds=60, budget_s=20.0, block_s=0.002,
-                   max_block=50, gpu_min_block=20, profile_steps=10, reference_cap=2 ** 20,
-                   roof_reps=10)
 
-    @classmethod
-    def quick(cls) -> "Settings":
-        return cls("quick", warmup=2, min_rounds=3, max_rounds=15, budget_s=3.0, block_s=0.001,
-                   max_block=20, gpu_min_block=10, profile_steps=3, reference_cap=2 ** 20,
-                   roof_reps=4)
+QUICK = dict(mode="quick", min_rounds=3, max_rounds=15, budget_s=3.0, block_s=0.001,
+             max_block=20, gpu_min_block=10, profile_steps=3, roof_reps=4, host_calls=200)
 
 
 def run_block(c: Contender, device: torch.device, steps: int) -> None:
@@ -403,14 +334,14 @@ def run_block(c: Contender, device: torch.device, steps: int) -> None:
     time of each call without synchronizing, wall time of the whole block between two
     synchronizations (the steps pipelined, as in training), per step."""
     fn = c.fn
-    common.synchronize(device)
+    timing.synchronize(device)
     start = time.perf_counter()
     secs = []
     for _ in range(steps):
         t0 = time.perf_counter()
         fn()
         secs.append(time.perf_counter() - t0)
-    common.synchronize(device)
+    timing.synchronize(device)
     if device.type == "cuda":
         c.wall.append((time.perf_counter() - start) / steps)
     else:
@@ -430,7 +361,7 @@ def warm_up(contenders: list, device: torch.device, steps: int, log) -> list:
             continue
         try:
             for _ in range(max(1, steps)):
-                c.estimate_s = common.time_once(c.fn, device)
+                c.estimate_s = timing.time_once(c.fn, device)
                 c.steps += 1
             alive.append(c)
         except Exception as exc:  # noqa: BLE001 - recorded in the results
@@ -449,7 +380,7 @@ def time_group(contenders: list, device: torch.device, settings: Settings, log) 
         c.block = int(max(lo, min(settings.max_block,
                                   -(-settings.block_s // max(c.estimate_s, 1e-7)))))
     round_s = sum(c.block * c.estimate_s for c in contenders)
-    rounds = common.repeats_for(round_s, settings.budget_s, settings.min_rounds,
+    rounds = timing.repeats_for(round_s, settings.budget_s, settings.min_rounds,
                                 settings.max_rounds)
     n = len(contenders)
     for r in range(rounds):
@@ -466,30 +397,16 @@ def time_group(contenders: list, device: torch.device, settings: Settings, log) 
 
 
 def gpu_activities(c: Contender, device: torch.device, steps: int) -> dict:
-    """Per step of ``c`` under ``torch.profiler``: GPU activities (kernels, memcpy, memset;
-    user annotations left out), their summed durations (the device time), where every memcpy
-    was issued from, and the extension's own launch counter where it has one."""
+    """:func:`summarize_gpu_events` of ``steps`` steps of ``c`` under ``torch.profiler``."""
     from torch.profiler import ProfilerActivity, profile
 
-    counter = None
-    try:
-        from emcl_kernels.backends import extension
-        counter = getattr(extension, "launch_count", None)
-        if counter is not None:
-            counter()
-    except Exception:  # noqa: BLE001 - the counter is optional (it may move in a rewrite)
-        counter = None
     torch.cuda.synchronize(device)
-    before = counter() if counter else None
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             c.fn()
         torch.cuda.synchronize(device)
-    after = counter() if counter else None
     c.steps += steps
-    return {**summarize_gpu_events(prof.events(), steps),
-            "extension_launches_per_step":
-                (after - before) / steps if before is not None and c.family == "emcl" else None}
+    return summarize_gpu_events(prof.events(), steps)
 
 
 def summarize_gpu_events(events, steps: int) -> dict:
@@ -512,33 +429,7 @@ def summarize_gpu_events(events, steps: int) -> dict:
         device_us += evt.time_range.elapsed_us()
     return {"device_ms": device_us / 1e3 / steps,
             "gpu_activities_per_step": sum(kinds.values()) / steps,
-            **{f"gpu_{k}s_per_step": v / steps for k, v in kinds.items()},
-            "gpu_memcpy_sources": {k: v / steps for k, v in memcpy_sources(events).items()}}
-
-
-def memcpy_sources(events) -> dict:
-    """Where the profiled memcpys came from: "op @ frame" -> count, the op being the CPU event
-    that launched the copy and the frame the innermost Python frame of this project (the
-    package or the benchmarks) on its stack or its parents' (``with_stack`` profiles; else the
-    op alone). A step that should be one launch and shows a copy is host work to find."""
-    from torch.autograd import DeviceType
-
-    found: dict = {}
-    for evt in events:
-        if evt.device_type != DeviceType.CPU:
-            continue
-        copies = sum(1 for k in getattr(evt, "kernels", ()) or ()
-                     if k.name.lower().startswith("memcpy"))
-        if not copies:
-            continue
-        where, node = "", evt
-        while node is not None and not where:
-            where = next((f for f in getattr(node, "stack", ()) or ()
-                          if "emcl_kernels" in f or "benchmarks" in f), "")
-            node = getattr(node, "cpu_parent", None)
-        key = f"{evt.name} @ {where}" if where else evt.name
-        found[key] = found.get(key, 0) + copies
-    return found
+            **{f"gpu_{k}s_per_step": v / steps for k, v in kinds.items()}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -550,25 +441,17 @@ def record_of(c: Contender, group: dict, device: torch.device, dtype: torch.dtyp
     rec = {"device": device.type, "device_name": common.device_name(device), **group,
            "contender": c.name, "family": c.family, "call": c.call, "backend": c.backend,
            "check_finite": c.check_finite, "grad_scaler": c.scaler, "settings": c.settings,
-           "emcl_step": ({"emcl_step": "inner+meta", "emcl_inner": "inner"}.get(c.bytes_kind)
-                         if c.family == "emcl" else None),
+           "emcl_step": EMCL_STEP.get(c.bytes_kind) if c.family in ("emcl", "floor") else None,
            "bytes_per_element": bytes_per_element(c.bytes_kind, dtype),
            "error": c.error, "steps_taken": c.steps}
     if c.error or not c.wall:
         return rec
-    wall, host = common.Stats.of(c.wall), common.Stats.of(c.host)
+    wall = timing.Stats.of(c.wall)
     rec.update({
         "wall_ms": wall.median_ms, "wall_ms_min": wall.min_ms, "wall_ms_q25": wall.q25_ms,
         "wall_ms_q75": wall.q75_ms, "samples": wall.repeats, "rounds": c.blocks,
-        "steps_per_block": c.block,
-        "host_ms": host.median_ms, "host_ms_q25": host.q25_ms, "host_ms_q75": host.q75_ms,
-        # on a GPU wall is a block's mean and host a call's median: a wall above the host time
-        # of a step that keeps the GPU idle is the host calls' tail, which these show
-        "host_ms_mean": 1e3 * statistics.fmean(c.host),
-        "host_ms_p99": 1e3 * sorted(c.host)[min(len(c.host) - 1, int(0.99 * len(c.host)))],
-        "wall_timer": "perf_counter per step" if device.type == "cpu"
-        else "perf_counter per block of steps between two cuda synchronizations",
-        "gbps": common.gbps(rec["bytes_per_element"] * group["numel"], wall.median_ms / 1e3),
+        "steps_per_block": c.block, "host_ms": timing.Stats.of(c.host).median_ms,
+        "gbps": timing.gbps(rec["bytes_per_element"] * group["numel"], wall.median_ms / 1e3),
     })
     if group.get("roof_gbps"):
         rec["ratio_to_roof"] = rec["gbps"] / group["roof_gbps"]
@@ -576,13 +459,9 @@ def record_of(c: Contender, group: dict, device: torch.device, dtype: torch.dtyp
 
 
 def add_ratios(records: list) -> None:
-    """``ratio_to_<baseline>``: each record's median wall time over the baseline's in the same
-    group (device, threads, layout, dtype); ``ratio_to_<baseline>_min``: the same of the
-    fastest steps (on a shared machine other jobs only ever add time). None where either is
-    missing. EMCL records with a SPEC section 7 peer (``PEERS``) also get ``peer``, ``goal``,
-    ``ratio_to_peer`` (and ``_min``) and ``verdict``: "met" (median ratio <= goal), "tie"
-    (above it, but the interquartile ranges reach it: EMCL's lower quartile over the peer's
-    upper quartile <= goal) or "missed"."""
+    """Within each group (device, threads, layout, dtype): every record's ``ratio_to_*``, an
+    EMCL record's ``peer``, ``goal``, ``verdict`` (SPEC section 7, :data:`PEERS`) and floor
+    ratios (:func:`add_floor_ratios`); what each means: benchmarks/README.md, ``step``."""
     groups = {}
     for r in records:
         groups.setdefault((r["device"], r["threads"], r["layout"], r["dtype"]), []).append(r)
@@ -595,9 +474,7 @@ def add_ratios(records: list) -> None:
                 r[f"ratio_to_{b}"] = r["wall_ms"] / base[b]["wall_ms"] if ok else None
                 r[f"ratio_to_{b}_min"] = (r["wall_ms_min"] / base[b]["wall_ms_min"]
                                           if ok else None)
-            if r.get("family") != "emcl":
-                continue
-            peer = PEERS.get((r.get("call"), r.get("check_finite"), bool(r.get("grad_scaler"))))
+            peer = PEERS.get(_pair_key(r)) if r.get("family") == "emcl" else None
             if peer is None:
                 continue
             name, goal = peer
@@ -617,19 +494,13 @@ def add_ratios(records: list) -> None:
 
 
 def add_floor_ratios(r: dict, peer: dict, floors: dict) -> None:
-    """For an EMCL record without the check whose group timed its step's floors
-    (:func:`floor_contenders`): ``floor_ratio_to_peer`` (floor -> the floor's median time over
-    the peer's: the ratio the step would have at that floor's speed), ``ratio_to_floor`` (the
-    step's median time over its :data:`STREAMS_FLOOR`'s), ``floor`` (that floor's name) and
-    ``ratio_to_floor_spread`` (the step's lower quartile over that floor's upper one). A goal
-    below ``floor_ratio_to_peer[r["floor"]]`` is one that moving the same bytes faster does not
-    reach on this machine."""
-    step = r.get("emcl_step")
-    mine = {n: f for n, f in floors.items() if FLOOR_STEP.get(n) == step}
+    """``floor_ratio_to_peer``, ``floor``, ``ratio_to_floor`` and ``ratio_to_floor_spread``
+    of ``r`` from the floors of its step timed in its group."""
+    mine = {n: f for n, f in floors.items() if f.get("emcl_step") == r.get("emcl_step")}
     if not mine:
         return
     r["floor_ratio_to_peer"] = {n: f["wall_ms"] / peer["wall_ms"] for n, f in mine.items()}
-    streams = mine.get(STREAMS_FLOOR.get(step))
+    streams = mine.get(STREAMS_FLOOR.get(r.get("emcl_step")))
     if streams:
         r["floor"] = streams["contender"]
         r["ratio_to_floor"] = r["wall_ms"] / streams["wall_ms"]
@@ -640,20 +511,6 @@ def add_floor_ratios(r: dict, peer: dict, floors: dict) -> None:
 # The run
 # ---------------------------------------------------------------------------------------------
 
-def measure_roof(device: torch.device, args, emcl_backends: list, settings: Settings,
-                 log) -> dict:
-    """``common.device_roof`` at the current thread count (``--roof-mb``, ``--rotate-mb``)."""
-    roof = common.device_roof(
-        device, settings.roof_reps, backends=emcl_backends,
-        largest=max(1, int(args.roof_mb * 2 ** 20) // 4) if args.roof_mb else None,
-        rotate_bytes=int(args.rotate_mb * 2 ** 20) if args.rotate_mb else None)
-    log(f"   roof at {roof['threads']} thread(s): {roof['roof_gbps']:.1f} GB/s "
-        f"({roof['roof_kernel']} at {roof['roof_numel']:,} elements, fastest repeat; "
-        f"write-allocate {'counted' if roof['write_allocate'] else 'not counted'}); "
-        f"copy {roof['copy_gbps']:.1f} GB/s")
-    return roof
-
-
 def run_layout(device, choice, dtype, thread_counts, emcl_backends, args, settings, roofs, log):
     """Every contender on one layout and dtype, at every thread count; returns the records."""
     name, shapes, source = layout_shapes(choice)
@@ -661,8 +518,7 @@ def run_layout(device, choice, dtype, thread_counts, emcl_backends, args, settin
     dname = {v: k for k, v in common.DTYPE_NAMES.items()}[dtype]
     gen = torch.Generator(device=device).manual_seed(args.seed)
     params = make_params(shapes, dtype, device, gen)
-    backends = [b for b in emcl_backends
-                if b != "reference" or numel <= settings.reference_cap]
+    backends = [b for b in emcl_backends if b != "reference" or numel <= REFERENCE_CAP]
     log(f"   {name} ({len(shapes)} tensors, {numel:,} elements, {source}) {dname}")
     contenders, errors = make_contenders(params, backends, log)
     contenders += floor_contenders(numel, dtype, device)
@@ -680,28 +536,28 @@ def run_layout(device, choice, dtype, thread_counts, emcl_backends, args, settin
                     profile[c.name] = gpu_activities(c, device, settings.profile_steps)
                 except Exception as exc:  # noqa: BLE001 - the timings stand without it
                     log(f"      (profiler failed for {c.name}: {type(exc).__name__}: {exc})")
-        load_after = common.load_average()
-        params_finite = all_finite(params)
         roof = roofs.get(torch.get_num_threads())
         group = {"threads": torch.get_num_threads(), "layout": name, "layout_source": source,
                  "n_tensors": len(shapes), "numel": numel, "dtype": dname,
-                 "load_average_before": load_before, "load_average_after": load_after,
+                 "load_average_before": load_before, "load_average_after": common.load_average(),
                  "group_rounds": rounds,
                  "roof_gbps": roof["roof_gbps"] if roof else None,
                  "copy_gbps": roof["copy_gbps"] if roof else None}
+        params_finite, new = finite_state(params, None), []
         for c in contenders:
             rec = record_of(c, group, device, dtype)
-            rec.update(profile.get(c.name, {"device_ms": None, "gpu_activities_per_step": None,
-                                            "extension_launches_per_step": None}))
-            rec["finite"] = params_finite and all_finite(state_tensors(c.optimizer))
-            records.append(rec)
-            # wall/host samples restart for the next thread count
-            c.wall, c.host, c.blocks = [], [], 0
-        for key, err in errors.items():
-            records.append({"device": device.type, **group, "contender": key,
-                            "family": "emcl" if key.startswith("emcl") else key,
-                            "error": err})
-        _log_group(records[-len(contenders) - len(errors):], log)
+            rec.update(profile.get(c.name, {"device_ms": None, "gpu_activities_per_step": None}))
+            rec["finite"] = params_finite and finite_state([], c.optimizer)
+            new.append(rec)
+            c.wall, c.host, c.blocks = [], [], 0   # the samples restart at the next thread count
+        new += [{"device": device.type, **group, "contender": key,
+                 "family": "emcl" if key.startswith("emcl") else key,
+                 "backend": key[5:].split("]")[0] if key.startswith("emcl[") else None,
+                 "error": err} for key, err in errors.items()]
+        add_ratios(new)
+        for r in new:
+            log(_progress_line(r))
+        records += new
     del contenders, params
     gc.collect()
     if device.type == "cuda":
@@ -709,92 +565,21 @@ def run_layout(device, choice, dtype, thread_counts, emcl_backends, args, settin
     return records
 
 
-def _log_group(records: list, log) -> None:
-    add_ratios(records)
-    for r in records:
-        if r.get("error"):
-            log(f"      {r['contender']:<34} error: {r['error']}")
-            continue
-        extra = ""
-        if r.get("device_ms") is not None:
-            extra = (f" host {r['host_ms']:.3f} device {r['device_ms']:.3f} ms, "
-                     f"{r['gpu_activities_per_step']:.1f} GPU activities/step")
-        ratio = r.get("ratio_to_adam_fused")
-        log(f"      {r['threads']}t {r['contender']:<34} {r['wall_ms']:10.4f} ms "
-            f"[{r['wall_ms_q25']:.4f}, {r['wall_ms_q75']:.4f}] "
-            f"{'-' if ratio is None else f'{ratio:.2f}'}x Adam-fused, {r['gbps']:.2f} GB/s"
-            f"{_peer_text(r)}{extra}{'' if r['finite'] else '  NOT FINITE'}")
+def _progress_line(r: dict) -> str:
+    if r.get("error"):
+        return f"      {r['contender']:<34} error: {r['error']}"
+    peer = (f", {r['ratio_to_peer']:.2f}x {r['peer']} (goal {r['goal']}: {r['verdict']})"
+            if r.get("ratio_to_peer") is not None else "")
+    gpu = (f", host {r['host_ms']:.3f} device {r['device_ms']:.3f} ms"
+           if r.get("device_ms") is not None else "")
+    return (f"      {r['threads']}t {r['contender']:<34} {r['wall_ms']:10.4f} ms "
+            f"[{r['wall_ms_q25']:.4f}, {r['wall_ms_q75']:.4f}]{peer}{gpu}"
+            f"{'' if r['finite'] else '  NOT FINITE'}")
 
 
-def _peer_text(r: dict) -> str:
-    """", 0.93x adam_fused_checked (goal 1.0: met)" for a record with a peer, else "" (and for
-    a step with floors: "; at its streams' speed 0.81x (1.04x their time)")."""
-    if r.get("ratio_to_peer") is None:
-        return ""
-    floor = (r.get("floor_ratio_to_peer") or {}).get(r.get("floor"))
-    extra = (f"; at its streams' speed {floor:.2f}x ({r['ratio_to_floor']:.2f}x their time)"
-             if floor is not None else "")
-    return f", {r['ratio_to_peer']:.2f}x {r['peer']} (goal {r['goal']}: {r['verdict']}{extra})"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = harness.parser("step", __doc__, "device", "threads", "out", "name", "note", "quick",
-                       "plot", "quiet", many_threads=True,
-                       threads_default="on CPU: 1 2; on a GPU: torch's",
-                       quick="fewer rounds and warm-up steps")
-    p.add_argument("--layouts", nargs="+", default=None, choices=LAYOUT_CHOICES,
-                   help="default: every one (--table: every one in the file)")
-    p.add_argument("--dtypes", nargs="+", default=None, choices=["fp32", "bf16"],
-                   help="default: both (--table: every one in the file)")
-    p.add_argument("--backends", nargs="+", default=None,
-                   help="EMCL backends (default: every one available on the device; --table: "
-                        "every one in the file)")
-    p.add_argument("--reference-cap", type=int, default=None, metavar="LOG2",
-                   help="EMCL's reference backend only up to 2**LOG2 elements (default 20)")
-    p.add_argument("--rounds", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
-                   help="rounds per group (full 5 60, quick 3 15)")
-    p.add_argument("--budget", type=float, default=None,
-                   help="seconds of rounds per group, about (full 20, quick 3)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps per contender")
-    p.add_argument("--roof-mb", type=float, default=None,
-                   help="MiB per tensor of the roof's largest size (default: 256 on CPU, 1 GiB on "
-                        "a GPU)")
-    p.add_argument("--rotate-mb", type=float, default=None,
-                   help="MiB of the roof's rotated tensor sets per size (default: 4 x the "
-                        "last-level cache)")
-    p.add_argument("--no-roof", action="store_true", help="skip the roof measurement")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--table", nargs="*", metavar="RESULTS_JSON", default=None,
-                   help="print the tables of these results files (none: the newest "
-                        "benchmarks/results/step_*.json) and exit; --backends, --layouts and "
-                        "--dtypes select")
-    return p
-
-
-def main(argv: Optional[list] = None) -> dict:
-    """Run the benchmark; return the results dict (also written to ``--out``)."""
-    args = build_parser().parse_args(argv)
-    if args.table is not None:
-        return {"table": print_tables(args.table, args)}
-    args.layouts = args.layouts or list(LAYOUT_CHOICES)
-    args.dtypes = args.dtypes or ["fp32", "bf16"]
-    settings = Settings.quick() if args.quick else Settings.full()
-    if args.rounds:
-        settings.min_rounds, settings.max_rounds = args.rounds
-        if not 1 <= settings.min_rounds <= settings.max_rounds:
-            raise SystemExit("--rounds: need 1 <= MIN <= MAX")
-    if args.budget is not None:
-        settings.budget_s = args.budget
-    if args.warmup is not None:
-        settings.warmup = args.warmup
-    if args.reference_cap is not None:
-        settings.reference_cap = 2 ** args.reference_cap
-    with harness.threads(None):
-        return _main(args, argv, settings, harness.device_of(args.device))
-
-
-def _main(args, argv, settings: Settings, device: torch.device) -> dict:
-    log = (lambda *_: None) if args.quiet else (lambda msg: print(msg, flush=True))
+def run(args, argv, settings: Settings, device: torch.device, log) -> dict:
+    """The benchmark: the roof at every thread count, then every layout and dtype; the
+    results file saved after every group, so that a run cut short keeps its groups."""
     started = time.perf_counter()
     if device.type == "cuda":
         thread_counts = [None] if args.threads is None else args.threads[:1]
@@ -806,37 +591,35 @@ def _main(args, argv, settings: Settings, device: torch.device) -> dict:
                          "; ".join(f"{k}: {v}" for k, v in skipped.items()))
     result = harness.head("step", argv, device, schema=SCHEMA, note=args.note)
     result.update({
-        "settings": {**settings.__dict__, "param_scale": PARAM_SCALE, "grad_scale": GRAD_SCALE,
+        "settings": {**settings.__dict__, "reference_cap": REFERENCE_CAP,
+                     "param_scale": PARAM_SCALE, "grad_scale": GRAD_SCALE,
                      "thread_counts": [t or torch.get_num_threads() for t in thread_counts]},
-        "emcl_backends": emcl_backends, "skipped_backends": skipped,
-        "byte_model": {f"{k}/{d}": bytes_per_element(k, common.DTYPE_NAMES[d])
-                       for k in ("emcl_step", "emcl_inner", "adam", "sgd", "inner_reads")
-                       for d in args.dtypes},
-        "roofs": [], "records": []})
+        "emcl_backends": emcl_backends, "skipped_backends": skipped, "roofs": [],
+        "records": [], "complete": False})
     log(f"== {result['device_name']}: EMCL backends {', '.join(emcl_backends)}; "
         f"{settings.mode} run; load average {common.load_average()}")
-    for name, why in skipped.items():
-        log(f"   not timed: emcl[{name}]: {why}")
-    for note in result["notes"]:
-        log(f"   warning: {note}")
+    for line in [f"not timed: emcl[{k}]: {v}" for k, v in skipped.items()] + \
+            [f"warning: {note}" for note in result["notes"]]:
+        log("   " + line)
     roofs = {}
-    if not args.no_roof:
-        for threads in thread_counts:
-            if threads is not None:
-                torch.set_num_threads(threads)
-            roof = measure_roof(device, args, emcl_backends, settings, log)
-            roofs[roof["threads"]] = roof
-            result["roofs"].append(roof)
+    for threads in () if args.no_roof else thread_counts:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        roof = common.device_roof(
+            device, settings.roof_reps, backends=emcl_backends,
+            largest=max(1, int(args.roof_mb * 2 ** 20) // 4) if args.roof_mb else None,
+            rotate_bytes=int(args.rotate_mb * 2 ** 20) if args.rotate_mb else None)
+        log(f"   roof at {roof['threads']} thread(s): {roof['roof_gbps']:.1f} GB/s "
+            f"({roof['roof_kernel']}); copy {roof['copy_gbps']:.1f} GB/s")
+        roofs[roof["threads"]] = roof
+        result["roofs"].append(roof)
     stem = args.name or f"step_{common.utc_stamp()}_{device.type}"
-    path = os.path.join(args.out, stem + ".json")
-    result["complete"] = False
-    for choice in args.layouts:
-        for dname in args.dtypes:
+    for choice in args.layouts or LAYOUT_CHOICES:
+        for dname in args.dtypes or ("fp32", "bf16"):
             result["records"] += run_layout(device, choice, common.DTYPE_NAMES[dname],
                                             thread_counts, emcl_backends, args, settings,
                                             roofs, log)
-            add_ratios(result["records"])
-            harness.save(result, path)   # after every group: a run cut short keeps its groups
+            harness.save(result, os.path.join(args.out, stem + ".json"))
     bad = [r for r in result["records"] if r.get("finite") is False]
     if bad:
         result["notes"].append(f"{len(bad)} record(s) ended with non-finite parameters or "
@@ -856,15 +639,73 @@ def _main(args, argv, settings: Settings, device: torch.device) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# Output: the tables (the terminal's at the end of a run, docs/performance.md's from a file)
+# --host-only: the host's part of a step
 # ---------------------------------------------------------------------------------------------
 
-def contender_order(records: list) -> list:
-    """The contenders in a stable order: the baselines, then EMCL per backend."""
-    names = list(dict.fromkeys(r["contender"] for r in records))
-    return sorted(names, key=lambda n: (0, BASELINES.index(n)) if n in BASELINES else
-                  (1, n.split("]")[0], "inner_step()" in n, "nocheck" in n, "scaler" in n, n))
+def host_times(choice: str, device: torch.device, settings: Settings, backend: str,
+               seed: int) -> dict:
+    """The host time of ``step()`` (µs per call) on layout ``choice`` in fp32, the backend's
+    ``step`` a no-op while timed, with the same and with changing gradients (the record:
+    benchmarks/README.md, ``--host-only``)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    params = make_params(layout_shapes(choice)[1], torch.float32, device, gen)
+    pool = [[p.grad for p in params]] + [
+        [torch.randn(p.shape, generator=gen, device=device).mul_(GRAD_SCALE) for p in params]
+        for _ in range(2)]
+    sets = itertools.cycle(pool)
+    opt = FusedEMCLOptimizer(params, meta_every=1, backend=backend)
+    opt.step()
 
+    def assign():
+        for p, g in zip(params, next(sets)):
+            p.grad = g
+
+    def changing():
+        assign()
+        opt.step()
+    calls = settings.host_calls if choice == "mlp" else max(40, settings.host_calls // 10)
+    kernels = opt._runtime.plans[0].backend
+    real, kernels.step = kernels.step, (lambda *a, **k: None)
+    rounds = {"same": [], "changing": [], "assign": []}
+    try:
+        for _ in range(settings.min_rounds):
+            for p, g in zip(params, pool[0]):
+                p.grad = g
+            for key, fn in (("same", opt.step), ("changing", changing), ("assign", assign)):
+                # host time on any device: time_calls' CPU clock, perf_counter around each call
+                secs = timing.time_calls([fn] * calls, torch.device("cpu"))
+                rounds[key].append(statistics.median(secs) * 1e6)
+    finally:
+        kernels.step = real
+    median = {k: statistics.median(v) for k, v in rounds.items()}
+    return {"same_grads_us": median["same"],
+            "changing_grads_us": median["changing"] - median["assign"],
+            "same_grads_fastest_us": min(rounds["same"]),
+            "changing_grads_fastest_us": min(rounds["changing"]) - min(rounds["assign"]),
+            **{f"{k}_rounds_us": v for k, v in rounds.items()}}
+
+
+def run_host_only(args, argv, settings: Settings, device: torch.device) -> dict:
+    """``--host-only``: :func:`host_times` per layout, written to ``OUT/host_*.json``."""
+    torch.set_num_threads((args.threads or [1])[0])
+    backend = (args.backends or ["auto"])[0]
+    result = harness.head("step", argv, device, schema=HOST_SCHEMA, note=args.note)
+    result.update(backend=backend, threads=torch.get_num_threads(), rounds=settings.min_rounds,
+                  load_before=common.load_average(), layouts={})
+    for choice in args.layouts or ("mlp", "many"):
+        result["layouts"][choice] = host_times(choice, device, settings, backend, args.seed)
+    result["load_after"] = common.load_average()
+    keys = ("same_grads_us", "changing_grads_us", "same_grads_fastest_us",
+            "changing_grads_fastest_us")
+    return harness.finish(
+        result, args.out, args.name or f"host_{common.utc_stamp()}_{device.type}",
+        table=lambda res: harness.table(["layout", *keys], [
+            (name, *(r[k] for k in keys)) for name, r in res["layouts"].items()]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Output: the tables (the terminal's at the end of a run, docs/performance.md's from a file)
+# ---------------------------------------------------------------------------------------------
 
 BASELINE_TITLES = {"adam_fused": "Adam fused", "adam_fused_checked": "Adam fused, checked",
                    "adam_fused_scaler": "Adam fused + GradScaler", "adam_foreach": "Adam foreach",
@@ -875,6 +716,18 @@ PEER_TITLES = {("step()", False, False): "`step()`, check off / Adam fused",
                ("step()", True, True): "`step()` + GradScaler / Adam fused + GradScaler",
                ("inner_step()", False, False): "`inner_step()`, check off / Adam fused"}
 VERDICT_MARK = {"met": "", "tie": " (tie)", "missed": " **(missed)**", None: ""}
+CAPTION = (" The three Adam peers: median wall time of one step in ms [quartiles] (checked: "
+           "torch's finite check `_amp_foreach_non_finite_check_and_unscale_` feeding "
+           "`found_inf` to the fused step; + GradScaler: `scaler.step(opt); scaler.update()`). "
+           "EMCL: median wall time over its like-for-like peer's (SPEC section 7), in "
+           "parentheses the same of the fastest steps; every contender on the same tensors, "
+           "interleaved round by round.")
+FLOOR_CAPTION = (" Floors over Adam fused (`torch.ops.emcl.stream_probe_` on four flat tensors "
+                 "of the layout's size, fp32, in bf16 rows θ and g bf16, timed in the same "
+                 "rounds): step, `floor: step streams` (θ, g, θ₀, h read, θ, θ₀, h written: "
+                 "the inner+meta step's streams, as many as fused Adam's); inner, `floor: inner "
+                 "streams` (θ, g, θ₀, h read, θ written: the inner step's), in parentheses its "
+                 "reads alone (`floor: inner reads`).")
 
 
 def _title(name: str) -> str:
@@ -889,9 +742,8 @@ def _pair_key(r: dict) -> tuple:
 
 
 def step_goals(records: list) -> list:
-    """Lines saying, per EMCL backend and SPEC section 7 row, in how many cells the EMCL call
-    met its goal against its like-for-like peer (``verdict`` of :func:`add_ratios`), tied
-    with it within the interquartile ranges, or missed it, and the worst cell."""
+    """Lines saying, per EMCL backend and SPEC section 7 row, in how many cells the call met
+    its goal, tied with it or missed it (``verdict``), and the worst cell."""
     lines = []
     emcl = [r for r in records if r.get("family") == "emcl" and r.get("ratio_to_peer")]
     for key, title in PEER_TITLES.items():
@@ -908,20 +760,44 @@ def step_goals(records: list) -> list:
     return lines
 
 
-def _error_cell(r: dict) -> str:
-    """A contender that has no time: "n/a" where torch cannot run it (a "not timed: ..."
-    error), "error" where it failed; the reason is listed under the table."""
-    return "n/a" if r["error"].startswith("not timed") else "error"
+def _markdown(head: list, rows: list) -> list:
+    """The lines of a markdown table, layout, dtype and contender left-aligned."""
+    align = ["---" if h in ("layout", "dtype", "contender") else "--:" for h in head]
+    return ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"] + \
+        ["| " + " | ".join(cells) + " |" for cells in rows]
+
+
+def _summary_cell(r: Optional[dict], baseline: bool) -> str:
+    """A baseline's "ms [quartiles]", or an EMCL row's ratio to its peer and verdict; "n/a"
+    where torch cannot run the contender, "error" where it failed, "-" where it is absent."""
+    if r is None:
+        return "-"
+    if r.get("error"):
+        return "n/a" if r["error"].startswith("not timed") else "error"
+    if baseline:
+        return f"{r['wall_ms']:.3g} [{r['wall_ms_q25']:.3g}-{r['wall_ms_q75']:.3g}]"
+    if r.get("ratio_to_peer") is None:
+        return f"{r['wall_ms']:.3g} ms (no peer)"
+    return (f"{r['ratio_to_peer']:.2f}x ({r['ratio_to_peer_min']:.2f}x)"
+            + VERDICT_MARK.get(r.get("verdict"), "")
+            + ("" if r.get("finite", True) else " (not finite)"))
+
+
+def _floor_cell(here: list) -> str:
+    """"step 1.01x, inner 0.86x (0.74x)": the floors' median times over Adam fused's in one
+    group ("-" without)."""
+    ratio = {r["contender"]: r.get("ratio_to_adam_fused") for r in here if r["family"] == "floor"}
+    step, streams = ratio.get("floor: step streams"), ratio.get("floor: inner streams")
+    reads = ratio.get("floor: inner reads")
+    parts = [] if step is None else [f"step {step:.2f}x"]
+    if streams is not None:
+        parts.append(f"inner {streams:.2f}x" + (f" ({reads:.2f}x)" if reads is not None else ""))
+    return ", ".join(parts) or "-"
 
 
 def tables(result: dict, *, backends=None, layouts=None, dtypes=None, source: str = "") -> str:
-    """The markdown of a results file: per thread count (CPU) or for the GPU, one row per
-    layout and dtype; the three fused-Adam peers' median wall times, and per EMCL backend
-    (``backends``, default all) the median wall time of each SPEC section 7 row over its
-    peer's (in parentheses the same of the fastest steps; "(tie)" where the goal lies within
-    the interquartile ranges, "(missed)" where not); the goals met per row and the errors;
-    then every contender's wall time (on a GPU also host and device time and GPU activities
-    per step) and its ratios to Adam fused and to its peer."""
+    """The markdown of a results file, its records selected by ``backends``, ``layouts`` and
+    ``dtypes`` (what it shows: benchmarks/README.md, ``step``)."""
     recs = [r for r in result["records"]
             if (not layouts or any(r["layout"].startswith(l) for l in layouts))
             and (not dtypes or r["dtype"] in dtypes)
@@ -933,189 +809,161 @@ def tables(result: dict, *, backends=None, layouts=None, dtypes=None, source: st
              if l]
     roofs = "; ".join(f"{r['threads']} thread(s) {r['roof_gbps']:.1f} GB/s ({r['roof_kernel']})"
                       for r in result.get("roofs", []))
-    caption = (f"**{result['device_name']}**, torch {machine.get('torch', '?')}; "
-               f"{result['settings']['mode']} run of {result['created_utc']}"
-               + (f", from `{source}`" if source else "") + ". The three Adam peers: median "
-               "wall time of one step in ms [quartiles] (checked: torch's finite check "
-               "`_amp_foreach_non_finite_check_and_unscale_` feeding `found_inf` to the fused "
-               "step; + GradScaler: `scaler.step(opt); scaler.update()`). EMCL: median wall time "
-               "over its like-for-like peer's (SPEC section 7), in parentheses the same of the "
-               "fastest steps; every contender on the same tensors, interleaved round by round."
-               + (f" 1-minute load average during the run: {min(l[0] for l in loads):.1f} to "
-                  f"{max(l[0] for l in loads):.1f} on {machine.get('cpu_count', '?')} cores."
-                  if loads else "")
-               + (f" Memory roof: {roofs}." if roofs else ""))
-    lines = [caption]
-    emcl_backends = list(dict.fromkeys(r["backend"] for r in recs if r["family"] == "emcl"))
+    emcl_backends = [b for b in dict.fromkeys(r.get("backend") for r in recs
+                                              if r["family"] == "emcl") if b]
     floors = any(r["family"] == "floor" for r in recs)
-    if floors:
-        lines[0] += (" Floors over Adam fused (`torch.ops.emcl.stream_probe_` on four flat "
-                     "tensors of the layout's size, fp32, in bf16 rows θ and g bf16, timed in "
-                     "the same rounds): step, "
-                     "`floor: step streams` (θ, g, θ₀, h read, θ, θ₀, h written: the "
-                     "inner+meta step's streams, as many as fused Adam's); inner, `floor: inner "
-                     "streams` (θ, g, θ₀, h read, θ written: the inner step's), in parentheses "
-                     "its reads alone (`floor: inner reads`).")
+    lines = [f"**{result['device_name']}**, torch {machine.get('torch', '?')}; "
+             f"{result['settings']['mode']} run of {result['created_utc']}"
+             + (f", from `{source}`" if source else "") + "." + CAPTION
+             + (f" 1-minute load average during the run: {min(l[0] for l in loads):.1f} to "
+                f"{max(l[0] for l in loads):.1f} on {machine.get('cpu_count', '?')} cores."
+                if loads else "")
+             + (f" Memory roof: {roofs}." if roofs else "") + (FLOOR_CAPTION if floors else "")]
+    head = ["layout", "dtype"] + [f"{BASELINE_TITLES[b]} (ms)" for b in BASELINES[:3]]
+    for backend in emcl_backends:
+        prefix = f"EMCL `{backend}` " if len(emcl_backends) > 1 else "EMCL "
+        head += [prefix + title for title in PEER_TITLES.values()]
+    head += ["floor / Adam fused"] if floors else []
     for threads in dict.fromkeys(r["threads"] for r in recs):
         sub = [r for r in recs if r["threads"] == threads]
-        head = ["layout", "dtype"] + [f"{BASELINE_TITLES[b]} (ms)" for b in BASELINES[:3]]
-        for backend in emcl_backends:
-            prefix = f"EMCL `{backend}` " if len(emcl_backends) > 1 else "EMCL "
-            head += [prefix + title for title in PEER_TITLES.values()]
-        if floors:
-            head.append("floor / Adam fused")
-        title = f"{threads} thread(s)" if result["device"] == "cpu" else result["device_name"]
-        lines += ["", f"*{title}*", "", "| " + " | ".join(head) + " |",
-                  "|" + "|".join(["---", "---"] + ["--:"] * (len(head) - 2)) + "|"]
+        rows = []
         for layout in dict.fromkeys(r["layout"] for r in sub):
             for dtype in dict.fromkeys(r["dtype"] for r in sub):
                 here = [r for r in sub if r["layout"] == layout and r["dtype"] == dtype]
                 if not here:
                     continue
-                cells = [layout, dtype]
-                for b in BASELINES[:3]:
-                    r = next((r for r in here if r["family"] == b), None)
-                    cells.append("-" if r is None else _error_cell(r) if r.get("error") else
-                                 f"{r['wall_ms']:.3g} [{r['wall_ms_q25']:.3g}-"
-                                 f"{r['wall_ms_q75']:.3g}]")
-                for backend in emcl_backends:
-                    for key in PEER_TITLES:
-                        r = next((r for r in here if r["family"] == "emcl"
-                                  and r["backend"] == backend and _pair_key(r) == key), None)
-                        if r is None:
-                            cells.append("-")
-                        elif r.get("error"):
-                            cells.append(_error_cell(r))
-                        elif r.get("ratio_to_peer") is None:
-                            cells.append(f"{r['wall_ms']:.3g} ms (no peer)")
-                        else:
-                            cells.append(f"{r['ratio_to_peer']:.2f}x "
-                                         f"({r['ratio_to_peer_min']:.2f}x)"
-                                         + VERDICT_MARK.get(r.get("verdict"), "")
-                                         + ("" if r.get("finite", True) else " (not finite)"))
-                if floors:
-                    cells.append(_floor_cell(here))
-                lines.append("| " + " | ".join(cells) + " |")
+                cells = [layout, dtype] + [
+                    _summary_cell(next((r for r in here if r["family"] == b), None), True)
+                    for b in BASELINES[:3]]
+                cells += [_summary_cell(next((r for r in here if r["family"] == "emcl"
+                                              and r.get("backend") == backend
+                                              and _pair_key(r) == key), None), False)
+                          for backend in emcl_backends for key in PEER_TITLES]
+                rows.append(cells + ([_floor_cell(here)] if floors else []))
+        title = f"{threads} thread(s)" if result["device"] == "cpu" else result["device_name"]
+        lines += ["", f"*{title}*", ""] + _markdown(head, rows)
     errors = {(r["contender"], r["error"]) for r in recs if r.get("error")}
     goals = step_goals(recs)
-    if goals or errors:
-        lines.append("")
-    lines += goals
+    lines += ([""] if goals or errors else []) + goals
     lines += [f"- {_title(n)}: {e}" for n, e in sorted(errors)]
-    lines += ["", _contender_table(recs, gpu=result["device"] != "cpu")]
-    return "\n".join(lines)
+    return "\n".join(lines + ["", _contender_table(recs, gpu=result["device"] != "cpu")])
 
 
 def _contender_table(recs: list, gpu: bool) -> str:
-    """Every timed contender, one row each: its wall time (on a GPU also the host's and the
-    device's, and GPU activities per step), over Adam fused's and over its peer's."""
+    """Every timed contender's times, one row each."""
     head = ["layout", "dtype"] + ([] if gpu else ["threads"]) + ["contender", "wall ms"]
     head += ["host ms", "device ms", "GPU activities / step"] if gpu else []
-    head += ["x Adam fused", "x peer"]
-    align = ["---" if h in ("layout", "dtype", "contender") else "--:" for h in head]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
+    rows = []
     for r in recs:
         if r.get("error") or (gpu and r.get("device_ms") is None):
             continue
-        base = r.get("ratio_to_adam_fused")
         cells = [r["layout"], r["dtype"]] + ([] if gpu else [str(r["threads"])])
         cells += [_title(r["contender"]), f"{r['wall_ms']:.3g}"]
         if gpu:
             cells += [f"{r['host_ms']:.3g}", f"{r['device_ms']:.3g}",
                       f"{r['gpu_activities_per_step']:.3g}"]
-        cells += ["-" if base is None else f"{base:.2f}x",
-                  "-" if r.get("ratio_to_peer") is None else f"{r['ratio_to_peer']:.2f}x"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _floor_cell(here: list) -> str:
-    """"step 1.01x, inner 0.86x (0.74x)": the floors' median times over Adam fused's in one
-    group ("-" without; a file from before the step's floor has only the inner ones)."""
-    ratio = {r["contender"]: r.get("ratio_to_adam_fused") for r in here if r["family"] == "floor"}
-    step, streams = ratio.get("floor: step streams"), ratio.get("floor: inner streams")
-    reads = ratio.get("floor: inner reads")
-    parts = [] if step is None else [f"step {step:.2f}x"]
-    if streams is not None:
-        parts.append(f"inner {streams:.2f}x" + (f" ({reads:.2f}x)" if reads is not None else ""))
-    return ", ".join(parts) or "-"
-
-
-def print_tables(paths: list, args) -> str:
-    """The tables of step results files (none: the newest in benchmarks/results/), with the
-    selection of ``args`` (``--backends``, ``--layouts``, ``--dtypes``)."""
-    text = "\n\n".join(
-        tables(result, backends=args.backends, layouts=args.layouts, dtypes=args.dtypes,
-               source=source)
-        for source, result in harness.load_results(paths, "step", SCHEMA))
-    print(text)
-    return text
+        rows.append(cells + ["-" if r.get(k) is None else f"{r[k]:.2f}x"
+                             for k in ("ratio_to_adam_fused", "ratio_to_peer")])
+    return "\n".join(_markdown(head + ["x Adam fused", "x peer"], rows))
 
 
 def plot(result: dict, path: str) -> None:
-    """One panel per (thread count, dtype): per layout, every contender's wall time over its
-    like-for-like peer's (EMCL rows with a SPEC section 7 peer: that peer; every other row:
-    Adam-fused's), log scale, the lines at 1.0 (the goal of the step rows) and 0.8 (the goal
-    of ``inner_step()`` without the check)."""
-
-    def ratio(r):
-        return r["ratio_to_peer"] if r.get("ratio_to_peer") is not None \
-            else r["ratio_to_adam_fused"]
+    """One panel per (thread count, dtype): per layout, each EMCL SPEC section 7 row's wall
+    time over its peer's, log scale, lines at the goals 1.0 and 0.8."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recs = [r for r in result["records"] if r.get("ratio_to_adam_fused")]
+    recs = [r for r in result["records"] if r.get("ratio_to_peer")]
     if not recs:
         return
     threads = list(dict.fromkeys(r["threads"] for r in recs))
     dtypes = list(dict.fromkeys(r["dtype"] for r in recs))
     layouts = list(dict.fromkeys(r["layout"] for r in recs))
-    names = [n for n in contender_order(recs) if n != "adam_fused"]
-    legend_rows = -(-len(names) // 4)
-    legend_in = 0.35 + 0.22 * legend_rows
-    height = 4.0 * len(threads) + legend_in + 0.4
+    peer = {r["contender"]: r["peer"] for r in recs}
+    names = list(peer)
+    width, height = 0.8 / len(names), 4.0 * len(threads) + 1.2
     fig, axes = plt.subplots(len(threads), len(dtypes), squeeze=False,
                              figsize=(max(7.0, 2.2 * len(layouts)) * len(dtypes), height))
-    width = 0.8 / max(1, len(names))
-    # one colour per optimizer and call, the variant without the non-finite check hatched
-    keys = list(dict.fromkeys(n.replace(" nocheck", "") for n in names))
-    cmap = plt.get_cmap("tab20" if len(keys) > 10 else "tab10")
-    colour = {k: cmap(i % cmap.N) for i, k in enumerate(keys)}
-    for i, t in enumerate(threads):
-        for j, dt in enumerate(dtypes):
-            ax = axes[i][j]
-            for k, n in enumerate(names):
-                xs, ys = [], []
-                for x, lay in enumerate(layouts):
-                    r = next((r for r in recs if r["threads"] == t and r["dtype"] == dt
-                              and r["layout"] == lay and r["contender"] == n), None)
-                    if r is not None:
-                        xs.append(x - 0.4 + width * (k + 0.5))
-                        ys.append(ratio(r))
-                peer = next((r.get("peer") for r in recs if r["contender"] == n
-                             and r.get("peer")), None)
-                ax.bar(xs, ys, width, label=n + (f" / {peer}" if peer else ""),
-                       color=colour[n.replace(" nocheck", "")],
-                       hatch="//" if "nocheck" in n else None, edgecolor="white", lw=0)
-            ax.axhline(1.0, color="k", lw=1)
-            ax.axhline(0.8, color="k", lw=1, ls=":")
-            ax.set_yscale("log")
-            labels = []
-            for lay in layouts:
-                base = next((r for r in recs if r["threads"] == t and r["dtype"] == dt
-                             and r["layout"] == lay and r["contender"] == "adam_fused"), None)
-                labels.append(lay + (f"\nAdam-fused {base['wall_ms']:.3g} ms" if base else ""))
-            ax.set_xticks(range(len(layouts)))
-            ax.set_xticklabels(labels, fontsize=8)
-            ax.set_ylabel("wall time / peer's (else Adam-fused's)")
-            where = result["device"] if result["device"] == "cuda" else f"{t} thread(s)"
-            ax.set_title(f"{where}, {dt}", fontsize=10)
-            ax.grid(True, axis="y", which="both", alpha=0.3)
+    for (i, t), (j, dt) in itertools.product(enumerate(threads), enumerate(dtypes)):
+        ax = axes[i][j]
+        for k, name in enumerate(names):
+            mine = {r["layout"]: r for r in recs
+                    if (r["threads"], r["dtype"], r["contender"]) == (t, dt, name)}
+            xs = [x for x, lay in enumerate(layouts) if lay in mine]
+            ax.bar([x - 0.4 + width * (k + 0.5) for x in xs],
+                   [mine[layouts[x]]["ratio_to_peer"] for x in xs], width,
+                   label=f"{name} / {peer[name]}", color=plt.get_cmap("tab20")(k % 20))
+        for goal, style in ((1.0, "-"), (0.8, ":")):
+            ax.axhline(goal, color="k", lw=1, ls=style)
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(layouts)))
+        ax.set_xticklabels(layouts, fontsize=8)
+        ax.set_ylabel("wall time / peer's")
+        where = result["device"] if result["device"] == "cuda" else f"{t} thread(s)"
+        ax.set_title(f"{where}, {dt}", fontsize=10)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
-    fig.suptitle(f"optimizer step on {result['device_name']} ({result['settings']['mode']} run, "
-                 f"{result['created_utc']}); lines: 1.0 and 0.8 of the peer", fontsize=10)
-    fig.tight_layout(rect=(0, legend_in / height, 1, 1 - 0.4 / height))
+    fig.suptitle(f"EMCL's step over its peer's on {result['device_name']} "
+                 f"({result['settings']['mode']} run, {result['created_utc']})", fontsize=10)
+    fig.tight_layout(rect=(0, 0.8 / height, 1, 1 - 0.4 / height))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def main(argv: Optional[list] = None) -> dict:
+    """Run the benchmark; return the results dict (also written to ``--out``)."""
+    p = harness.parser("step", __doc__, "device", "threads", "out", "name", "note", "quick",
+                       "plot", "quiet", many_threads=True,
+                       threads_default="on CPU: 1 2; on a GPU: torch's; --host-only: 1",
+                       quick="fewer rounds and warm-up steps")
+    p.add_argument("--layouts", nargs="+", default=None, choices=LAYOUT_CHOICES,
+                   help="default: every one (--table: every one in the file; --host-only: "
+                        "mlp many)")
+    p.add_argument("--dtypes", nargs="+", default=None, choices=["fp32", "bf16"],
+                   help="default: both (--table: every one in the file)")
+    p.add_argument("--backends", nargs="+", default=None,
+                   help="EMCL backends (default: every one available on the device; --table: "
+                        "every one in the file; --host-only: the first, default auto)")
+    p.add_argument("--rounds", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="rounds per group (full 5 60, quick 3 15; --host-only: MIN)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds of rounds per group, about (full 20, quick 3)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per contender")
+    p.add_argument("--roof-mb", type=float, default=None,
+                   help="MiB per tensor of the roof's largest size (default: 256 on CPU, 1 GiB on "
+                        "a GPU)")
+    p.add_argument("--rotate-mb", type=float, default=None,
+                   help="MiB of the roof's rotated tensor sets per size (default: 4 x the "
+                        "last-level cache)")
+    p.add_argument("--no-roof", action="store_true", help="skip the roof measurement")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--host-only", action="store_true",
+                   help="the host's part of step() alone, the backend's kernels a no-op, fp32, "
+                        "same and changing gradients (host_<stamp>_<device>.json)")
+    p.add_argument("--table", nargs="*", metavar="RESULTS_JSON", default=None,
+                   help="print the tables of these results files (none: the newest "
+                        "benchmarks/results/step_*.json) and exit; --backends, --layouts and "
+                        "--dtypes select")
+    args = p.parse_args(argv)
+    if args.table is not None:
+        text = "\n\n".join(tables(result, backends=args.backends, layouts=args.layouts,
+                                   dtypes=args.dtypes, source=source)
+                            for source, result in harness.load_results(args.table, "step", SCHEMA))
+        print(text)
+        return {"table": text}
+    settings = Settings(**(QUICK if args.quick else {}))
+    if args.rounds:
+        settings.min_rounds, settings.max_rounds = args.rounds
+        if not 1 <= settings.min_rounds <= settings.max_rounds:
+            raise SystemExit("--rounds: need 1 <= MIN <= MAX")
+    if args.budget is not None:
+        settings.budget_s = args.budget
+    if args.warmup is not None:
+        settings.warmup = args.warmup
+    log = (lambda *_: None) if args.quiet else (lambda msg: print(msg, flush=True))
+    with harness.threads(None):
+        device = harness.device_of(args.device)
+        if args.host_only:
+            return run_host_only(args, argv, settings, device)
+        return run(args, argv, settings, device, log)

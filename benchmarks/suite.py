@@ -39,7 +39,8 @@ class Benchmark:
 REGISTRY = {b.name: b for b in (
     Benchmark("step", "bench_step",
               "What does FusedEMCLOptimizer.step() cost against torch's Adam and SGD, host "
-              "time included, on real layouts (MLP, ResNet-18, GPT-2)?",
+              "time included, on real layouts (MLP, ResNet-18, GPT-2)? And how much host "
+              "time does a step spend outside the kernels (--host-only)?",
               ("--quick", "--layouts", "mlp", "--dtypes", "fp32", "--threads", "1",
                "--budget", "0.2", "--no-roof", "--no-plot", "--out", "{out}"),
               mode_smoke=("--table", "benchmarks/results/step_epyc-2core.json",
@@ -51,10 +52,6 @@ REGISTRY = {b.name: b for b in (
                "--no-plot", "--roof-mb", "1", "--out-dir", "{out}"),
               mode_smoke=("--table", "benchmarks/results/kernels_epyc-2core_1thread.json",
                           "--sizes", "24")),
-    Benchmark("host", "bench_host",
-              "How much host time does a step spend outside the kernels (the plan key, the "
-              "gradients' lists, the call into the backend)?",
-              ("--steps", "4", "--rounds", "1", "--out", "{out}/host.json")),
     Benchmark("triton", "bench_triton",
               "Which block size and warp count should the Triton step use on this GPU, and "
               "how near a copy does it run?",

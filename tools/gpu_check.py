@@ -69,7 +69,7 @@ checkout:
    ``gpu_check_<stamp>_triton_sweep_cuda.jsonl``; two block sizes, two warp counts and 10
    repeats with --quick or --stage).
 7. ``bench_step``: ``python -m benchmarks step --device cuda --out benchmarks/results``.
-   ``plan_key``: ``python -m benchmarks host --host-only --device cuda``: the host's part
+   ``plan_key``: ``python -m benchmarks step --host-only --device cuda``: the host's part
    of a step (the kernels a no-op) on the MLP and 1,000 x 4,096 tensors.
 8. ``bench_training``: ``python -m benchmarks training --device cuda``.
 9. ``main_job``: ``python -m emcl_continual --method emcl --stream permuted-mnist --seeds 0``
@@ -340,20 +340,17 @@ def step_goal_lines(data: Dict) -> List[str]:
 
 def step_host_rows(data: Dict, layout: str = "mlp") -> List[Dict]:
     """Per contender on the fp32 ``layout`` of a GPU step file, what its time per step is
-    made of: wall, the host call (median, mean, 99th percentile), the device, and the memcpys
-    per profiled step with the frames that issued them: on a model as small as the paper's MLP
-    the step is its host path, so this is where a backend's cost shows."""
+    made of: wall, the host call (median), the device, and the memcpys per profiled step: on
+    a model as small as the paper's MLP the step is its host path, so this is where a
+    backend's cost shows."""
     rows = []
     for r in data.get("records", []):
         if not str(r.get("layout", "")).startswith(layout) or r.get("dtype") != "fp32" \
                 or r.get("device") != "cuda" or r.get("error"):
             continue
-        sources = sorted((r.get("gpu_memcpy_sources") or {}).items(), key=lambda kv: -kv[1])
         rows.append({"contender": r.get("contender"), "wall_ms": r.get("wall_ms"),
-                     "host_ms": r.get("host_ms"), "host_ms_mean": r.get("host_ms_mean"),
-                     "host_ms_p99": r.get("host_ms_p99"), "device_ms": r.get("device_ms"),
-                     "memcpys_per_step": r.get("gpu_memcpys_per_step"),
-                     "memcpy_sources": [f"{k} ({v:.2f}/step)" for k, v in sources[:3]]})
+                     "host_ms": r.get("host_ms"), "device_ms": r.get("device_ms"),
+                     "memcpys_per_step": r.get("gpu_memcpys_per_step")})
     return rows
 
 
@@ -504,17 +501,14 @@ def render_markdown(summary: Dict) -> str:
                 lines += ["", f"Memory roof: {'; '.join(b['roofs']) or '-'}.", ""] + b["goals"]
                 if b.get("host"):
                     lines += ["", "The paper's MLP in fp32, per step (ms): wall, the host call "
-                              "(median / mean / 99th percentile), the device; memcpys per "
-                              "profiled step and where they came from.", "",
-                              "| contender | wall | host | host mean | host p99 | device | "
-                              "memcpys | from |", "|---|--:|--:|--:|--:|--:|--:|---|"]
+                              "(median), the device; memcpys per profiled step.", "",
+                              "| contender | wall | host | device | memcpys |",
+                              "|---|--:|--:|--:|--:|"]
                     for r in b["host"]:
-                        src = "; ".join(r["memcpy_sources"]).replace("|", "\\|") or "-"
                         lines.append(
                             f"| {r['contender']} | {_fmt(r['wall_ms'], 3)} | "
-                            f"{_fmt(r['host_ms'], 3)} | {_fmt(r['host_ms_mean'], 3)} | "
-                            f"{_fmt(r['host_ms_p99'], 3)} | {_fmt(r['device_ms'], 4)} | "
-                            f"{_fmt(r['memcpys_per_step'])} | {src} |")
+                            f"{_fmt(r['host_ms'], 3)} | {_fmt(r['device_ms'], 4)} | "
+                            f"{_fmt(r['memcpys_per_step'])} |")
                 continue
             for key in ("headline", "ratios", "summary", "roof", "roofs", "copy_gbps"):
                 if key in b:
@@ -1169,8 +1163,9 @@ class GpuCheck:
         """The host's part of a step on cuda (the kernels a no-op): what the per-step plan key
         costs where host time is the step."""
         path = os.path.join(self.results, f"gpu_check_{self.stamp}_plan_key_cuda.json")
-        cmd = self._py("-m", "benchmarks", "host", "--host-only", "--device", "cuda",
-                       "--rounds", "3", "--steps", "200", "--out", os.path.relpath(path, ROOT))
+        cmd = self._py("-m", "benchmarks", "step", "--host-only", "--device", "cuda", "--quick",
+                       "--out", os.path.relpath(self.results, ROOT),
+                       "--name", os.path.basename(path)[:-len(".json")])
         rc, _ = self.run(st, cmd, "plan_key", self.timeout("plan_key"))
         if self.args.dry_run:
             st.status = "passed"
