@@ -33,17 +33,17 @@ LAYOUT_CHOICES = ("single", "mlp", "resnet18", "many")
 LAYOUT_NAMES = {"mlp": "mlp-2x100", "resnet18": "resnet18-reduced", "many": "many-1000x4096"}
 MANY_TENSORS, MANY_NUMEL = 1000, 4096
 # How hard each mode measures: single-tensor sizes (log2) on CPU and on a GPU, seconds of
-# repeats per measurement and the repeats' bounds, the same for the slow reference backend
-# (timed up to ``reference_cap`` elements), the roof's repeats and largest tensor (0: from the
-# cache). On a GPU (cheap calls) the repeats are raised (``_settings``).
+# repeats per measurement and the repeats' bounds (raised on a GPU, where calls are cheap),
+# the elements the slow reference backend is timed up to, the roof's repeats and largest
+# tensor (0: from the cache).
 PRESETS = {
     "full": dict(cpu_sizes=list(range(10, 27)), gpu_sizes=list(range(10, 29)), budget_s=0.25,
-                 min_reps=3, max_reps=50, reference_cap=2 ** 22, reference_budget_s=0.1,
-                 reference_min_reps=2, reference_max_reps=10, roof_reps=10, roof_numel=0),
+                 min_reps=3, max_reps=50, gpu_max_reps=500, reference_cap=2 ** 22,
+                 roof_reps=10, roof_numel=0),
     # 2**26 on a GPU: below ~2**22 a functional call's host work, not the kernel, sets its time
     "quick": dict(cpu_sizes=[10, 14, 18], gpu_sizes=[10, 14, 18, 22, 26], budget_s=0.02,
-                  min_reps=2, max_reps=10, reference_cap=2 ** 20, reference_budget_s=0.01,
-                  reference_min_reps=1, reference_max_reps=3, roof_reps=5, roof_numel=2 ** 24),
+                  min_reps=2, max_reps=10, gpu_max_reps=50, reference_cap=2 ** 20,
+                  roof_reps=5, roof_numel=2 ** 24),
 }
 MAX_SETS = 4096        # at most this many rotated input sets
 ROTATE_FACTOR = 4.0    # the rotated sets total at least this many last-level caches
@@ -237,11 +237,8 @@ def run_device(device: torch.device, args, settings: dict, log) -> tuple[dict, l
     variants = [(b, c) for b in backends
                 for c in (args.triton_configs if b == "triton" and args.triton_configs else [None])]
     s = dict(settings)
-    if device.type == "cuda":   # calls are cheap: many more repeats
-        full = s["mode"] == "full"
-        s.update(min_reps=max(s["min_reps"], 10), max_reps=max(s["max_reps"], 500 if full else 50),
-                 reference_min_reps=max(s["reference_min_reps"], 3),
-                 reference_max_reps=max(s["reference_max_reps"], 50 if full else 10))
+    if device.type == "cuda":
+        s.update(min_reps=max(s["min_reps"], 10), max_reps=max(s["max_reps"], s["gpu_max_reps"]))
     llc = common.last_level_cache_bytes(device)
     rotate = s["rotate_bytes"] or int(s["rotate_factor"] * llc)
     info = {"name": common.device_name(device), "load_averages": [("start", common.load_average())],
@@ -260,14 +257,10 @@ def run_device(device: torch.device, args, settings: dict, log) -> tuple[dict, l
     layouts, skipped_layouts = build_layouts(args.layouts, sizes)
 
     def roof() -> None:
-        # the roof's largest size is at least the largest layout timed: a smaller one pays
-        # more of a call's fixed cost per byte than the kernels it bounds
-        numel = s["roof_numel"] or None
-        if device.type == "cuda" and s["mode"] == "full":
-            numel = max(numel or 0, 2 ** 28)
-        if numel is not None:
-            numel = max([numel] + [layout.numel for layout in layouts])
-        info["roof_runs"].append(common.device_roof(device, s["roof_reps"], largest=numel,
+        # the roof's largest size (default: device_roof's) is at least the largest layout
+        # timed: a smaller one pays more of a call's fixed cost per byte than the kernels
+        largest = s["roof_numel"] and max([s["roof_numel"]] + [l.numel for l in layouts])
+        info["roof_runs"].append(common.device_roof(device, s["roof_reps"], largest=largest or None,
                                                     backends=backends, rotate_bytes=rotate))
         _log_roof(info["roof_runs"][-1], log)
     roof()
@@ -280,8 +273,7 @@ def run_device(device: torch.device, args, settings: dict, log) -> tuple[dict, l
                              "(--cpu-triton)")
     if "reference" in backends and any(l.numel > s["reference_cap"] for l in layouts):
         info["notes"].append(f"reference backend timed only up to {s['reference_cap']} elements "
-                             f"(it is slow), with {s['reference_min_reps']}-"
-                             f"{s['reference_max_reps']} repeats")
+                             "(it is slow)")
     gen = torch.Generator(device=device).manual_seed(args.seed)
     records, warmed, recurrent = [], set(), args.lr_mode == "recurrent"
     for layout in layouts:
@@ -295,8 +287,7 @@ def run_device(device: torch.device, args, settings: dict, log) -> tuple[dict, l
                 hyper = common.hyperparameters(op, args.lr_mode)
                 bpe = common.bytes_per_element(op, dtype, args.lr_mode)
                 for backend, config in variants:
-                    ref = "reference_" if backend == "reference" else ""
-                    if ref and layout.numel > s["reference_cap"]:
+                    if backend == "reference" and layout.numel > s["reference_cap"]:
                         continue
                     calls = [step_fn(op, backend, x, hyper, args.check_finite) for x in sets]
                     with triton_tunables(config):
@@ -304,11 +295,11 @@ def run_device(device: torch.device, args, settings: dict, log) -> tuple[dict, l
                             common.time_once(calls[rotation.take()], device)
                             warmed.add((backend, config, op, dname))
                         estimate = common.time_once(calls[rotation.take()], device)
-                        reps = common.repeats_for(estimate, s[ref + "budget_s"],
-                                                  s[ref + "min_reps"], s[ref + "max_reps"])
+                        reps = common.repeats_for(estimate, s["budget_s"], s["min_reps"],
+                                                  s["max_reps"])
                         secs = common.time_calls([calls[i] for i in rotation.upcoming(reps)],
-                                                 device, max_total_s=4 * s[ref + "budget_s"],
-                                                 min_calls=s[ref + "min_reps"])
+                                                 device, max_total_s=4 * s["budget_s"],
+                                                 min_calls=s["min_reps"])
                         rotation.advance(len(secs))
                         launches = (count_launches(calls[rotation.take()], device, log)
                                     if device.type == "cuda" else None)
@@ -630,15 +621,13 @@ def _settings(args) -> dict:
     if args.reference_cap is not None:
         s["reference_cap"] = 2 ** args.reference_cap
     if args.budget is not None:
-        s.update(budget_s=args.budget, reference_budget_s=min(s["reference_budget_s"], args.budget))
+        s["budget_s"] = args.budget
     if args.min_reps is not None:
-        s.update(min_reps=args.min_reps, reference_min_reps=args.min_reps)
+        s["min_reps"] = args.min_reps
     if args.max_reps is not None:
-        s.update(max_reps=args.max_reps,
-                 reference_max_reps=min(s["reference_max_reps"], args.max_reps))
+        s.update(max_reps=args.max_reps, gpu_max_reps=args.max_reps)
         if args.min_reps is None:
-            s.update(min_reps=min(s["min_reps"], args.max_reps),
-                     reference_min_reps=min(s["reference_min_reps"], args.max_reps))
+            s["min_reps"] = min(s["min_reps"], args.max_reps)
     if s["min_reps"] < 1 or s["max_reps"] < s["min_reps"]:
         raise SystemExit("need 1 <= --min-reps <= --max-reps")
     if args.rotate_mb is not None:
