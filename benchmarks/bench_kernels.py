@@ -19,14 +19,12 @@ import gc
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from benchmarks import common, harness  # (puts the repository on sys.path)
 
 import torch
-
-from emcl_kernels import functional as F
 
 SCHEMA = "emcl-kernels/bench_kernels/1"
 LAYOUT_CHOICES = ("single", "mlp", "resnet18", "many")
@@ -98,43 +96,6 @@ def build_layouts(choices, sizes) -> tuple[list, dict]:
     return layouts, skipped
 
 
-@dataclass
-class InputSet:
-    """One set of EMCL tensors for a layout: θ, g in the parameter dtype, θ₀, h, α in fp32."""
-    params: list = field(default_factory=list)
-    grads: list = field(default_factory=list)
-    anchors: list = field(default_factory=list)
-    importances: list = field(default_factory=list)
-    meta_lrs: Optional[list] = None
-    nbytes: int = 0
-
-
-def make_input_set(layout: Layout, dtype: torch.dtype, device: torch.device, gen, *,
-                   with_meta_lrs: bool) -> InputSet:
-    """Fresh random inputs (never zeros), every tensor with memory of its own: θ ~ N(0,1),
-    g ~ N(0,1), θ₀ = θ + 0.3·N(0,1), h ~ 0.1 + U(0,1), α ~ 0.05 + 0.1·U(0,1). Raises if two
-    of them share memory (a step on aliased inputs finds half of them in cache)."""
-    s = InputSet(meta_lrs=[] if with_meta_lrs else None)
-
-    def draw(shape, fn=torch.randn):
-        return fn(shape, generator=gen, device=device, dtype=torch.float32)
-    for shape in layout.shapes:
-        theta = draw(shape)
-        s.params.append(theta.to(dtype))  # for fp32 this is θ itself: never written below
-        s.grads.append(draw(shape).to(dtype))
-        s.anchors.append(torch.add(theta, draw(shape), alpha=0.3))
-        s.importances.append(draw(shape, torch.rand).add_(0.1))
-        if with_meta_lrs:
-            s.meta_lrs.append(draw(shape, torch.rand).mul_(0.1).add_(0.05))
-    tensors = s.params + s.grads + s.anchors + s.importances + (s.meta_lrs or [])
-    shared = common.overlapping(tensors)
-    if shared:
-        raise RuntimeError(f"make_input_set: {len(shared)} pair(s) of input tensors share "
-                           "memory; every θ, g, θ₀, h and α must be a tensor of its own")
-    s.nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    return s
-
-
 def n_sets_for(set_bytes: int, rotate_bytes: int, max_sets: int = MAX_SETS) -> int:
     """Enough input sets of ``set_bytes`` to total ``rotate_bytes`` (at most ``max_sets``)."""
     return int(max(1, min(max_sets, -(-rotate_bytes // max(1, set_bytes)))))
@@ -160,34 +121,6 @@ class Rotation:
         i = self.position
         self.advance(1)
         return i
-
-
-def step_fn(op: str, backend: str, s: InputSet, hyper: dict, check_finite: bool = False):
-    """A no-argument callable doing one ``op`` through ``emcl_kernels.functional``; the
-    non-finite gradient check (on by default in the library) only with ``check_finite``."""
-    fn = getattr(F, op + "_")
-    lists = [s.params, s.grads, s.anchors, s.importances]
-    if op != "inner_step":
-        lists.append(s.meta_lrs if hyper.get("lr_mode") == "recurrent" else None)
-    return lambda: fn(*lists, backend=backend, check_finite=check_finite, **hyper)
-
-
-def count_launches(fn, device: torch.device, log=print) -> Optional[int]:
-    """GPU kernels launched by one call of ``fn`` on a GPU (torch.profiler's CUDA kernel
-    events, not memcpy/memset); None where the profiler fails (the timing stands without)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize(device)
-    try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize(device)
-    except Exception as exc:  # noqa: BLE001
-        log(f"   (could not count launches: {type(exc).__name__}: {exc})")
-        return None
-    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA
-               and not e.name.lower().startswith(("memcpy", "memset")))
 
 
 def triton_config(text: str) -> str:
@@ -275,12 +208,15 @@ def run_device(device: torch.device, args, settings: dict, log) -> tuple[dict, l
         info["notes"].append(f"reference backend timed only up to {s['reference_cap']} elements "
                              "(it is slow)")
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    records, warmed, recurrent = [], set(), args.lr_mode == "recurrent"
+    records, warmed = [], set()
     for layout in layouts:
         for dname in args.dtypes:
             dtype = common.DTYPE_NAMES[dname]
-            sets = [make_input_set(layout, dtype, device, gen, with_meta_lrs=recurrent)]
-            sets += [make_input_set(layout, dtype, device, gen, with_meta_lrs=recurrent)
+            def input_set():
+                return common.make_input_set(layout.shapes, dtype, device, gen,
+                                             with_meta_lrs=args.lr_mode == "recurrent")
+            sets = [input_set()]
+            sets += [input_set()
                      for _ in range(n_sets_for(sets[0].nbytes, rotate, s["max_sets"]) - 1)]
             rotation = Rotation(len(sets))
             for op in args.ops:
@@ -289,7 +225,7 @@ def run_device(device: torch.device, args, settings: dict, log) -> tuple[dict, l
                 for backend, config in variants:
                     if backend == "reference" and layout.numel > s["reference_cap"]:
                         continue
-                    calls = [step_fn(op, backend, x, hyper, args.check_finite) for x in sets]
+                    calls = [common.step_fn(op, backend, x, hyper, args.check_finite) for x in sets]
                     with triton_tunables(config):
                         if (backend, config, op, dname) not in warmed:  # compilation, autotuning
                             common.time_once(calls[rotation.take()], device)
@@ -301,8 +237,6 @@ def run_device(device: torch.device, args, settings: dict, log) -> tuple[dict, l
                                                  device, max_total_s=4 * s["budget_s"],
                                                  min_calls=s["min_reps"])
                         rotation.advance(len(secs))
-                        launches = (count_launches(calls[rotation.take()], device, log)
-                                    if device.type == "cuda" else None)
                     st = common.Stats.of(secs)
                     nbytes = bpe * layout.numel
                     records.append({
@@ -316,7 +250,7 @@ def run_device(device: torch.device, args, settings: dict, log) -> tuple[dict, l
                         "repeats": st.repeats, "timer": common.timer_name(device),
                         "gbps": common.gbps(nbytes, st.median_ms / 1e3),
                         "gbps_best": common.gbps(nbytes, st.min_ms / 1e3),
-                        "launches": launches, "rotation_sets": len(sets),
+                        "rotation_sets": len(sets),
                         "rotation_bytes": len(sets) * sets[0].nbytes})
                     log(f"   {layout.name:>16} {layout.numel:>10} {dname} {op:<15} "
                         f"{_label(records[-1]):<9} {st.median_ms:10.4f} ms "
@@ -324,7 +258,8 @@ def run_device(device: torch.device, args, settings: dict, log) -> tuple[dict, l
             finite = all(bool(torch.isfinite(t.float()).all()) for x in sets
                          for t in x.params + x.anchors + x.importances + (x.meta_lrs or []))
             for rec in records:
-                if (rec["layout"], rec["numel"], rec["dtype"]) == (layout.name, layout.numel, dname):
+                if (rec["layout"], rec["numel"], rec["dtype"]) == (layout.name, layout.numel,
+                                                                   dname):
                     rec["finite"] = finite
             if not finite:
                 info["notes"].append(f"non-finite values after timing {layout.name} "
@@ -416,7 +351,7 @@ def _default_sizes(records: list, backends: list) -> set:
         if r["layout"] == "single":
             sizes.setdefault(r["numel"], set()).add(_label(r))
     common_sizes = [n for n, bs in sizes.items() if full <= bs]
-    return {n for n in common_sizes if n == 2 ** 20} | ({max(common_sizes)} if common_sizes else set())
+    return {n for n in common_sizes if n == 2 ** 20 or n == max(common_sizes)}
 
 
 def _cell(r: Optional[dict]) -> str:
@@ -425,7 +360,7 @@ def _cell(r: Optional[dict]) -> str:
     ms = r["time_ms"]
     text = (f"{r['gbps']:.2f} GB/s ({100 * r['ratio_to_roof']:.0f}%), "
             + (f"{ms / 1e3:.3g} s" if ms >= 1000 else f"{ms:.3g} ms"))
-    if r.get("launches") is not None:
+    if r.get("launches") is not None:   # a GPU file that counted them
         text += f", {r['launches']} launch" + ("es" if r["launches"] != 1 else "")
     return text
 
@@ -479,7 +414,7 @@ def _device_table(result: dict, device: str, *, layouts, ops, dtypes, sizes, sou
                 else "bytes read + written")
     source_of_roof = (f"an in-place pass over the inputs, "
                       f"{roof['roof_source'].replace('probe on ', '')}"
-                      if roof.get("roof_kernel") == "probe"    # files made before 2026-11-29
+                      if roof.get("roof_kernel") == "probe"    # a file whose roof a probe raised
                       else f"`{roof['roof_kernel']}`, the best streaming kernel")
     caption = (f"**{info['name']}**, torch {machine.get('torch', '?')} with "
                f"{machine.get('torch_threads', '?')} thread(s); roof {roof['roof_gbps']:.1f} GB/s "
@@ -586,7 +521,8 @@ def build_parser():
     p.add_argument("--lr-mode", default="inverse", choices=common.LR_MODES,
                    help="lr_mode of the meta and combined steps (recurrent moves 8 B more)")
     p.add_argument("--reference-cap", type=int, default=None, metavar="LOG2",
-                   help="time the reference backend only up to 2**LOG2 elements (default 22, quick 20)")
+                   help="time the reference backend only up to 2**LOG2 elements (default 22, "
+                        "quick 20)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds of repeats per measurement (full 0.25, quick 0.02)")
     p.add_argument("--min-reps", type=int, default=None)
@@ -678,7 +614,8 @@ def main(argv: Optional[list] = None) -> dict:
 
     def plots(result: dict, _png: str) -> dict:
         """One .png per device, ``<base>_<device>.png``."""
-        out = {f"png_{dev}": os.path.join(args.out, f"{base}_{dev}.png") for dev in result["devices"]}
+        out = {f"png_{dev}": os.path.join(args.out, f"{base}_{dev}.png")
+               for dev in result["devices"]}
         for key, png in out.items():
             plot(result, key[4:], png)
         return out

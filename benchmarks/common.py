@@ -13,6 +13,7 @@ import datetime
 import os
 import platform
 import sys
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,6 +33,7 @@ ensure_repo_on_path()
 import torch  # noqa: E402
 
 from emcl_continual.core import provenance  # noqa: E402
+from emcl_kernels import functional as F  # noqa: E402
 from emcl_kernels.backends import BACKENDS, backend_status, get_backend  # noqa: E402
 
 from benchmarks.timing import (Stats, gbps, repeats_for, synchronize, time_calls,  # noqa: E402,F401
@@ -110,6 +112,7 @@ def backends_for(device: torch.device, *, include_cpu_triton: bool = False,
         if only and name not in only:
             skipped[name] = "not asked for (--backends)"
             continue
+        reason = None
         try:
             get_backend(name, device)
         except Exception as exc:  # BackendUnavailableError: the message says why
@@ -117,15 +120,13 @@ def backends_for(device: torch.device, *, include_cpu_triton: bool = False,
             general = status.get(name, "available")
             if general != "available" and "tensors, not on" in reason:
                 reason = f"{reason}; and here: {general}"
-            if name == "triton" and device.type == "cpu" and not include_cpu_triton:
-                reason = "excluded on CPU by default (interpreter only; --cpu-triton): " + reason
-            skipped[name] = reason
-            continue
         if name == "triton" and device.type == "cpu" and not include_cpu_triton:
-            skipped[name] = ("excluded on CPU: Triton runs CPU tensors only through its slow "
-                             "interpreter (pass --cpu-triton to time it anyway)")
-            continue
-        chosen.append(name)
+            reason = ("excluded on CPU by default (interpreter only; --cpu-triton)"
+                      + (f": {reason}" if reason else ""))
+        if reason:
+            skipped[name] = reason
+        else:
+            chosen.append(name)
     return chosen, skipped
 
 
@@ -337,24 +338,12 @@ def pool_roofs(runs: Sequence[dict]) -> dict:
 
 def emcl_kernel_calls(device: torch.device, numel: int, backends: Sequence[str]) -> dict:
     """For :func:`measure_roof`'s ``extra``: ``emcl_<backend>_<op>`` -> (callable, SPEC section 5
-    bytes per element), the inner and the combined step of each of ``backends`` on distinct
-    fp32 tensors θ, g, θ₀, h of ``numel`` elements."""
-    from emcl_kernels import functional as F
-
-    theta = torch.randn(numel, device=device)
-    grad = torch.randn(numel, device=device).mul_(1e-3)
-    anchor = theta + 0.3 * torch.randn(numel, device=device)
-    importance = torch.rand(numel, device=device).add_(0.1)
-    lists = ([theta], [grad], [anchor], [importance])
-    out = {}
-    for backend in backends:
-        for op, extra in (("inner_step", ()), ("inner_meta_step", (None,))):
-            fn, hyper = getattr(F, op + "_"), hyperparameters(op, "inverse")
-            out[f"emcl_{backend}_{op}"] = (
-                (lambda fn=fn, extra=extra, backend=backend, hyper=hyper:
-                 fn(*lists, *extra, backend=backend, check_finite=False, **hyper)),
-                bytes_per_element(op, torch.float32))
-    return out
+    bytes per element), the inner and the combined step of each of ``backends`` on one fp32
+    input set of ``numel`` elements."""
+    s = make_input_set([(numel,)], torch.float32, device, None, with_meta_lrs=False)
+    return {f"emcl_{b}_{op}": (step_fn(op, b, s, hyperparameters(op, "inverse")),
+                               bytes_per_element(op, torch.float32))
+            for b in backends for op in ("inner_step", "inner_meta_step")}
 
 
 def mlp_shapes() -> list:
@@ -367,8 +356,55 @@ def mlp_shapes() -> list:
 
 
 # ---------------------------------------------------------------------------------------------
-# Inputs that share no memory
+# Inputs that share no memory, and a step on them
 # ---------------------------------------------------------------------------------------------
+
+@dataclass
+class InputSet:
+    """One set of EMCL tensors for a layout: θ, g in the parameter dtype, θ₀, h, α in fp32."""
+    params: list = field(default_factory=list)
+    grads: list = field(default_factory=list)
+    anchors: list = field(default_factory=list)
+    importances: list = field(default_factory=list)
+    meta_lrs: Optional[list] = None
+    nbytes: int = 0
+
+
+def make_input_set(shapes: Sequence[tuple], dtype: torch.dtype, device: torch.device, gen, *,
+                   with_meta_lrs: bool) -> InputSet:
+    """Fresh random inputs of ``shapes`` (never zeros), every tensor with memory of its own:
+    θ ~ N(0,1), g ~ N(0,1), θ₀ = θ + 0.3·N(0,1), h ~ 0.1 + U(0,1), α ~ 0.05 + 0.1·U(0,1).
+    Raises if two of them share memory (a step on aliased inputs finds half of them in cache)."""
+    s = InputSet(meta_lrs=[] if with_meta_lrs else None)
+
+    def draw(shape, fn=torch.randn):
+        return fn(shape, generator=gen, device=device, dtype=torch.float32)
+    for shape in shapes:
+        theta = draw(shape)
+        s.params.append(theta.to(dtype))  # for fp32 this is θ itself: never written below
+        s.grads.append(draw(shape).to(dtype))
+        s.anchors.append(torch.add(theta, draw(shape), alpha=0.3))
+        s.importances.append(draw(shape, torch.rand).add_(0.1))
+        if with_meta_lrs:
+            s.meta_lrs.append(draw(shape, torch.rand).mul_(0.1).add_(0.05))
+    tensors = s.params + s.grads + s.anchors + s.importances + (s.meta_lrs or [])
+    shared = overlapping(tensors)
+    if shared:
+        raise RuntimeError(f"make_input_set: {len(shared)} pair(s) of input tensors share "
+                           "memory; every θ, g, θ₀, h and α must be a tensor of its own")
+    s.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return s
+
+
+def step_fn(op: str, backend: str, s: InputSet, hyper: dict, check_finite: bool = False):
+    """A no-argument callable doing one ``op`` through ``emcl_kernels.functional``; the
+    non-finite gradient check (on by default in the library) only with ``check_finite``."""
+    fn = getattr(F, op + "_")
+    lists = [s.params, s.grads, s.anchors, s.importances]
+    if op != "inner_step":
+        lists.append(s.meta_lrs if hyper.get("lr_mode") == "recurrent" else None)
+    return lambda: fn(*lists, backend=backend, check_finite=check_finite, **hyper)
+
 
 def overlapping(tensors: Sequence[torch.Tensor]) -> list:
     """Pairs of positions in ``tensors`` whose memory spans (first to last byte) overlap: the
