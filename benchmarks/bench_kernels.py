@@ -485,7 +485,7 @@ def plot(result: dict, device: str, path: str) -> None:
             if j == 0:
                 ax.set_ylabel("GB/s (bytes moved to/from memory)")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    for layout in sorted({r["layout"] for r in recs} & set(markers)):
+    for layout in [l for l in markers if any(r["layout"] == l for r in recs)]:
         handles.append(Line2D([], [], marker=markers[layout], ls="", color="gray", mfc="none",
                               mew=1.5))
         labels.append(layout)
