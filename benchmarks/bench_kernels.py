@@ -15,6 +15,7 @@ benchmark or the byte model, never a result: the run says so.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import math
 import os
@@ -211,12 +212,11 @@ def run_device(device: torch.device, args, settings: dict, log) -> tuple[dict, l
     records, warmed = [], set()
     for layout in layouts:
         for dname in args.dtypes:
-            dtype = common.DTYPE_NAMES[dname]
-            def input_set():
-                return common.make_input_set(layout.shapes, dtype, device, gen,
-                                             with_meta_lrs=args.lr_mode == "recurrent")
-            sets = [input_set()]
-            sets += [input_set()
+            dtype, first = common.DTYPE_NAMES[dname], len(records)
+            new_set = functools.partial(common.make_input_set, layout.shapes, dtype, device, gen,
+                                        with_meta_lrs=args.lr_mode == "recurrent")
+            sets = [new_set()]
+            sets += [new_set()
                      for _ in range(n_sets_for(sets[0].nbytes, rotate, s["max_sets"]) - 1)]
             rotation = Rotation(len(sets))
             for op in args.ops:
@@ -257,10 +257,8 @@ def run_device(device: torch.device, args, settings: dict, log) -> tuple[dict, l
                         f"{records[-1]['gbps']:8.2f} GB/s  ({st.repeats} reps)")
             finite = all(bool(torch.isfinite(t.float()).all()) for x in sets
                          for t in x.params + x.anchors + x.importances + (x.meta_lrs or []))
-            for rec in records:
-                if (rec["layout"], rec["numel"], rec["dtype"]) == (layout.name, layout.numel,
-                                                                   dname):
-                    rec["finite"] = finite
+            for rec in records[first:]:
+                rec["finite"] = finite
             if not finite:
                 info["notes"].append(f"non-finite values after timing {layout.name} "
                                      f"{layout.numel} {dname}: its timings may be distorted")
