@@ -1,7 +1,6 @@
-"""What the benchmarks share: SPEC section 5's byte model, the backends to time on a
-device, the timers (``benchmarks.timing``, re-exported here), the memory roof
-(the best of several streaming kernels, counted like the kernels), inputs that share no memory,
-and a description of the machine for the results files.
+"""What the benchmarks share: SPEC section 5's byte model, the backends to time on a device,
+the memory roof (benchmarks/README.md, "The memory roof"), inputs that share no memory, and
+the machine record of a results file. The timers are ``benchmarks.timing``'s, re-exported.
 
     from benchmarks import common
     common.bytes_per_element("meta_step", torch.bfloat16, "inverse")   # 22
@@ -13,8 +12,8 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-import subprocess
 import sys
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,6 +32,8 @@ ensure_repo_on_path()
 
 import torch  # noqa: E402
 
+from emcl_continual.core import provenance  # noqa: E402
+from emcl_kernels import functional as F  # noqa: E402
 from emcl_kernels.backends import BACKENDS, backend_status, get_backend  # noqa: E402
 
 from benchmarks.timing import (Stats, gbps, repeats_for, synchronize, time_calls,  # noqa: E402,F401
@@ -111,6 +112,7 @@ def backends_for(device: torch.device, *, include_cpu_triton: bool = False,
         if only and name not in only:
             skipped[name] = "not asked for (--backends)"
             continue
+        reason = None
         try:
             get_backend(name, device)
         except Exception as exc:  # BackendUnavailableError: the message says why
@@ -118,15 +120,13 @@ def backends_for(device: torch.device, *, include_cpu_triton: bool = False,
             general = status.get(name, "available")
             if general != "available" and "tensors, not on" in reason:
                 reason = f"{reason}; and here: {general}"
-            if name == "triton" and device.type == "cpu" and not include_cpu_triton:
-                reason = "excluded on CPU by default (interpreter only; --cpu-triton): " + reason
-            skipped[name] = reason
-            continue
         if name == "triton" and device.type == "cpu" and not include_cpu_triton:
-            skipped[name] = ("excluded on CPU: Triton runs CPU tensors only through its slow "
-                             "interpreter (pass --cpu-triton to time it anyway)")
-            continue
-        chosen.append(name)
+            reason = ("excluded on CPU by default (interpreter only; --cpu-triton)"
+                      + (f": {reason}" if reason else ""))
+        if reason:
+            skipped[name] = reason
+        else:
+            chosen.append(name)
     return chosen, skipped
 
 
@@ -134,44 +134,42 @@ def backends_for(device: torch.device, *, include_cpu_triton: bool = False,
 # The memory roof: the best of several streaming kernels, counted like the EMCL kernels
 # ---------------------------------------------------------------------------------------------
 
-def write_allocate_default(device: torch.device) -> bool:
-    """Whether a store to a cache line that the kernel has not read costs a read of that line
-    too (write-allocate, "read for ownership"). True on CPU: x86 caches are write-allocate and
-    torch's CPU kernels use ordinary stores, so ``dst.copy_(src)`` moves 3 x 4 B per fp32
-    element, not 2 x 4 B (every roof measurement shows it: copy, triad and fill reach about the
-    same GB/s on this count and not on the other; benchmarks/README.md). False on a GPU, whose
-    L2 takes full-sector writes without reading DRAM."""
-    return torch.device(device).type == "cpu"
-
-
-# name -> (bytes read, bytes written, whether the written tensor was read first), per fp32
-# element; the written tensor is ``a`` in ``roof_kernels``.
+# name -> (bytes read, bytes written, whether the written tensor was read first) per fp32
+# element, the written tensor ``a`` of ``roof_kernels`` (what each does: benchmarks/README.md)
 ROOF_KERNELS = {
-    "copy": (4, 4, False),          # a.copy_(b)
-    "foreach_copy": (4, 4, False),  # torch._foreach_copy_(a chunks, b chunks)
-    "triad": (8, 4, False),         # torch.add(b, c, alpha=s, out=a): STREAM triad, one pass
-    "axpy_inplace": (8, 4, True),   # a.add_(b, alpha=s): read a and b, write a
-    "scale_inplace": (4, 4, True),  # a.mul_(1.0): read a, write a
-    "fill": (0, 4, False),          # a.fill_(0.5): write only
-    # read-heavy kernels: on a GPU's HBM a read costs less than a write (the bus turns round
-    # for writes), so a kernel that reads four streams and writes one (EMCL's inner step) can
-    # outrun every 1:1 and 2:1 kernel above (H100, 2026-11-28: inner step 3031 GB/s at 2**26
-    # elements, copy 2814)
-    "addcmul_inplace": (12, 4, True),  # a.addcmul_(b, c, value=1e-6): read a, b, c, write a
-    "sum": (4, 0, False),              # b.sum(): read only
-    # CPU only, when the extension has them: kernels that read the way EMCL's CPU kernels read
-    # ([note: stream probes] in csrc/emcl_cpu_kernels.h), with a software prefetch ...
-    "scale_inplace_prefetch": (4, 4, True),   # torch.ops.emcl.stream_probe_(a, b, c, d, 0)
-    "axpy_inplace_prefetch": (8, 4, True),    # torch.ops.emcl.stream_probe_(a, b, c, d, 1)
-    "update_pattern_prefetch": (16, 12, True),  # stream_probe_(..., 2): reads a-d, writes a, c, d
-    # ... and without one, as the update runs: the step's streams, the inner step's, and the
-    # inner step's reads alone (the first two on a GPU too: benchmarks/gpu_probes.py)
-    "step_pattern": (16, 12, True),           # stream_probe_(..., 5): reads a-d, writes a, c, d
-    "inner_pattern": (16, 4, True),           # stream_probe_(..., 3): reads a-d, writes a
-    "read_pattern": (16, 0, True),            # stream_probe_(..., 4): reads a-d, writes nothing
+    "copy": (4, 4, False),
+    "foreach_copy": (4, 4, False),
+    "triad": (8, 4, False),
+    "axpy_inplace": (8, 4, True),
+    "scale_inplace": (4, 4, True),
+    "fill": (0, 4, False),
+    "addcmul_inplace": (12, 4, True),
+    "sum": (4, 0, False),
+    "scale_inplace_prefetch": (4, 4, True),
+    "axpy_inplace_prefetch": (8, 4, True),
+    "update_pattern_prefetch": (16, 12, True),
+    "step_pattern": (16, 12, True),
+    "inner_pattern": (16, 4, True),
+    "read_pattern": (16, 0, True),
 }
-EXTENSION_PROBES = ("scale_inplace_prefetch", "axpy_inplace_prefetch", "update_pattern_prefetch",
-                    "step_pattern", "inner_pattern", "read_pattern")
+# The stream probes, ``probe(a, b, c, d, kind)``: the extension's ``stream_probe_`` on CPU
+# ([note: stream probes] in csrc/emcl_cpu_kernels.h), and the two GPU ones of
+# benchmarks/gpu_probes.py (the kinds in its ``KINDS``). They are the one way to add a kernel
+# with the steps' own streams to the roof.
+PROBE_KINDS = {"scale_inplace_prefetch": 0, "axpy_inplace_prefetch": 1,
+               "update_pattern_prefetch": 2, "inner_pattern": 3, "read_pattern": 4,
+               "step_pattern": 5}
+EXTENSION_PROBES = tuple(PROBE_KINDS)
+FOREACH_CHUNKS = 64
+# The backends whose kernels are compiled: their fp32 steps are timed beside the roof.
+COMPILED_BACKENDS = ("cpu", "cuda", "triton")
+
+
+def write_allocate_default(device: torch.device) -> bool:
+    """Whether a store to a line the kernel has not read costs a read of that line too: True on
+    CPU (x86 caches write-allocate, torch's CPU kernels use ordinary stores), False on a GPU,
+    whose L2 takes full-sector writes without reading DRAM."""
+    return torch.device(device).type == "cpu"
 
 
 def stream_probes_available(device: torch.device) -> bool:
@@ -179,32 +177,41 @@ def stream_probes_available(device: torch.device) -> bool:
     if torch.device(device).type != "cpu" or backend_status().get("cpu") != "available":
         return False
     return hasattr(torch.ops.emcl, "stream_probe_")
-FOREACH_CHUNKS = 64
 
 
-def _gpu_probes():
-    """benchmarks/gpu_probes.py, imported when a GPU roof needs it (it imports Triton)."""
-    from benchmarks import gpu_probes
-    return gpu_probes
+def _stream_probes(device: torch.device) -> tuple:
+    """(probe, its kinds) on ``device``; (None, ()) where none runs."""
+    if stream_probes_available(device):
+        return torch.ops.emcl.stream_probe_, tuple(PROBE_KINDS.values())
+    if device.type == "cuda":
+        from benchmarks import gpu_probes   # imports Triton: only for a GPU roof
+        if gpu_probes.available(device):
+            return gpu_probes.stream_probe, tuple(gpu_probes.KINDS.values())
+    return None, ()
 
 
 def roof_bytes_per_element(kernel: str, write_allocate: bool) -> int:
     """Bytes one element of ``kernel`` moves between the cores and memory: reads plus writes,
     plus one read of every written line the kernel did not read itself when the caches
-    write-allocate. The EMCL kernels write only what they have just read (θ, θ₀, h, α are
-    updated in place), so SPEC section 5's count is their traffic under either model."""
+    write-allocate. The EMCL kernels write only what they have just read, so SPEC section 5's
+    count is their traffic under either model."""
     read, written, in_place = ROOF_KERNELS[kernel]
     return read + written + (written if write_allocate and not in_place else 0)
 
 
+def counted_exactly(kernel: str, write_allocate: bool) -> bool:
+    """Whether :func:`roof_bytes_per_element` is the traffic ``kernel`` really causes: not for
+    a store to lines it did not read under the write-allocate count (a CPU may skip that read
+    for whole lines it sees overwritten), so such a kernel sets no roof."""
+    _, written, in_place = ROOF_KERNELS[kernel]
+    return not write_allocate or in_place or written == 0
+
+
 def roof_kernels(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> dict:
     """The streaming kernels of the roof, name -> callable, on three distinct 1-d fp32 tensors
-    of one size: ``a`` is written (its values kept by ``scale_inplace``, moved by 1e-6·b per
-    ``axpy_inplace`` and by 1e-6·b·c per ``addcmul_inplace``, set by the others; ``sum`` only
-    reads ``b``), ``b`` and ``c`` are only read, except that the
-    extension's ``update_pattern_prefetch`` and ``step_pattern`` (CPU) also move ``c`` by 1e-6·b
-    per call;
-    ``read_pattern`` writes nothing."""
+    of one size: only ``a`` is written (its values kept by ``scale_inplace``, moved by 1e-6·b
+    or 1e-6·b·c by the in-place ones, set by the others), except that the probes
+    ``update_pattern_prefetch`` and ``step_pattern`` also move ``c`` by 1e-6·b."""
     a_chunks, b_chunks = a.chunk(FOREACH_CHUNKS), b.chunk(FOREACH_CHUNKS)
     kernels = {
         "copy": lambda: a.copy_(b),
@@ -216,31 +223,19 @@ def roof_kernels(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> dict:
         "addcmul_inplace": lambda: a.addcmul_(b, c, value=1e-6),
         "sum": lambda: b.sum(),
     }
-    if a.device.type == "cuda" and _gpu_probes().available(a.device):
-        # the steps' own stream mixes (benchmarks/gpu_probes.py): the inner step reads four
-        # streams per write, which on HBM outruns every kernel above
-        probe, d = _gpu_probes().stream_probe, torch.rand_like(a)
-        kernels["step_pattern"] = lambda: probe(a, b, c, d, 5)
-        kernels["inner_pattern"] = lambda: probe(a, b, c, d, 3)
-    if stream_probes_available(a.device):
-        # the update's pattern writes c too, and needs a fourth tensor: made here (the set is a
-        # third larger than the rotation assumes, which only makes the sets colder)
-        probe, d = torch.ops.emcl.stream_probe_, torch.rand_like(a)
-        kernels["scale_inplace_prefetch"] = lambda: probe(a, b, c, d, 0)
-        kernels["axpy_inplace_prefetch"] = lambda: probe(a, b, c, d, 1)
-        kernels["update_pattern_prefetch"] = lambda: probe(a, b, c, d, 2)
-        kernels["step_pattern"] = lambda: probe(a, b, c, d, 5)
-        kernels["inner_pattern"] = lambda: probe(a, b, c, d, 3)
-        kernels["read_pattern"] = lambda: probe(a, b, c, d, 4)
+    probe, kinds = _stream_probes(a.device)
+    if probe is not None:
+        # a fourth tensor: the rotated sets are a third larger than counted (only colder)
+        d = torch.rand_like(a)
+        for name, kind in PROBE_KINDS.items():
+            if kind in kinds:
+                kernels[name] = lambda kind=kind: probe(a, b, c, d, kind)
     return kernels
 
 
 def roof_sizes(device: torch.device, llc_bytes: int, largest: int) -> list:
-    """The tensor sizes the roof is measured at: from 1/128 of the last-level cache in fp32
-    elements (2**18 for a 32 MiB cache; 1 MiB per tensor) to ``largest``, every factor 4. A
-    streaming kernel on small tensors can be faster per byte than on large ones (fewer TLB
-    misses, shorter streams that other jobs interrupt less), so a roof from one large size
-    alone may not bound it."""
+    """The sizes (fp32 elements per tensor) the roof is measured at: from 1/128 of the
+    last-level cache to ``largest``, every factor 4 (short streams can be faster per byte)."""
     sizes, n = [], 1 << max(10, (llc_bytes // 128).bit_length() - 1)
     while n < largest:
         sizes.append(n)
@@ -251,23 +246,12 @@ def roof_sizes(device: torch.device, llc_bytes: int, largest: int) -> list:
 def measure_roof(device: torch.device, numels: Sequence[int], repeats: int, *,
                  rotate_bytes: int, write_allocate: Optional[bool] = None,
                  extra: Optional[dict] = None, extra_numel: Optional[int] = None) -> dict:
-    """GB/s of the streaming kernels of :data:`ROOF_KERNELS` at each size in ``numels`` (fp32
-    elements per tensor) at the current torch thread count.
-
-    At each size the kernels run on as many sets of three tensors as make ``rotate_bytes``
-    (choose a few last-level caches), and every call takes the least recently used set, so no
-    call finds its tensors in cache; ``max(repeats, 2 x sets)`` rounds, each round one call of
-    every kernel, after a warm-up call of each. ``extra`` (name -> (callable, bytes per
-    element), e.g. the EMCL kernels on tensors of ``extra_numel`` elements) is timed in the
-    same rounds as the largest size, recorded, never part of the roof.
-
-    Returns ``{"threads", "write_allocate", "rotate_bytes", "records": [{"kernel", "numel",
-    "sets", "bytes_per_element", "seconds", "gbps" (median repeat), "gbps_best" (fastest
-    repeat), "ratio_to_roof", "ratio_to_roof_best", "in_roof"}], "roof_gbps", "roof_kernel",
-    "roof_numel", "copy_gbps"}``. The roof is the highest bandwidth any streaming kernel whose
-    count is certain (``in_roof``: :func:`counted_exactly`) reached at any size (its fastest
-    repeat): other jobs only ever take bandwidth away, so the fastest repeat is the best
-    estimate of what the memory can do. ``copy_gbps``: the fastest copy likewise."""
+    """GB/s of the streaming kernels of :data:`ROOF_KERNELS` at each size in ``numels`` at the
+    current torch thread count, rotated over sets of three tensors totalling ``rotate_bytes``,
+    every call on the least recently used set; ``max(repeats, 2 x sets)`` rounds of one call
+    of every kernel, after a warm-up call of each. ``extra`` (name -> (callable, bytes per
+    element) on tensors of ``extra_numel`` elements) runs in the rounds of the largest size,
+    recorded beside the roof, never part of it. The fields: benchmarks/README.md."""
     device = torch.device(device)
     if write_allocate is None:
         write_allocate = write_allocate_default(device)
@@ -277,40 +261,27 @@ def measure_roof(device: torch.device, numels: Sequence[int], repeats: int, *,
         n_sets = max(1, -(-rotate_bytes // (3 * 4 * numel)))
         sets = [roof_kernels(*(torch.rand(numel, device=device) for _ in range(3)))
                 for _ in range(n_sets)]
-        fns = {k: [s[k] for s in sets] for k in ROOF_KERNELS if k in sets[0]}
-        bpe = {k: roof_bytes_per_element(k, write_allocate) for k in fns}
+        fns = {k: ([s[k] for s in sets], roof_bytes_per_element(k, write_allocate), numel)
+               for k in ROOF_KERNELS if k in sets[0]}
         if numel == numels[-1]:
-            for name, (fn, b) in (extra or {}).items():
-                fns[name], bpe[name] = [fn], b
-        keys = {k: (k, numel if k in ROOF_KERNELS else extra_numel or numel) for k in fns}
+            fns.update({k: ([fn], b, extra_numel or numel) for k, (fn, b) in (extra or {}).items()})
         position = 0  # every call, warm-up included, takes the least recently used set
-        for name, calls in fns.items():
-            samples[keys[name]] = ([], bpe[name], len(calls))
+        for name, (calls, bpe, n) in fns.items():
+            samples[(name, n)] = ([], bpe, len(calls))
             time_once(calls[position % len(calls)], device)
             position += 1
         for _ in range(max(repeats, 2 * n_sets)):
-            for name, calls in fns.items():
-                samples[keys[name]][0].extend(
-                    time_calls([calls[position % len(calls)]], device))
+            for name, (calls, _, n) in fns.items():
+                samples[(name, n)][0].extend(time_calls([calls[position % len(calls)]], device))
                 position += 1
         del sets, fns
     return _roof_summary({"threads": torch.get_num_threads(), "write_allocate": write_allocate,
                           "rotate_bytes": rotate_bytes}, samples)
 
 
-def counted_exactly(kernel: str, write_allocate: bool) -> bool:
-    """Whether :func:`roof_bytes_per_element` is the traffic ``kernel`` really causes. Under the
-    write-allocate count a store to a line the kernel did not read is charged one read of that
-    line; a CPU may skip that read for whole lines it sees overwritten (on the 2-core test
-    machine, 2026-11-27, two threads: ``fill`` at 2^24 elements reached 148-164 GB/s on that
-    count, 1.4x the in-place kernels beside it in the same rounds, and 99-105 GB/s at 2^26), so
-    the count of such a kernel is an upper bound that may be twice its traffic. In-place and
-    read-only kernels move exactly what they are charged, as the EMCL kernels do."""
-    _, written, in_place = ROOF_KERNELS[kernel]
-    return not write_allocate or in_place or written == 0
-
-
 def _roof_summary(head: dict, samples: dict) -> dict:
+    """``head`` with the records of ``samples`` and the roof: the fastest repeat of the kernels
+    counted exactly (other jobs only take bandwidth away), and the fastest copy."""
     records = []
     for (name, numel), (secs, bpe, n_sets) in samples.items():
         st = Stats.of(secs)
@@ -331,17 +302,12 @@ def _roof_summary(head: dict, samples: dict) -> dict:
                              default=None)}
 
 
-# The backends whose kernels are compiled: their fp32 steps are timed beside the roof.
-COMPILED_BACKENDS = ("cpu", "cuda", "triton")
-
-
 def device_roof(device: torch.device, repeats: int, *, largest: Optional[int] = None,
                 rotate_bytes: Optional[int] = None, backends: Sequence[str] = ()) -> dict:
-    """:func:`measure_roof` on ``device`` at the current thread count, at the sizes of
-    :func:`roof_sizes` up to ``largest`` fp32 elements per tensor (default on CPU: 2**26, or
-    tensors of 8 x the last-level cache if that is more; on a GPU 2**28), rotated over
+    """:func:`measure_roof` on ``device`` at the sizes of :func:`roof_sizes` up to ``largest``
+    (default on CPU: 2**26, or 8 x the last-level cache if more; on a GPU 2**28), rotated over
     ``rotate_bytes`` (default 4 x the last-level cache), with the inner and combined steps of
-    those of ``backends`` that are compiled timed beside the roof on the largest size."""
+    the compiled ones of ``backends`` timed beside it on the largest size."""
     device = torch.device(device)
     llc = last_level_cache_bytes(device)
     if largest is None:
@@ -349,8 +315,9 @@ def device_roof(device: torch.device, repeats: int, *, largest: Optional[int] = 
     extra = emcl_kernel_calls(device, largest, [b for b in backends if b in COMPILED_BACKENDS])
     res = measure_roof(device, roof_sizes(device, llc, largest), repeats,
                        rotate_bytes=rotate_bytes or 4 * llc, extra=extra, extra_numel=largest)
-    if device.type == "cuda" and _gpu_probes().available(device):
-        res["gpu_probe_configs"] = _gpu_probes().chosen_configs()
+    if device.type == "cuda" and _stream_probes(device)[0] is not None:
+        from benchmarks import gpu_probes
+        res["gpu_probe_configs"] = gpu_probes.chosen_configs()
     return res
 
 
@@ -362,35 +329,21 @@ def pool_roofs(runs: Sequence[dict]) -> dict:
     samples = {}
     for run in runs:
         for r in run["records"]:
-            key = (r["kernel"], r["numel"])
-            secs, _, _ = samples.setdefault(key, ([], r["bytes_per_element"], r["sets"]))
+            secs, _, _ = samples.setdefault((r["kernel"], r["numel"]),
+                                            ([], r["bytes_per_element"], r["sets"]))
             secs.extend(r["seconds"])
     head = {k: runs[0][k] for k in ("threads", "write_allocate", "rotate_bytes")}
     return _roof_summary(head, samples)
 
 
 def emcl_kernel_calls(device: torch.device, numel: int, backends: Sequence[str]) -> dict:
-    """For :func:`measure_roof`'s ``extra``: the inner step and the combined step of each of
-    ``backends`` on one fp32 tensor of ``numel`` elements, θ, g, θ₀ and h distinct tensors,
-    name -> (callable, SPEC section 5 bytes per element)."""
-    from emcl_kernels import functional as F
-
-    theta = torch.randn(numel, device=device)
-    grad = torch.randn(numel, device=device).mul_(1e-3)
-    anchor = theta + 0.3 * torch.randn(numel, device=device)
-    importance = torch.rand(numel, device=device).add_(0.1)
-    lists = ([theta], [grad], [anchor], [importance])
-    out = {}
-    for backend in backends:
-        for op in ("inner_step", "inner_meta_step"):
-            hyper = hyperparameters(op, "inverse")
-            fn = getattr(F, op + "_")
-            extra = () if op == "inner_step" else (None,)
-            out[f"emcl_{backend}_{op}"] = (
-                (lambda fn=fn, extra=extra, backend=backend, hyper=hyper:
-                 fn(*lists, *extra, backend=backend, check_finite=False, **hyper)),
-                bytes_per_element(op, torch.float32))
-    return out
+    """For :func:`measure_roof`'s ``extra``: ``emcl_<backend>_<op>`` -> (callable, SPEC section 5
+    bytes per element), the inner and the combined step of each of ``backends`` on one fp32
+    input set of ``numel`` elements."""
+    s = make_input_set([(numel,)], torch.float32, device, None, with_meta_lrs=False)
+    return {f"emcl_{b}_{op}": (step_fn(op, b, s, hyperparameters(op, "inverse")),
+                               bytes_per_element(op, torch.float32))
+            for b in backends for op in ("inner_step", "inner_meta_step")}
 
 
 def mlp_shapes() -> list:
@@ -403,8 +356,55 @@ def mlp_shapes() -> list:
 
 
 # ---------------------------------------------------------------------------------------------
-# Inputs that share no memory
+# Inputs that share no memory, and a step on them
 # ---------------------------------------------------------------------------------------------
+
+@dataclass
+class InputSet:
+    """One set of EMCL tensors for a layout: θ, g in the parameter dtype, θ₀, h, α in fp32."""
+    params: list = field(default_factory=list)
+    grads: list = field(default_factory=list)
+    anchors: list = field(default_factory=list)
+    importances: list = field(default_factory=list)
+    meta_lrs: Optional[list] = None
+    nbytes: int = 0
+
+
+def make_input_set(shapes: Sequence[tuple], dtype: torch.dtype, device: torch.device, gen, *,
+                   with_meta_lrs: bool) -> InputSet:
+    """Fresh random inputs of ``shapes`` (never zeros), every tensor with memory of its own:
+    θ ~ N(0,1), g ~ N(0,1), θ₀ = θ + 0.3·N(0,1), h ~ 0.1 + U(0,1), α ~ 0.05 + 0.1·U(0,1).
+    Raises if two of them share memory (a step on aliased inputs finds half of them in cache)."""
+    s = InputSet(meta_lrs=[] if with_meta_lrs else None)
+
+    def draw(shape, fn=torch.randn):
+        return fn(shape, generator=gen, device=device, dtype=torch.float32)
+    for shape in shapes:
+        theta = draw(shape)
+        s.params.append(theta.to(dtype))  # for fp32 this is θ itself: never written below
+        s.grads.append(draw(shape).to(dtype))
+        s.anchors.append(torch.add(theta, draw(shape), alpha=0.3))
+        s.importances.append(draw(shape, torch.rand).add_(0.1))
+        if with_meta_lrs:
+            s.meta_lrs.append(draw(shape, torch.rand).mul_(0.1).add_(0.05))
+    tensors = s.params + s.grads + s.anchors + s.importances + (s.meta_lrs or [])
+    shared = overlapping(tensors)
+    if shared:
+        raise RuntimeError(f"make_input_set: {len(shared)} pair(s) of input tensors share "
+                           "memory; every θ, g, θ₀, h and α must be a tensor of its own")
+    s.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return s
+
+
+def step_fn(op: str, backend: str, s: InputSet, hyper: dict, check_finite: bool = False):
+    """A no-argument callable doing one ``op`` through ``emcl_kernels.functional``; the
+    non-finite gradient check (on by default in the library) only with ``check_finite``."""
+    fn = getattr(F, op + "_")
+    lists = [s.params, s.grads, s.anchors, s.importances]
+    if op != "inner_step":
+        lists.append(s.meta_lrs if hyper.get("lr_mode") == "recurrent" else None)
+    return lambda: fn(*lists, backend=backend, check_finite=check_finite, **hyper)
+
 
 def overlapping(tensors: Sequence[torch.Tensor]) -> list:
     """Pairs of positions in ``tensors`` whose memory spans (first to last byte) overlap: the
@@ -429,16 +429,16 @@ def overlapping(tensors: Sequence[torch.Tensor]) -> list:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# The machine
+# ---------------------------------------------------------------------------------------------
+
 def load_average() -> Optional[list]:
     """The 1, 5 and 15 minute load averages (None where the system has none)."""
     if not hasattr(os, "getloadavg"):
         return None
     return [round(x, 2) for x in os.getloadavg()]
 
-
-# ---------------------------------------------------------------------------------------------
-# The machine
-# ---------------------------------------------------------------------------------------------
 
 def last_level_cache_bytes(device: torch.device) -> int:
     """The last-level cache of ``device`` (the GPU's L2, the CPU's largest cache); 32 MiB when
@@ -460,33 +460,8 @@ def last_level_cache_bytes(device: torch.device) -> int:
     return best or 32 << 20
 
 
-def _cpuinfo() -> dict:
-    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not line.strip():
-                    break                         # the first processor is enough
-                key, _, value = line.partition(":")
-                fields[key.strip().lower()] = value.strip()
-    except OSError:
-        pass
-    return fields
-
-
 def _cpu_model() -> str:
-    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
-
-
-def _cpu_ids() -> Optional[str]:
-    """"vendor family F model M stepping S" from /proc/cpuinfo: the model name alone ("AMD
-    EPYC") does not tell a processor generation from another."""
-    f = _cpuinfo()
-    if "cpu family" not in f:
-        return None
-    return (f"{f.get('vendor_id', '?')} family {f['cpu family']} model {f.get('model', '?')} "
-            f"stepping {f.get('stepping', '?')}")
+    return provenance.processor().get("model_name") or platform.processor() or platform.machine()
 
 
 def emcl_cpu_kernel() -> Optional[str]:
@@ -499,24 +474,12 @@ def emcl_cpu_kernel() -> Optional[str]:
         return None
 
 
-def _memory_gib() -> Optional[float]:
-    try:
-        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1)
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def git_commit() -> Optional[str]:
-    try:
-        out = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
+    """The short commit of the checkout, ``-dirty`` when code differs from it (None outside git)."""
+    version = provenance.code_version()
+    if not version["commit"]:
         return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    return version["commit"][:7] + ("-dirty" if version["dirty"] else "")
 
 
 def device_name(device: torch.device) -> str:
@@ -526,7 +489,8 @@ def device_name(device: torch.device) -> str:
 
 
 def machine_info() -> dict:
-    """What the results came from."""
+    """What the results came from (SPEC section 7: a claim names the processor, its family and
+    model, and what torch and EMCL dispatch on it)."""
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
         if torch.cuda.is_available() else []
     try:
@@ -534,17 +498,22 @@ def machine_info() -> dict:
         triton_version = triton.__version__
     except Exception:  # noqa: BLE001 - optional
         triton_version = None
-    summary = device_name(torch.device("cpu")) + (", " + ", ".join(gpus) if gpus else ", no GPU")
+    try:
+        memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1)
+    except (ValueError, OSError, AttributeError):
+        memory_gib = None
+    cpu = provenance.processor()
     return {
-        "summary": summary,
+        "summary": device_name(torch.device("cpu")) + ", " + ", ".join(gpus or ["no GPU"]),
         "cpu": _cpu_model(),
-        "cpu_ids": _cpu_ids(),
-        # SPEC section 7: a claim names the processor and what torch dispatches on it
+        "cpu_ids": (f"{cpu.get('vendor') or '?'} family {cpu['family']} model "
+                    f"{cpu.get('model') or '?'} stepping {cpu.get('stepping') or '?'}"
+                    if cpu.get("family") else None),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "emcl_cpu_kernel": emcl_cpu_kernel(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "memory_gib": _memory_gib(),
+        "memory_gib": memory_gib,
         "gpus": gpus,
         "platform": platform.platform(),
         "python": platform.python_version(),

@@ -1,11 +1,9 @@
-"""Memory probes with EMCL's own streams on a GPU: the roof kernels ``inner_pattern`` (kind 3:
-reads a, b, c, d; writes a += 1e-6 * (b + c * d)) and ``step_pattern`` (kind 5: writes a += 1e-6
-* b, c += 1e-6 * b, d unchanged) of :data:`benchmarks.common.ROOF_KERNELS`, which on the CPU are
-the extension's ``torch.ops.emcl.stream_probe_``. One Triton program per ``BLOCK`` elements of
-four equal-size contiguous fp32 tensors, unmasked and block-aligned where the size is a whole
-number of blocks; on a GPU each probe times the :data:`CONFIGS` once per size on its first call
-and keeps the fastest (:func:`chosen_configs`). Why the roof needs them: benchmarks/README.md,
-"The memory roof".
+"""The GPU roof's probes with EMCL's own streams (``common.PROBE_KINDS``; on the CPU the
+extension's ``torch.ops.emcl.stream_probe_``): ``inner_pattern`` (kind 3: reads a, b, c, d;
+writes a += 1e-6 * (b + c * d)) and ``step_pattern`` (kind 5: a += 1e-6 * b, c += 1e-6 * b,
+d written back). One Triton program per ``BLOCK`` elements of four equal-size contiguous fp32
+tensors, unmasked where the size is whole blocks; on a GPU each probe times :data:`CONFIGS`
+once per size and keeps the fastest. Why: benchmarks/README.md, "The memory roof".
 """
 from __future__ import annotations
 
@@ -91,13 +89,8 @@ def _launch(a, b, c, d, kind: int, block: int, warps) -> None:
 
 def _fastest_config(a, b, c, d, kind: int, calls: int = 5) -> tuple:
     """The (BLOCK, warps) of :data:`CONFIGS` whose fastest of ``calls`` timed launches (after
-    one to compile; ``timing.time_calls``: CUDA events on a GPU) is the shortest, on these
-    tensors: each config runs ``calls + 1`` times."""
-    best, best_s = None, float("inf")
-    for cfg in CONFIGS:
+    one to compile; CUDA events on a GPU) is the shortest on these tensors."""
+    def fastest(cfg) -> float:
         _launch(a, b, c, d, kind, *cfg)
-        secs = min(time_calls([lambda: _launch(a, b, c, d, kind, *cfg)] * calls,
-                                     a.device))
-        if secs < best_s:
-            best, best_s = cfg, secs
-    return best
+        return min(time_calls([lambda: _launch(a, b, c, d, kind, *cfg)] * calls, a.device))
+    return min(CONFIGS, key=fastest)

@@ -47,15 +47,12 @@ REGISTRY = {b.name: b for b in (
                           "--backends", "cpu")),
     Benchmark("kernels", "bench_kernels",
               "How close do the kernels of every backend come to the memory roof (GB/s per "
-              "step, size and dtype)?",
+              "step, size and dtype), and which block size and warp count should the Triton "
+              "step use (--triton-configs)?",
               ("--quick", "--sizes", "10", "--layouts", "single", "--dtypes", "fp32",
                "--no-plot", "--roof-mb", "1", "--out-dir", "{out}"),
               mode_smoke=("--table", "benchmarks/results/kernels_epyc-2core_1thread.json",
                           "--sizes", "24")),
-    Benchmark("triton", "bench_triton",
-              "Which block size and warp count should the Triton step use on this GPU, and "
-              "how near a copy does it run?",
-              ("--smoke",), smoke_env=(("TRITON_INTERPRET", "1"),), requires=("triton",)),
     Benchmark("training", "bench_training",
               "How long does continual training take per method, backend and device (and what "
               "does anytime evaluation, --eval-every at the presets' K, add to it: --anytime)?",

@@ -199,13 +199,13 @@ def test_layouts_come_from_the_project_models():
 
 
 def test_rotated_sets_exceed_the_last_level_cache():
-    s = bench_kernels.Settings.full()
-    llc = 32 << 20
+    rotate = int(bench_kernels.ROTATE_FACTOR * (32 << 20))
     for set_bytes in (16 << 10, 1 << 20, 7_000_003, 64 << 20, 1 << 30):
-        n = bench_kernels.n_sets_for(set_bytes, llc, s)
-        assert 1 <= n <= s.max_sets
-        assert n * set_bytes >= s.rotate_factor * llc or n == s.max_sets
-        assert n == 1 or (n - 1) * set_bytes < s.rotate_factor * llc  # no more than needed
+        n = bench_kernels.n_sets_for(set_bytes, rotate)
+        assert 1 <= n <= bench_kernels.MAX_SETS
+        assert n * set_bytes >= rotate or n == bench_kernels.MAX_SETS
+        assert n == 1 or (n - 1) * set_bytes < rotate  # no more than needed
+    assert bench_kernels.n_sets_for(16, 1 << 20, max_sets=7) == 7
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -215,7 +215,7 @@ def test_input_sets_never_share_memory(dtype):
     # above the memory's (141 % of copy on the H100).
     layout = bench_kernels.Layout("x", [(64, 3), (5,), (1000,)])
     gen = torch.Generator().manual_seed(0)
-    s = bench_kernels.make_input_set(layout, dtype, torch.device("cpu"), gen, with_meta_lrs=True)
+    s = common.make_input_set(layout.shapes, dtype, torch.device("cpu"), gen, with_meta_lrs=True)
     tensors = s.params + s.grads + s.anchors + s.importances + s.meta_lrs
     assert common.overlapping(tensors) == []
     assert len({t.data_ptr() for t in tensors}) == len(tensors)
@@ -238,7 +238,8 @@ def test_overlapping_finds_shared_memory_and_only_that():
 def test_input_sets_are_random_and_shaped_like_the_layout():
     layout = bench_kernels.Layout("x", [(3, 5), (7,)])
     gen = torch.Generator().manual_seed(0)
-    s = bench_kernels.make_input_set(layout, torch.bfloat16, torch.device("cpu"), gen, with_meta_lrs=True)
+    s = common.make_input_set(layout.shapes, torch.bfloat16, torch.device("cpu"), gen,
+                               with_meta_lrs=True)
     assert [tuple(t.shape) for t in s.params] == [(3, 5), (7,)]
     assert all(t.dtype == torch.bfloat16 for t in s.params + s.grads)
     assert all(t.dtype == torch.float32 for t in s.anchors + s.importances + s.meta_lrs)
@@ -529,15 +530,6 @@ def test_the_roof_reaches_the_largest_layout_timed(tmp_path):
                                  "--quiet"])
     roof = result["devices"]["cpu"]["roof"]
     assert max(k["numel"] for k in roof["records"]) == 2 ** 15
-    # the probes on the kernels' own tensors ran before the kernels and after each of them
-    probes = {(p["kernel"], p["dtype"]): p for p in roof["probes"]}
-    kernels = {"foreach_add"} | ({"step_streams"} if common.stream_probes_available("cpu") else set())
-    assert set(probes) == {(k, d) for k in kernels for d in ("fp32", "bf16")}
-    for (kernel, dtype), p in probes.items():
-        timed = [r for r in result["records"] if r["dtype"] == dtype]
-        assert len(p["seconds"]) >= 3 + 2 * len(timed)
-        step_bytes = {"fp32": 28, "bf16": 22}[dtype]      # θ, g in the dtype; θ₀, h fp32
-        assert p["bytes_per_element"] == (12 if kernel == "foreach_add" else step_bytes)
 
 
 def test_kernel_run_has_a_record_for_every_backend_op_dtype_and_layout(kernel_run):
@@ -567,10 +559,6 @@ def test_kernel_records_are_consistent(kernel_run):
     assert roof >= max(r["gbps_best"] for r in exact)
     assert len(info["roof_runs"]) == 2   # measured at the start and at the end, pooled
     assert [l[0] for l in info["load_averages"]][::len(info["load_averages"]) - 1] == ["start", "end"]
-    probes = info["roof"]["probes"]
-    assert {(p["layout"], p["dtype"]) for p in probes} == {
-        (l, d) for l in ("single", "mlp-2x100") for d in ("fp32", "bf16")}
-    assert roof >= max(p["gbps_best"] for p in probes)
     index = {(r["backend"], r["op"], r["dtype"], r["layout"]): r for r in result["records"]}
     for r in result["records"]:
         for key in REQUIRED:
@@ -584,7 +572,7 @@ def test_kernel_records_are_consistent(kernel_run):
         assert r["ratio_to_roof_best"] == pytest.approx(r["gbps_best"] / roof)
         assert r["gbps_best"] >= r["gbps"]
         assert r["time_ms_min"] <= r["time_ms"] and 1 <= r["repeats"] <= 3
-        assert r["launches"] is None and r["finite"] is True
+        assert r["finite"] is True
         assert r["rotation_bytes"] >= 2 << 20 and r["rotation_sets"] >= 2
         for base in ("reference", "foreach"):
             other = index[(base, r["op"], r["dtype"], r["layout"])]
@@ -666,16 +654,41 @@ def test_above_roof_records_are_called_a_bug():
     assert bench_kernels.above_roof_notes(recs[:1], {"records": roof["records"][:1]}) == []
 
 
-def test_probes_raise_the_roof_only_when_faster():
-    roof = {"roof_gbps": 20.0, "roof_kernel": "copy", "roof_numel": 1 << 26, "records": []}
-    slow = {"layout": "single", "numel": 1 << 20, "dtype": "fp32", "gbps_best": 19.0}
-    fast = {**slow, "numel": 1 << 22, "gbps_best": 21.0}
-    kept = bench_kernels.roof_with_probes(roof, [slow])
-    assert kept["roof_gbps"] == 20.0 and kept["roof_kernel"] == "copy" and kept["probes"] == [slow]
-    raised = bench_kernels.roof_with_probes(roof, [slow, fast])
-    assert raised["roof_gbps"] == 21.0 and raised["roof_kernel"] == "probe"
-    assert raised["roof_numel"] == 1 << 22 and roof["roof_gbps"] == 20.0   # the input is kept
-    assert bench_kernels.roof_with_probes(roof, [])["roof_gbps"] == 20.0
+def test_triton_configs_are_checked_and_set_for_the_block():
+    assert bench_kernels.triton_config("4096X8") == "4096x8"
+    for bad in ("4096", "1000x8", "8x4", "4096x3", "ax8"):
+        with pytest.raises(ValueError):
+            bench_kernels.triton_config(bad)
+    pytest.importorskip("triton")
+    from emcl_kernels.backends import triton as TB
+    before = (TB.BLOCK_SIZE, TB.NUM_WARPS)
+    with bench_kernels.triton_tunables("1024x2"):
+        assert (TB.BLOCK_SIZE, TB.NUM_WARPS) == (1024, 2)
+    with bench_kernels.triton_tunables(None):
+        assert (TB.BLOCK_SIZE, TB.NUM_WARPS) == before
+    assert (TB.BLOCK_SIZE, TB.NUM_WARPS) == before
+
+
+def test_triton_configs_mode_times_each_config_as_a_column(tmp_path):
+    """``--triton-configs`` on the CPU through Triton's interpreter (a child process: the
+    interpreter is chosen at import): one record per config, each its own column; a smaller
+    block launches more programs, which the interpreter runs one by one."""
+    pytest.importorskip("triton")
+    cmd = [sys.executable, "-m", "benchmarks", "kernels", "--quick", "--cpu-triton",
+           "--backends", "triton", "foreach", "--triton-configs", "1024x4", "4096x8",
+           "--sizes", "13", "--layouts", "single", "--dtypes", "fp32", "--ops", "inner_step",
+           "--budget", "0.001", "--max-reps", "2", "--device", "cpu", "--rotate-mb", "1",
+           "--roof-mb", "1", "--threads", "1", "--out-dir", str(tmp_path), "--name", "tri",
+           "--no-plot", "--quiet"]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| foreach | triton 1024x4 | triton 4096x8 |" in proc.stdout
+    records = json.loads((tmp_path / "tri.json").read_text())["records"]
+    by_config = {r["config"]: r for r in records}
+    assert set(by_config) == {None, "1024x4", "4096x8"}
+    assert all(r["backend"] == "triton" for c, r in by_config.items() if c)
+    assert by_config["1024x4"]["time_ms_min"] > by_config["4096x8"]["time_ms_min"]
 
 
 def test_rotation_always_takes_the_least_recently_used_set():

@@ -126,6 +126,16 @@ def test_kernel_headline_takes_the_largest_single_tensor(tmp_path):
     assert gpu_check.kernel_headline(str(tmp_path / "kernels_y_cuda.json"))["bugs"] == [bug]
 
 
+def test_triton_sweep_keeps_the_best_config_per_step_and_dtype():
+    rec = dict(op="inner_step", dtype="fp32", config="2048x4", ratio_to_roof=0.9,
+               ratio_to_copy=1.0)
+    records = [rec, dict(rec, config="4096x8", ratio_to_roof=0.97, ratio_to_copy=1.05),
+               dict(rec, dtype="bf16"), dict(rec, config=None, ratio_to_roof=2.0)]
+    assert gpu_check.triton_configs_best(records) == {
+        "inner_step/fp32": {"config": "4096x8", "of_roof": 0.97, "of_copy": 1.05},
+        "inner_step/bf16": {"config": "2048x4", "of_roof": 0.9, "of_copy": 1.0}}
+
+
 def test_main_job_result_from_results_json_and_from_output(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps(
         {"runs": [{"seed": 0, "acc": 73.1, "bwt": -2.0, "train_time_s": 85.4}]}))
@@ -272,7 +282,8 @@ def test_dry_run_prints_every_stage_and_its_command():
     assert "-m benchmarks kernels --device cuda" in out.stdout and "--quick" in out.stdout
     assert "--device cuda --out runs/gpu_check_" in out.stdout
     assert "--device cpu --out runs/gpu_check_" in out.stdout
-    assert "-m benchmarks triton --numel" in out.stdout
+    assert "-m benchmarks kernels --device cuda --backends triton" in out.stdout
+    assert "--triton-configs 2048x4 2048x8 4096x4 4096x8" in out.stdout
     commands = [line for line in out.stdout.splitlines() if line.strip().startswith("$ ")]
     assert commands and not [c for c in commands if gpu_check.ROOT in c]   # relative paths
 

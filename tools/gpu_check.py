@@ -13,8 +13,9 @@ command, the most valuable facts first, each within its own time budget (``--bud
 - ``--stage 2`` (5 minutes on a warm machine): what only a GPU can tell first, ``big_tests``
   (the 2**31-element tests, one at a time), ``sanitizer`` (a memcheck subset), ``bench_step``
   and ``bench_kernels --quick`` on cuda (at 2**18, 2**22 and 2**26 elements, where the device
-  time is measured), ``triton_sweep`` (``python -m benchmarks triton`` at 2**26: the Triton
-  step against a copy per block size and warp count), the main job on cuda for 5 tasks; then
+  time is measured), ``triton_sweep`` (``python -m benchmarks kernels --triton-configs`` at
+  2**26: the Triton step against the roof per block size and warp count), the main job on cuda
+  for 5 tasks; then
   ``rest_tests`` (every other test file, mostly what CI runs on its CPU) in the time that is
   left;
 - ``--stage 3`` ([note: stage 3], a 540 s budget, ``make gpu-check-3``): the continual-learning
@@ -65,9 +66,9 @@ checkout:
    (without the 2**31-element test; ``--quick``: the many-tensor and unaligned tests), when
    ``compute-sanitizer`` is on PATH or in ``$CUDA_HOME/bin``.
 6. ``bench_kernels``: ``python -m benchmarks kernels --device cuda`` (``--quick`` with --quick).
-   ``triton_sweep``: ``python -m benchmarks triton --numel 2**26`` (its JSON lines in
-   ``gpu_check_<stamp>_triton_sweep_cuda.jsonl``; two block sizes, two warp counts and 10
-   repeats with --quick or --stage).
+   ``triton_sweep``: ``python -m benchmarks kernels --backends triton --sizes 26
+   --triton-configs ...`` on cuda (its file ``gpu_check_<stamp>_triton_sweep_cuda.json``; 12
+   configs, with --quick or --stage 4 and the quick repeats).
 7. ``bench_step``: ``python -m benchmarks step --device cuda --out benchmarks/results``.
    ``plan_key``: ``python -m benchmarks step --host-only --device cuda``: the host's part
    of a step (the kernels a no-op) on the MLP and 1,000 x 4,096 tensors.
@@ -292,12 +293,24 @@ def kernel_headline(path: str) -> Dict:
             "numel": r.get("numel"), "gbps": r.get("gbps"), "ratio_to_copy": r.get("ratio_to_copy"),
             "time_ms": r.get("time_ms")})
     for r in records:
-        if r.get("layout") == "many":
+        if str(r.get("layout")).startswith("many"):
             out["many_tensors"].append({
                 "device": r.get("device"), "backend": r.get("backend"), "op": r.get("op"),
                 "dtype": r.get("dtype"), "time_ms": r.get("time_ms"),
                 "speedup_vs_reference": r.get("speedup_vs_reference")})
     return out
+
+
+def triton_configs_best(records: List[Dict]) -> Dict:
+    """Per ``op/dtype``, the Triton config (``BLOCKxWARPS``) of ``kernels --triton-configs``'
+    records with the highest ratio to the roof, with that ratio and its ratio to a copy."""
+    best: Dict = {}
+    for r in records:
+        key = f"{r.get('op')}/{r.get('dtype')}"
+        if r.get("config") and r.get("ratio_to_roof", -1) > best.get(key, {}).get("of_roof", -1):
+            best[key] = {"config": r["config"], "of_roof": r["ratio_to_roof"],
+                         "of_copy": r.get("ratio_to_copy")}
+    return best
 
 
 # The EMCL backends a staged benchmark times (every one without --stage).
@@ -1127,29 +1140,31 @@ class GpuCheck:
         self._bench(st, "kernels", "kernels_*cuda*", required_device=False)
 
     def stage_triton_sweep(self, st: StageResult) -> None:
-        """``python -m benchmarks triton`` at 2**26 fp32/bf16 elements: the Triton step's GB/s
-        against a copy for each block size and warp count, the odd-tensor and check costs and
-        the 1,000-tensor host time. Staged or quick: two block sizes and two warp counts, 10
-        repeats."""
-        out = os.path.join(self.results, f"gpu_check_{self.stamp}_triton_sweep_cuda.jsonl")
-        cmd = self._py("-m", "benchmarks", "triton", "--numel", str(2 ** 26),
-                       "--out", os.path.relpath(out, ROOT))
+        """``python -m benchmarks kernels --triton-configs ...`` at 2**26 fp32/bf16 elements: the
+        Triton step's GB/s against the roof and a copy for each block size and warp count
+        (staged or quick: two block sizes, two warp counts, the quick repeats)."""
+        name = f"gpu_check_{self.stamp}_triton_sweep_cuda"
+        configs = (["2048x4", "2048x8", "4096x4", "4096x8"] if self.quick or self.args.stage
+                   else [f"{b}x{w}" for b in (1024, 2048, 4096, 8192) for w in (4, 8, 16)])
+        cmd = self._py("-m", "benchmarks", "kernels", "--device", "cuda", "--backends", "triton",
+                       "--layouts", "single", "--sizes", "26", "--triton-configs", *configs,
+                       "--out-dir", os.path.relpath(self.results, ROOT), "--name", name,
+                       "--no-plot")
         if self.quick or self.args.stage:
-            cmd += ["--blocks", "2048", "4096", "--warps", "4", "8", "--reps", "10"]
+            cmd.append("--quick")
         rc, _ = self.run(st, cmd, st.name, self.timeout(st.name))
         if self.args.dry_run:
             st.status = "passed"
             return
-        lines = self._jsonl(out)
-        best = {}
-        for r in lines:
-            if "bandwidth" in r:
-                k = f"{r['bandwidth']}/{r['dtype']}"
-                if r["of_copy"] > best.get(k, {}).get("of_copy", -1):
-                    best[k] = {"of_copy": r["of_copy"], "block": r["block"], "warps": r["warps"]}
-        st.data.update(best_of_copy=best)
-        st.status = "passed" if rc == 0 and lines else "failed"
-        st.detail = (f"exit {rc}; " if rc else "") + f"{len(lines)} lines in {os.path.basename(out)}"
+        path = os.path.join(self.results, name + ".json")
+        try:
+            with open(path) as fh:
+                records = json.load(fh).get("records") or []
+        except (OSError, ValueError):
+            records = []
+        st.data.update(file=os.path.relpath(path, ROOT), best=triton_configs_best(records))
+        st.status = "passed" if rc == 0 and records else "failed"
+        st.detail = (f"exit {rc}; " if rc else "") + f"{len(records)} records in {name}.json"
 
     def stage_bench_step(self, st: StageResult) -> None:
         self._bench(st, "step", "step_*", required_device=False)
