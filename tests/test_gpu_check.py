@@ -505,3 +505,53 @@ def test_the_sweep_step_cut_at_its_limit_is_incomplete_with_its_timing_line(tmp_
     assert t["runs"] == 72 and t["done"] < 72
     text = "\n".join(gpu_check.stage3_markdown({"heldout_sweep": hs}))
     assert "cut short" in text and "(interrupted: SIGTERM)" in text
+
+
+# Every command the GPU check runs is parsed by its own program's parser, and stops there: the
+# options it passes exist and take those values, checked without a GPU.
+_PARSE_ONLY = textwrap.dedent("""
+    import argparse, json, runpy, sys
+
+    class Parsed(BaseException):   # not an Exception: a command's own error handling lets it by
+        pass
+
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        ns = parse_args(self, args, namespace)
+        if self.prog != "python -m benchmarks":      # the suite's own parser picks the name
+            raise Parsed(self.prog)
+        return ns
+
+    argparse.ArgumentParser.parse_args = parse_then_stop
+    failed = []
+    for argv in json.loads(sys.argv[1]):
+        sys.argv = list(argv)
+        try:
+            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+            failed.append((argv, "ran without parsing its options"))
+        except Parsed:
+            pass
+        except SystemExit as exc:                    # argparse's error exit
+            failed.append((argv, f"exit {exc.code}"))
+    print(json.dumps(failed))
+""")
+
+
+@pytest.mark.parametrize("options", [("--quick",), ("--stage", "2"), ("--stage", "3"), ()],
+                         ids=["quick", "stage-2", "stage-3", "full"])
+def test_every_command_of_a_dry_run_parses_with_its_programs_options(options):
+    import shlex
+
+    out = _run("--dry-run", *options)
+    assert out.returncode == 0, out.stderr[-3000:]
+    commands = [shlex.split(line.strip()[2:]) for line in out.stdout.splitlines()
+                if line.strip().startswith("$ ") and " -m " in line]
+    ours = [m for m in (c[c.index("-m") + 1:] for c in commands)
+            if m[0] == "benchmarks" or m[0].startswith("emcl_continual")]
+    assert ours, out.stdout
+    proc = subprocess.run([sys.executable, "-c", _PARSE_ONLY, json.dumps(ours)], cwd=ROOT,
+                          env=child_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    failed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not failed, (failed, proc.stderr[-3000:])
