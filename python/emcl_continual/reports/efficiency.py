@@ -207,7 +207,7 @@ def efficiency_page(results_dir: str, controlled: dict, streams: dict, whole: di
              "20), and how many times the weights the network computes with change (an optimizer step, "
              "an inner step, MER's per-sample step, a new set of La-MAML's fast weights). "
              "`python/emcl_continual/training/cost.py` (`CostCounter`) says how each is counted.", "",
-             "The ACC of the EMCL rows comes from the sweeps at commit d664e6e; the time from today's kernels, "
+             "The ACC of the EMCL rows comes from the sweeps at commit d664e6e; the time from the current kernels, "
              "which compute the same update (docs/results.md, \"One code version\"). GEM's cost grows with the "
              "number of tasks seen (one memory gradient per earlier task): over the first tasks it is "
              "below its full-stream cost.", "", "## Machine and protocol", ""] + _machine_lines(controlled) + [""]
