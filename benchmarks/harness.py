@@ -204,12 +204,10 @@ def interleave(items: Sequence, rounds: int, run: Callable, *, reverse: bool = F
 def interleaved(fns: dict, device: torch.device, rounds: int, *, calls: int = 1,
                 warmup: int = 1) -> dict:
     """Seconds per call of each function of ``fns`` (name -> callable): ``warmup`` untimed
-    calls of each, then ``rounds`` rounds of :func:`interleave`, each running ``calls`` calls
-    of every function. Returns name -> [seconds per call, one per round]; on a GPU each
-    round is timed with CUDA events."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
+    rounds of :func:`interleave`, then ``rounds`` timed ones, each running ``calls`` calls of
+    every function. Returns name -> [seconds per call, one per round]; on a GPU each round is
+    timed with CUDA events."""
+    interleave(list(fns), warmup, lambda name, _: fns[name]())
     out = {name: [] for name in fns}
     for _, _, name, secs in interleave(
             list(fns), rounds, lambda name, _: timing.time_calls([fns[name]] * calls, device)):
