@@ -137,8 +137,7 @@ def plot(result: dict, path: str) -> None:
     """Run-samples per second against width, per method (log-log), the run alone as a dashed
     line; and the speed-up over the run alone."""
     where = result.get("device_name") or result["machine"].get("summary")
-    title = (f"Run arrays, Permuted MNIST MLP, {result['device']} ({where}; "
-             f"{result['timer']})")
+    title = f"Run arrays, Permuted MNIST MLP, {result['device']} ({where}; {result['timer']})"
     with harness.figure(path, title, ncols=2, size=(11, 4.2), title_size=8, dpi=120) as axes:
         rates, speedups = axes[0]
         for res in result["methods"]:
