@@ -135,29 +135,23 @@ def verdicts(records: list, device) -> dict:
 
 def plot(result: dict, path: str) -> None:
     """Per op and thread count: µs per run-step against N, one line per contender."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     combos = sorted({(r["op"], r["threads"]) for r in result["records"]})
-    fig, axes = plt.subplots(1, len(combos), figsize=(5 * len(combos), 4), squeeze=False)
-    for ax, (op, threads) in zip(axes[0], combos):
-        for name in ("array", "separate", "hfta", "floor"):
-            rs = sorted((r for r in result["records"] if r["op"] == op
-                         and r["threads"] == threads and r["contender"] == name),
-                        key=lambda r: r["runs"])
-            if rs:
-                ax.plot([r["runs"] for r in rs], [r["median_ms"] / r["runs"] * 1e3 for r in rs],
-                        marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("runs N")
-        ax.set_ylabel("µs per run-step")
-        ax.set_title(f"{op}, {threads} thread(s)" if result["device"] == "cpu" else op)
-        ax.legend()
-    fig.suptitle(f"MLP 784-100-100-10, fp32: {result['machine']['summary']}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with harness.figure(path, f"MLP 784-100-100-10, fp32: {result['machine']['summary']}",
+                        ncols=len(combos), size=(5 * len(combos), 4), title_size=8) as axes:
+        for ax, (op, threads) in zip(axes[0], combos):
+            for name in ("array", "separate", "hfta", "floor"):
+                rs = sorted((r for r in result["records"] if r["op"] == op
+                             and r["threads"] == threads and r["contender"] == name),
+                            key=lambda r: r["runs"])
+                if rs:
+                    ax.plot([r["runs"] for r in rs],
+                            [r["median_ms"] / r["runs"] * 1e3 for r in rs], marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("runs N")
+            ax.set_ylabel("µs per run-step")
+            ax.set_title(f"{op}, {threads} thread(s)" if result["device"] == "cpu" else op)
+            ax.legend()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import itertools
 import math
 import os
 import time
@@ -424,17 +425,17 @@ def _device_table(result: dict, device: str, *, layouts, ops, dtypes, sizes, sou
     if loads:
         caption += (f" 1-minute load average during the run: {min(l[0] for l in loads):.1f} to "
                     f"{max(l[0] for l in loads):.1f} on {machine.get('cpu_count', '?')} cores.")
-    header = ["layout", "elements (tensors)", "dtype", "step"] + backends + ["fastest"]
-    lines = [caption, "", "| " + " | ".join(header) + " |",
-             "|" + "|".join(["---"] * 4 + ["--:"] * len(backends) + ["---"]) + "|"]
-    if not keep:
-        lines[1:] = ["", "Nothing was timed."]
+    rows = []
     for layout, numel, dtype, op in order:
         row = groups[(layout, numel, dtype, op)]
         name = f"single 2^{numel.bit_length() - 1}" if layout == "single" else layout
-        cells = [name, f"{numel:,} ({next(iter(row.values()))['n_tensors']})", dtype,
-                 OP_SHORT.get(op, op)] + [_cell(row.get(b)) for b in backends]
-        lines.append("| " + " | ".join(cells + [_best(list(row.values()))]) + " |")
+        rows.append([name, f"{numel:,} ({next(iter(row.values()))['n_tensors']})", dtype,
+                     OP_SHORT.get(op, op)] + [_cell(row.get(b)) for b in backends]
+                    + [_best(list(row.values()))])
+    header = ["layout", "elements (tensors)", "dtype", "step"] + backends + ["fastest"]
+    align = "<<<<" + ">" * len(backends) + "<"
+    lines = [caption, "", harness.table(header, rows, markdown=True, align=align)
+             if keep else "Nothing was timed."]
     notes = [f"{k}: {v}" for k, v in info.get("skipped_backends", {}).items()
              if not v.startswith("not asked")] + list(info.get("notes", []))
     if notes:
@@ -445,21 +446,19 @@ def _device_table(result: dict, device: str, *, layouts, ops, dtypes, sizes, sou
 def plot(result: dict, device: str, path: str) -> None:
     """GB/s against size for every (op, dtype): one line per backend over the single-tensor
     sizes, the multi-tensor layouts as markers, the roof dashed and the copy dotted."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-
     recs = [r for r in result["records"] if r["device"] == device]
     ops = [o for o in common.OPS if any(r["op"] == o for r in recs)]
     dtypes = [d for d in common.DTYPE_NAMES if any(r["dtype"] == d for r in recs)]
     colors = {b: f"C{i}" for i, b in enumerate(dict.fromkeys(_label(r) for r in recs))}
     markers = {LAYOUT_NAMES["mlp"]: "s", LAYOUT_NAMES["resnet18"]: "^", LAYOUT_NAMES["many"]: "D"}
     roof = result["devices"][device]["roof"]
-    fig, axes = plt.subplots(len(ops), len(dtypes), figsize=(5.5 * len(dtypes), 3.6 * len(ops)),
-                             squeeze=False, sharex=True)
-    for i, op in enumerate(ops):
-        for j, dt in enumerate(dtypes):
+    title = (f"EMCL kernels on {result['devices'][device]['name']} "
+             f"({result['settings']['mode']} run, lr_mode {result['settings']['lr_mode']}, "
+             f"{result['created_utc']})")
+    with harness.figure(path, title, nrows=len(ops), ncols=len(dtypes), sharex=True,
+                        size=(5.5 * len(dtypes), 3.6 * len(ops)), legend=6, legend_size=9,
+                        rect=(0, 0.06, 1, 0.97)) as axes:
+        for (i, op), (j, dt) in itertools.product(enumerate(ops), enumerate(dtypes)):
             ax = axes[i][j]
             for b, color in colors.items():
                 points = sorted((r["layout"], r["numel"], r["gbps"]) for r in recs
@@ -482,18 +481,10 @@ def plot(result: dict, device: str, path: str) -> None:
                 ax.set_xlabel("elements per step")
             if j == 0:
                 ax.set_ylabel("GB/s (bytes moved to/from memory)")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    for layout in [l for l in markers if any(r["layout"] == l for r in recs)]:
-        handles.append(Line2D([], [], marker=markers[layout], ls="", color="gray", mfc="none",
-                              mew=1.5))
-        labels.append(layout)
-    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=9)
-    fig.suptitle(f"EMCL kernels on {result['devices'][device]['name']} "
-                 f"({result['settings']['mode']} run, lr_mode {result['settings']['lr_mode']}, "
-                 f"{result['created_utc']})", fontsize=10)
-    fig.tight_layout(rect=(0, 0.06, 1, 0.97))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        for layout in [l for l in markers if any(r["layout"] == l for r in recs)]:
+            # the layouts' markers in the legend: entries of the first axes that draw nothing
+            axes[0][0].plot([], [], markers[layout], color="gray", mfc="none", mew=1.5,
+                            label=layout)
 
 
 # ---------------------------------------------------------------------------------------------

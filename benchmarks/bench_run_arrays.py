@@ -124,10 +124,9 @@ def _width(method, lcls, w, warm_data, timed_data, info, warm, batches, repeats,
     arr = lcls(weights, info, [build_config(method, STREAM, s, {}) for s in range(w)], device)
     array_step = _stepper(arr, [t[:w].to(device) for t in warm_data],
                           [t[:w].to(device) for t in timed_data], warm, bs)
-    t_alone, t_array = float("inf"), float("inf")
-    for _ in range(repeats):
-        t_alone = min(t_alone, _block(alone_step, batches, device))
-        t_array = min(t_array, _block(array_step, batches, device))
+    steps = {"alone": alone_step, "array": array_step}
+    secs = harness.interleave(list(steps), repeats, lambda k, _: _block(steps[k], batches, device))
+    t_alone, t_array = (min(t for _, _, k, t in secs if k == key) for key in steps)
     base = bs * batches / t_alone
     rate = w * bs * batches / t_array
     return {"width": w, "alone_seconds": t_alone, "array_seconds": t_array,
@@ -137,32 +136,27 @@ def _width(method, lcls, w, warm_data, timed_data, info, warm, batches, repeats,
 def plot(result: dict, path: str) -> None:
     """Run-samples per second against width, per method (log-log), the run alone as a dashed
     line; and the speed-up over the run alone."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for res in result["methods"]:
-        arr = [r for r in res["rows"] if "error" not in r]
-        line, = axes[0].plot([r["width"] for r in arr], [r["run_samples_per_s"] for r in arr], "o-",
-                             label=res["method"])
-        axes[0].plot([r["width"] for r in arr], [r["alone_run_samples_per_s"] for r in arr], "--",
-                     color=line.get_color(), lw=0.8)
-        axes[1].plot([r["width"] for r in arr], [r["speedup"] for r in arr], "o-", label=res["method"])
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("array width (runs trained together)")
-        ax.grid(alpha=0.3)
-    axes[0].set_yscale("log")
-    axes[0].set_ylabel("run-samples per second (dashed: the run alone)")
-    axes[1].axhline(1.0, color="k", lw=0.8)
-    axes[1].set_ylabel("over the run alone")
-    axes[1].legend(fontsize=8)
     where = result.get("device_name") or result["machine"].get("summary")
-    fig.suptitle(f"Run arrays, Permuted MNIST MLP, {result['device']} ({where}; {result['timer']})", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    title = f"Run arrays, Permuted MNIST MLP, {result['device']} ({where}; {result['timer']})"
+    with harness.figure(path, title, ncols=2, size=(11, 4.2), title_size=8, dpi=120) as axes:
+        rates, speedups = axes[0]
+        for res in result["methods"]:
+            arr = [r for r in res["rows"] if "error" not in r]
+            widths = [r["width"] for r in arr]
+            line, = rates.plot(widths, [r["run_samples_per_s"] for r in arr], "o-",
+                               label=res["method"])
+            rates.plot(widths, [r["alone_run_samples_per_s"] for r in arr], "--",
+                       color=line.get_color(), lw=0.8)
+            speedups.plot(widths, [r["speedup"] for r in arr], "o-", label=res["method"])
+        for ax in axes[0]:
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("array width (runs trained together)")
+            ax.grid(alpha=0.3)
+        rates.set_yscale("log")
+        rates.set_ylabel("run-samples per second (dashed: the run alone)")
+        speedups.axhline(1.0, color="k", lw=0.8)
+        speedups.set_ylabel("over the run alone")
+        speedups.legend(fontsize=8)
 
 
 def table(result: dict) -> str:

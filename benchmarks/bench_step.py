@@ -131,9 +131,9 @@ def bytes_per_element(kind: str, dtype: torch.dtype) -> int:
     return sizes[kind]
 
 
-@dataclass
+@dataclass(eq=False)
 class Contender:
-    """One timed call: an optimizer and the method called on it."""
+    """One timed call: an optimizer and the method called on it (hashed by identity)."""
     name: str                      # e.g. "emcl[cpu] step() nocheck"
     family: str                    # a BASELINES name | emcl | floor
     optimizer: object
@@ -157,6 +157,9 @@ class Contender:
         if self.runner is not None:
             return self.runner
         return getattr(self.optimizer, self.call.rstrip("()"))
+
+    def __str__(self) -> str:
+        return self.name
 
 
 def checked_step(optimizer) -> Callable[[], object]:
@@ -329,70 +332,54 @@ QUICK = dict(mode="quick", min_rounds=3, max_rounds=15, budget_s=3.0, block_s=0.
              max_block=20, gpu_min_block=10, profile_steps=3, roof_reps=4, host_calls=200)
 
 
-def run_block(c: Contender, device: torch.device, steps: int) -> None:
-    """``steps`` consecutive calls of ``c``. CPU: each call timed (wall = host). GPU: host
-    time of each call without synchronizing, wall time of the whole block between two
-    synchronizations (the steps pipelined, as in training), per step."""
-    fn = c.fn
-    timing.synchronize(device)
-    start = time.perf_counter()
-    secs = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        secs.append(time.perf_counter() - t0)
-    timing.synchronize(device)
-    if device.type == "cuda":
-        c.wall.append((time.perf_counter() - start) / steps)
-    else:
-        c.wall.extend(secs)
-    c.host.extend(secs)
-    c.blocks += 1
-    c.steps += steps
-
-
-def warm_up(contenders: list, device: torch.device, steps: int, log) -> list:
-    """``steps`` (at least one) untimed steps of every contender, the last one's wall time kept
-    as the estimate that sizes its blocks; returns the contenders that worked (one whose step
-    raises keeps the error and is dropped)."""
-    alive = []
-    for c in contenders:
-        if c.error:
-            continue
-        try:
-            for _ in range(max(1, steps)):
-                c.estimate_s = timing.time_once(c.fn, device)
-                c.steps += 1
-            alive.append(c)
-        except Exception as exc:  # noqa: BLE001 - recorded in the results
-            c.error = f"{type(exc).__name__}: {exc}".strip()[:500]
-            log(f"      {c.name}: step failed: {c.error}")
-    return alive
-
-
 def time_group(contenders: list, device: torch.device, settings: Settings, log) -> int:
-    """Interleaved rounds: each round runs one block of every contender, starting one
-    contender later than the round before, so that load on a shared machine (and any drift)
-    falls on every contender alike. A contender whose step raises keeps the error and sits
-    out the remaining rounds. Returns the number of rounds."""
+    """``settings.warmup`` (at least one) untimed steps of every contender, the last one's wall
+    time kept as the estimate that sizes its blocks, then interleaved rounds
+    (:func:`harness.interleave`), each running one block of every contender: on CPU each step
+    timed (wall = host); on a GPU the host time of each step without synchronizing and the
+    wall time of the whole block between two synchronizations (the steps pipelined, as in
+    training), per step. A contender whose step raises keeps the error and sits out the
+    remaining rounds. Returns the number of rounds."""
+    errors = {c: c.error for c in contenders if c.error}
+
+    def interleave(rounds: int, run) -> None:
+        harness.interleave(contenders, rounds, lambda c, _: run(c), errors=errors,
+                           log=lambda msg: log("      " + msg))
+        for c, error in errors.items():
+            c.error = error
+
+    def warm(c: Contender) -> None:
+        for _ in range(max(1, settings.warmup)):
+            c.estimate_s = timing.time_once(c.fn, device)
+            c.steps += 1
+
+    def block(c: Contender) -> None:
+        fn, secs = c.fn, []
+        timing.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(c.block):
+            t0 = time.perf_counter()
+            fn()
+            secs.append(time.perf_counter() - t0)
+        timing.synchronize(device)
+        if device.type == "cuda":
+            c.wall.append((time.perf_counter() - start) / c.block)
+        else:
+            c.wall.extend(secs)
+        c.host.extend(secs)
+        c.blocks += 1
+        c.steps += c.block
+    interleave(1, warm)
+    alive = [c for c in contenders if not c.error]
+    if not alive:
+        return 0
     lo = settings.gpu_min_block if device.type == "cuda" else 1
-    for c in contenders:
+    for c in alive:
         c.block = int(max(lo, min(settings.max_block,
                                   -(-settings.block_s // max(c.estimate_s, 1e-7)))))
-    round_s = sum(c.block * c.estimate_s for c in contenders)
-    rounds = timing.repeats_for(round_s, settings.budget_s, settings.min_rounds,
-                                settings.max_rounds)
-    n = len(contenders)
-    for r in range(rounds):
-        for i in range(n):
-            c = contenders[(r + i) % n]
-            if c.error:
-                continue
-            try:
-                run_block(c, device, c.block)
-            except Exception as exc:  # noqa: BLE001 - recorded in the results
-                c.error = f"{type(exc).__name__}: {exc}".strip()[:500]
-                log(f"      {c.name}: step failed in round {r}: {c.error}")
+    rounds = timing.repeats_for(sum(c.block * c.estimate_s for c in alive), settings.budget_s,
+                                settings.min_rounds, settings.max_rounds)
+    interleave(rounds, block)
     return rounds
 
 
@@ -527,11 +514,10 @@ def run_layout(device, choice, dtype, thread_counts, emcl_backends, args, settin
         if threads is not None:
             torch.set_num_threads(threads)
         load_before = common.load_average()
-        alive = warm_up(contenders, device, settings.warmup, log)
-        rounds = time_group(alive, device, settings, log) if alive else 0
+        rounds = time_group(contenders, device, settings, log)
         profile = {}
         if device.type == "cuda":
-            for c in (c for c in alive if not c.error):
+            for c in (c for c in contenders if not c.error):
                 try:
                     profile[c.name] = gpu_activities(c, device, settings.profile_steps)
                 except Exception as exc:  # noqa: BLE001 - the timings stand without it
@@ -664,17 +650,20 @@ def host_times(choice: str, device: torch.device, settings: Settings, backend: s
         assign()
         opt.step()
     calls = settings.host_calls if choice == "mlp" else max(40, settings.host_calls // 10)
-    kernels = opt._runtime.plans[0].backend
-    real, kernels.step = kernels.step, (lambda *a, **k: None)
-    rounds = {"same": [], "changing": [], "assign": []}
-    try:
-        for _ in range(settings.min_rounds):
+    fns = {"same": opt.step, "changing": changing, "assign": assign}
+
+    def median_us(key: str, _) -> float:
+        if key == "same":
             for p, g in zip(params, pool[0]):
                 p.grad = g
-            for key, fn in (("same", opt.step), ("changing", changing), ("assign", assign)):
-                # host time on any device: time_calls' CPU clock, perf_counter around each call
-                secs = timing.time_calls([fn] * calls, torch.device("cpu"))
-                rounds[key].append(statistics.median(secs) * 1e6)
+        # host time on any device: time_calls' CPU clock, perf_counter around each call
+        return statistics.median(timing.time_calls([fns[key]] * calls, torch.device("cpu"))) * 1e6
+    kernels = opt._runtime.plans[0].backend
+    real, kernels.step = kernels.step, (lambda *a, **k: None)
+    rounds = {key: [] for key in fns}
+    try:
+        for _, _, key, us in harness.interleave(list(fns), settings.min_rounds, median_us):
+            rounds[key].append(us)
     finally:
         kernels.step = real
     median = {k: statistics.median(v) for k, v in rounds.items()}
@@ -760,11 +749,10 @@ def step_goals(records: list) -> list:
     return lines
 
 
-def _markdown(head: list, rows: list) -> list:
-    """The lines of a markdown table, layout, dtype and contender left-aligned."""
-    align = ["---" if h in ("layout", "dtype", "contender") else "--:" for h in head]
-    return ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"] + \
-        ["| " + " | ".join(cells) + " |" for cells in rows]
+def _markdown(head: list, rows: list) -> str:
+    """A markdown table, layout, dtype and contender left-aligned."""
+    return harness.table(head, rows, markdown=True, align="".join(
+        "<" if h in ("layout", "dtype", "contender") else ">" for h in head))
 
 
 def _summary_cell(r: Optional[dict], baseline: bool) -> str:
@@ -841,7 +829,7 @@ def tables(result: dict, *, backends=None, layouts=None, dtypes=None, source: st
                           for backend in emcl_backends for key in PEER_TITLES]
                 rows.append(cells + ([_floor_cell(here)] if floors else []))
         title = f"{threads} thread(s)" if result["device"] == "cpu" else result["device_name"]
-        lines += ["", f"*{title}*", ""] + _markdown(head, rows)
+        lines += ["", f"*{title}*", "", _markdown(head, rows)]
     errors = {(r["contender"], r["error"]) for r in recs if r.get("error")}
     goals = step_goals(recs)
     lines += ([""] if goals or errors else []) + goals
@@ -864,51 +852,46 @@ def _contender_table(recs: list, gpu: bool) -> str:
                       f"{r['gpu_activities_per_step']:.3g}"]
         rows.append(cells + ["-" if r.get(k) is None else f"{r[k]:.2f}x"
                              for k in ("ratio_to_adam_fused", "ratio_to_peer")])
-    return "\n".join(_markdown(head + ["x Adam fused", "x peer"], rows))
+    return _markdown(head + ["x Adam fused", "x peer"], rows)
 
 
 def plot(result: dict, path: str) -> None:
     """One panel per (thread count, dtype): per layout, each EMCL SPEC section 7 row's wall
     time over its peer's, log scale, lines at the goals 1.0 and 0.8."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     recs = [r for r in result["records"] if r.get("ratio_to_peer")]
     if not recs:
         return
+    import matplotlib
+
     threads = list(dict.fromkeys(r["threads"] for r in recs))
     dtypes = list(dict.fromkeys(r["dtype"] for r in recs))
     layouts = list(dict.fromkeys(r["layout"] for r in recs))
     peer = {r["contender"]: r["peer"] for r in recs}
     names = list(peer)
     width, height = 0.8 / len(names), 4.0 * len(threads) + 1.2
-    fig, axes = plt.subplots(len(threads), len(dtypes), squeeze=False,
-                             figsize=(max(7.0, 2.2 * len(layouts)) * len(dtypes), height))
-    for (i, t), (j, dt) in itertools.product(enumerate(threads), enumerate(dtypes)):
-        ax = axes[i][j]
-        for k, name in enumerate(names):
-            mine = {r["layout"]: r for r in recs
-                    if (r["threads"], r["dtype"], r["contender"]) == (t, dt, name)}
-            xs = [x for x, lay in enumerate(layouts) if lay in mine]
-            ax.bar([x - 0.4 + width * (k + 0.5) for x in xs],
-                   [mine[layouts[x]]["ratio_to_peer"] for x in xs], width,
-                   label=f"{name} / {peer[name]}", color=plt.get_cmap("tab20")(k % 20))
-        for goal, style in ((1.0, "-"), (0.8, ":")):
-            ax.axhline(goal, color="k", lw=1, ls=style)
-        ax.set_yscale("log")
-        ax.set_xticks(range(len(layouts)))
-        ax.set_xticklabels(layouts, fontsize=8)
-        ax.set_ylabel("wall time / peer's")
-        where = result["device"] if result["device"] == "cuda" else f"{t} thread(s)"
-        ax.set_title(f"{where}, {dt}", fontsize=10)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
-    fig.suptitle(f"EMCL's step over its peer's on {result['device_name']} "
-                 f"({result['settings']['mode']} run, {result['created_utc']})", fontsize=10)
-    fig.tight_layout(rect=(0, 0.8 / height, 1, 1 - 0.4 / height))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    title = (f"EMCL's step over its peer's on {result['device_name']} "
+             f"({result['settings']['mode']} run, {result['created_utc']})")
+    with harness.figure(path, title, nrows=len(threads), ncols=len(dtypes), legend=4,
+                        size=(max(7.0, 2.2 * len(layouts)) * len(dtypes), height),
+                        rect=(0, 0.8 / height, 1, 1 - 0.4 / height)) as axes:
+        for (i, t), (j, dt) in itertools.product(enumerate(threads), enumerate(dtypes)):
+            ax = axes[i][j]
+            for k, name in enumerate(names):
+                mine = {r["layout"]: r for r in recs
+                        if (r["threads"], r["dtype"], r["contender"]) == (t, dt, name)}
+                xs = [x for x, lay in enumerate(layouts) if lay in mine]
+                ax.bar([x - 0.4 + width * (k + 0.5) for x in xs],
+                       [mine[layouts[x]]["ratio_to_peer"] for x in xs], width,
+                       label=f"{name} / {peer[name]}",
+                       color=matplotlib.colormaps["tab20"](k % 20))
+            for goal, style in ((1.0, "-"), (0.8, ":")):
+                ax.axhline(goal, color="k", lw=1, ls=style)
+            ax.set_yscale("log")
+            ax.set_xticks(range(len(layouts)))
+            ax.set_xticklabels(layouts, fontsize=8)
+            ax.set_ylabel("wall time / peer's")
+            where = result["device"] if result["device"] == "cuda" else f"{t} thread(s)"
+            ax.set_title(f"{where}, {dt}", fontsize=10)
 
 
 def main(argv: Optional[list] = None) -> dict:

@@ -10,10 +10,10 @@ the shape of the paper's training-time figure (Figure 2), on the CPU and on a GP
         many-permutations --out-dir results/efficiency --name controlled_cpu   # the results tables' times
     python -m benchmarks training --anytime --n-tasks 3 --name anytime_cost_cpu  # what --eval-every adds
 
-Three modes on one run machinery (:func:`run_prefix`, ``train.run``, :func:`in_rounds`): every
-method and EMCL backend on each device (the default), the held-out report rows timed like for
-like (``--heldout``) and what anytime evaluation costs (``--anytime``). The runs, the streams and
-the outputs: benchmarks/README.md, ``training``.
+Three modes on one run machinery (:func:`run_prefix`, ``train.run``, ``harness.interleave``):
+every method and EMCL backend on each device (the default), the held-out report rows timed like
+for like (``--heldout``) and what anytime evaluation costs (``--anytime``). The runs, the streams
+and the outputs: benchmarks/README.md, ``training``.
 """
 from __future__ import annotations
 
@@ -139,13 +139,6 @@ def run_prefix(method: str, overrides: dict, stream, seed: int, n_tasks: int, ba
     if counter is not None:
         out["counts"] = counter.counts(samples)
     return out
-
-
-def in_rounds(items: list, rounds: int, run) -> list:
-    """``(round, position, item, run(item, round))`` for every item once per round, in order on
-    even rounds and reversed on odd ones (a change of the machine's load falls on all alike)."""
-    return [(rnd, pos, item, run(item, rnd)) for rnd in range(rounds)
-            for pos, item in enumerate(items if rnd % 2 == 0 else items[::-1])]
 
 
 def _one_run(method, backend, graph, stream, warm, seed, device, batch_size, first) -> dict:
@@ -332,7 +325,7 @@ def tables(results: list) -> str:
                 f"{settings['batch_size']}: {what}", ""]
         head = ["method", *names.values()] + (["GPU speed-up"] if both else []) \
             + ([] if image else [f"ACC {n}" for n in names.values()])
-        out += ["| " + " | ".join(head) + " |", "|---|" + "--:|" * (len(head) - 1)]
+        by_method = []
         for method in dict.fromkeys(r["method"] for r in srows):
             cells, vals, accs = [method], dict.fromkeys(names), []
             for d in names:
@@ -345,13 +338,14 @@ def tables(results: list) -> str:
                 accs.append(_fmt(r and r["acc"]))
             if both:
                 cells.append(f"{vals['cpu'] / vals['cuda']:.1f}x" if None not in vals.values() else "-")
-            out.append("| " + " | ".join(cells + ([] if image else accs)) + " |")
-        out += ["", "| device | method (backend) | seeds | train s | ± | ms/batch | steady ms/batch | ACC | BWT |",
-                "|---|---|---|--:|--:|--:|--:|--:|--:|"]
-        out += [f"| {r['device']} | {r['label']} | {r['seeds']} | {r['train_time_s']:.2f} | "
-                f"{r['train_time_s_std']:.2f} | {r['ms_per_batch']:.2f} | {_fmt(r['ms_per_batch_steady'])} | "
-                f"{_fmt(r['acc'])} | {_fmt(r['bwt'])} |" for r in srows]
-        out.append("")
+            by_method.append(cells + ([] if image else accs))
+        every = [[r["device"], r["label"], r["seeds"]]
+                 + [_fmt(r[k]) for k in ("train_time_s", "train_time_s_std", "ms_per_batch",
+                                         "ms_per_batch_steady", "acc", "bwt")] for r in srows]
+        every_head = ["device", "method (backend)", "seeds", "train s", "±", "ms/batch", "steady ms/batch",
+                      "ACC", "BWT"]
+        out += [harness.table(head, by_method, markdown=True, align="<" + ">" * (len(head) - 1)), "",
+                harness.table(every_head, every, markdown=True, align="<<<>>>>>>"), ""]
     out.append("From " + "; ".join(sources) + ".")
     out += list(dict.fromkeys(notes)) + [f"EMCL backend not run: {b}: {why}" for res in results
                                          for b, why in res.get("skipped_backends", {}).items()]
@@ -389,7 +383,8 @@ def heldout_rows(folder: str, names=None) -> list:
 
 def run_heldout(args, argv) -> dict:
     """Every row of :func:`heldout_rows` on each stream's first ``--heldout-samples`` samples:
-    one counted pass per row, then ``--rounds`` timed rounds (:func:`in_rounds`)."""
+    one counted pass per row, then ``--rounds`` timed rounds (``harness.interleave``, odd
+    rounds reversed)."""
     from emcl_continual.data.streams import make_stream as stream_of
 
     rounds = 3 if args.rounds is None else args.rounds
@@ -441,7 +436,7 @@ def run_heldout(args, argv) -> dict:
     counts = {(name, row["name"]): run((name, row), count=True) for name, row in plan}
     records = [{"stream": name, "row": row["name"], "method": row["method"], "round": rnd, "position": pos,
                 **{k: r[k] for k in ("train_time_s", "cpu_time_s", "incoming_samples", "load_average")}}
-               for rnd, pos, (name, row), r in in_rounds(plan, rounds, run)]
+               for rnd, pos, (name, row), r in harness.interleave(plan, rounds, run, reverse=True)]
     summary = []
     for name, row in plan:
         mine = [r for r in records if r["stream"] == name and r["row"] == row["name"]]
@@ -506,7 +501,7 @@ def run_anytime(args, argv) -> dict:
 
     rows = []
     for m in methods:
-        runs = in_rounds([(m, "off"), (m, "on")], rounds, once)
+        runs = harness.interleave([(m, "off"), (m, "on")], rounds, once, reverse=True)
         times = {mode: [r["train_time_s"] for _, _, (_, k), r in runs if k == mode] for mode in ("off", "on")}
         evals = [r["anytime_eval_time_s"] for _, _, (_, k), r in runs if k == "on"]
         same = all(r["acc_matrix"] == runs[0][3]["acc_matrix"] for *_, r in runs)
@@ -553,12 +548,11 @@ def anytime_table(result: dict) -> str:
     lines = [f"Per method, {result['n_tasks']} tasks of {result['stream']} (seed {result['seed']}), preset every "
              f"{result['anytime']['every']} samples on {result['anytime']['subset']} images per task; "
              f"median of {result['rounds']} rounds:", "",
-             "| method | train s (off) | train s (on) | anytime eval s | eval / train | same matrix |",
-             "|---|---|---|---|---|---|"]
-    for r in result["per_method"]:
-        lines.append(f"| {r['method']} | {r['train_time_s_off']:.2f} | {r['train_time_s_on']:.2f} | "
-                     f"{r['anytime_eval_time_s']:.2f} | {100 * r['eval_over_train']:.0f} % | "
-                     f"{'yes' if r['same_accuracy_matrix'] else 'NO'} |")
+             harness.table(["method", "train s (off)", "train s (on)", "anytime eval s", "eval / train", "same matrix"],
+                           [[r["method"], _fmt(r["train_time_s_off"]), _fmt(r["train_time_s_on"]),
+                             _fmt(r["anytime_eval_time_s"]), f"{100 * r['eval_over_train']:.0f} %",
+                             "yes" if r["same_accuracy_matrix"] else "NO"] for r in result["per_method"]],
+                           markdown=True, align="<" * 6)]
     for w in result["whole_stream"]:
         lines += ["", f"Whole {w['stream']} ({w['samples']} samples, {w['points']} points): anytime evaluation "
                       f"{w['anytime_eval_time_s']:.1f} s, any method (the end-of-task evaluation: "

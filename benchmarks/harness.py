@@ -1,6 +1,7 @@
 """What every benchmark of the suite does the same way: its common options, the head of its
-results file, writing that file (JSON, and a PNG beside it), the interleaved timing loop and
-its summary, and the terminal table (an example: benchmarks/README.md, "Adding a benchmark").
+results file, writing that file (JSON, and a PNG beside it), the interleaving of rounds and
+the timing loop on it, their summary, the tables (plain text and markdown) and the figures'
+setup (an example: benchmarks/README.md, "Adding a benchmark").
 
 A results file's head names the benchmark's ``schema``, when it was made (``created_utc``), the
 command (``python -m benchmarks NAME ARGS``, paths inside the repository relative to it), the
@@ -174,19 +175,43 @@ def load_results(paths: Sequence[str], name: str, schema: str) -> list:
     return out
 
 
+def interleave(items: Sequence, rounds: int, run: Callable, *, reverse: bool = False,
+               errors: Optional[dict] = None, log: Callable = print) -> list:
+    """``run(item, round)`` for every item once per round, each round starting one item later
+    than the round before (``reverse``: instead in order on even rounds and reversed on odd
+    ones, for a few rounds of many long runs), so that a slow spell of the machine, or drift,
+    falls on every item alike. Returns ``(round, position, item, value)`` in the order run.
+
+    With ``errors`` (a dict), an item whose run raises gets its error there (``Type: message``)
+    and sits out the rest, as do the items already in it; without, the exception propagates."""
+    items, out = list(items), []
+    for rnd in range(rounds):
+        start = rnd % len(items) if items else 0
+        order = (items[::-1] if rnd % 2 else items) if reverse else items[start:] + items[:start]
+        for pos, item in enumerate(order):
+            if errors is not None and item in errors:
+                continue
+            try:
+                out.append((rnd, pos, item, run(item, rnd)))
+            except Exception as exc:  # noqa: BLE001 - recorded by the caller
+                if errors is None:
+                    raise
+                errors[item] = f"{type(exc).__name__}: {exc}".strip()[:500]
+                log(f"{item}: failed in round {rnd}: {errors[item]}")
+    return out
+
+
 def interleaved(fns: dict, device: torch.device, rounds: int, *, calls: int = 1,
                 warmup: int = 1) -> dict:
     """Seconds per call of each function of ``fns`` (name -> callable): ``warmup`` untimed
-    calls of each, then ``rounds`` rounds, each running ``calls`` calls of every function in
-    turn (so a slow spell of the machine hits them all alike). Returns name -> [seconds per
-    call, one per round]; on a GPU each round is timed with CUDA events."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
+    rounds of :func:`interleave`, then ``rounds`` timed ones, each running ``calls`` calls of
+    every function. Returns name -> [seconds per call, one per round]; on a GPU each round is
+    timed with CUDA events."""
+    interleave(list(fns), warmup, lambda name, _: fns[name]())
     out = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            out[name].append(sum(timing.time_calls([fn] * calls, device)) / calls)
+    for _, _, name, secs in interleave(
+            list(fns), rounds, lambda name, _: timing.time_calls([fns[name]] * calls, device)):
+        out[name].append(sum(secs) / calls)
     return out
 
 
@@ -197,9 +222,12 @@ def summary(seconds: Sequence[float]) -> dict:
             "min_ms": st.min_ms, "rounds": st.repeats}
 
 
-def table(headers: Sequence[str], rows: Iterable[Sequence], title: Optional[str] = None) -> str:
-    """A plain-text table: every column as wide as its widest cell, numbers right-aligned
-    (floats to 4 significant digits), None as ``-``."""
+def table(headers: Sequence[str], rows: Iterable[Sequence], title: Optional[str] = None, *,
+          align: Optional[str] = None, markdown: bool = False) -> str:
+    """A table of ``rows`` under ``headers``: plain text, every column as wide as its widest
+    cell, or with ``markdown`` a markdown table. A cell None is ``-``, a float has 4
+    significant digits, anything else is ``str``'d; ``align`` has one ``<`` (left) or ``>``
+    (right) per column, by default numbers right and the rest left."""
     def cell(v):
         if v is None:
             return "-"
@@ -207,14 +235,21 @@ def table(headers: Sequence[str], rows: Iterable[Sequence], title: Optional[str]
             return f"{v:.4g}"
         return str(v)
     body = [[cell(v) for v in row] for row in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in body]) for i, h in enumerate(headers)]
-    numeric = [all(_is_number(r[i]) for r in body) and body for i in range(len(headers))]
-    def line(cells):
-        return "  ".join(c.rjust(w) if num else c.ljust(w)
-                         for c, w, num in zip(cells, widths, numeric)).rstrip()
-    out = [title] if title else []
-    out += [line(headers), line(["-" * w for w in widths])] + [line(r) for r in body]
-    return "\n".join(out)
+    if align is None:
+        align = "".join(">" if body and all(_is_number(r[i]) for r in body) else "<"
+                        for i in range(len(headers)))
+    if markdown:
+        lines = ["| " + " | ".join(headers) + " |",
+                 "|" + "|".join("--:" if a == ">" else "---" for a in align) + "|"]
+        lines += ["| " + " | ".join(r) + " |" for r in body]
+    else:
+        widths = [max([len(h)] + [len(r[i]) for r in body]) for i, h in enumerate(headers)]
+
+        def line(cells):
+            return "  ".join(c.rjust(w) if a == ">" else c.ljust(w)
+                             for c, w, a in zip(cells, widths, align)).rstrip()
+        lines = [line(headers), line(["-" * w for w in widths])] + [line(r) for r in body]
+    return "\n".join(([title] if title else []) + lines)
 
 
 def _is_number(text: str) -> bool:
@@ -223,3 +258,30 @@ def _is_number(text: str) -> bool:
         return True
     except ValueError:
         return text == "-"
+
+
+@contextlib.contextmanager
+def figure(path: str, title: str, *, nrows: int = 1, ncols: int = 1, size: tuple,
+           title_size: int = 10, legend: int = 0, legend_size: int = 8, rect=None,
+           dpi: int = 110, **subplots):
+    """A matplotlib figure (Agg) of ``nrows`` x ``ncols`` axes, which the block draws on
+    (``with figure(...) as axes``: ``axes[i][j]``), then titled ``title``, laid out in
+    ``rect``, saved to ``path`` and closed. ``legend``: a legend of the first axes' entries
+    under the axes, in at most that many columns. ``subplots``: more of
+    ``plt.subplots``' arguments (``sharex``...)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(nrows, ncols, figsize=size, squeeze=False, **subplots)
+    try:
+        yield axes
+        if legend:
+            handles, labels = axes[0][0].get_legend_handles_labels()
+            fig.legend(handles, labels, loc="lower center", ncol=min(legend, len(labels)),
+                       fontsize=legend_size)
+        fig.suptitle(title, fontsize=title_size)
+        fig.tight_layout(rect=rect)
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)

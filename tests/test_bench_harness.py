@@ -82,11 +82,41 @@ def test_finish_writes_the_json_the_plot_and_the_table(tmp_path, capsys):
     assert not list((tmp_path / "out").glob("*.part"))
 
 
-def test_interleaved_runs_every_function_every_round_in_turn():
+def test_interleave_starts_each_round_one_item_later_or_reverses_odd_rounds():
+    def order(**kw):
+        return [(rnd, pos, item) for rnd, pos, item, value in
+                harness.interleave("abc", 4, lambda item, rnd: item + str(rnd), **kw)]
+    assert [i for _, _, i in order()] == list("abc" "bca" "cab" "abc")
+    assert [i for _, _, i in order(reverse=True)] == list("abc" "cba" "abc" "cba")
+    assert order()[3:6] == [(1, 0, "b"), (1, 1, "c"), (1, 2, "a")]
+    assert harness.interleave("ab", 1, lambda item, rnd: item * 2) == [(0, 0, "a", "aa"),
+                                                                       (0, 1, "b", "bb")]
+    assert harness.interleave([], 3, lambda item, rnd: None) == []
+
+
+def test_interleave_keeps_the_error_of_an_item_that_raises_and_goes_on_without_it():
+    calls, logged = [], []
+
+    def run(item, rnd):
+        calls.append(item)
+        if item == "b" and rnd == 1:
+            raise RuntimeError("out of memory, say")
+    errors = {"c": "failed before"}
+    done = harness.interleave("abc", 3, run, errors=errors, log=logged.append)
+    assert calls == ["a", "b"] + ["b", "a"] + ["a"]    # c sits out; b fails in round 1
+    assert [(rnd, pos, item) for rnd, pos, item, _ in done] == [(0, 0, "a"), (0, 1, "b"),
+                                                                (1, 2, "a"), (2, 1, "a")]
+    assert errors == {"c": "failed before", "b": "RuntimeError: out of memory, say"}
+    assert logged == ["b: failed in round 1: RuntimeError: out of memory, say"]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        harness.interleave("abc", 3, run)
+
+
+def test_interleaved_times_every_function_every_round_in_turn():
     order = []
     fns = {k: (lambda k=k: order.append(k)) for k in "ab"}
-    secs = harness.interleaved(fns, torch.device("cpu"), rounds=3, calls=2, warmup=1)
-    assert order == ["a", "b"] + ["a", "a", "b", "b"] * 3
+    secs = harness.interleaved(fns, torch.device("cpu"), rounds=3, calls=2, warmup=2)
+    assert "".join(order) == "ab" "ba" + "aabb" "bbaa" "aabb"   # warm-up, then timed rounds
     assert {k: len(v) for k, v in secs.items()} == {"a": 3, "b": 3}
     s = harness.summary([0.003, 0.001, 0.002])
     assert s == {"median_ms": pytest.approx(2.0), "q25_ms": pytest.approx(1.5),
@@ -99,6 +129,36 @@ def test_table_aligns_columns_and_shows_missing_values():
     assert lines[0] == "T" and lines[1].split() == ["name", "ms"]
     assert lines[3].startswith("adam") and lines[3].endswith("1.235")
     assert lines[4].endswith("-") and len(lines[3]) == len(lines[4])
+    assert harness.table(("name", "ms"), [("adam", 1.5)], align="><").splitlines()[2] == \
+        "adam  1.5"
+
+
+def test_table_writes_markdown_with_the_columns_aligned_as_asked():
+    rows = [("adam", 1.23456, "1.2x"), ("emcl", None, "-")]
+    assert harness.table(("name", "ms", "ratio"), rows, markdown=True).splitlines() == [
+        "| name | ms | ratio |", "|---|--:|--:|", "| adam | 1.235 | 1.2x |", "| emcl | - | - |"]
+    text = harness.table(("a", "b"), [("1", "x")], title="T", markdown=True, align="<<")
+    assert text == "T\n| a | b |\n|---|---|\n| 1 | x |"
+
+
+def test_figure_saves_the_drawing_with_its_legend_and_closes_it(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    path = tmp_path / "f.png"
+    before = plt.get_fignums()
+    with harness.figure(str(path), "title", nrows=2, ncols=3, size=(6, 4), legend=4) as axes:
+        assert axes.shape == (2, 3)
+        axes[0][0].plot([1, 2], [3, 4], label="a line")
+        fig = axes[0][0].figure
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert fig._suptitle.get_text() == "title"
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["a line"]
+    assert plt.get_fignums() == before
+    with pytest.raises(ValueError, match="drawing failed"):
+        with harness.figure(str(tmp_path / "g.png"), "t", size=(2, 2)):
+            raise ValueError("drawing failed")
+    assert plt.get_fignums() == before and not (tmp_path / "g.png").exists()
 
 
 @pytest.mark.parametrize("name", sorted(__import__("benchmarks.suite").suite.REGISTRY))

@@ -832,12 +832,14 @@ def test_a_contender_that_fails_mid_run_is_recorded_and_the_rest_go_on():
                                "step()", "sgd")
     settings = bench_step.Settings(**bench_step.QUICK)
     settings.min_rounds = settings.max_rounds = 4
-    settings.block_s = 0.0   # one step per block
-    alive = bench_step.warm_up([ok, bad], torch.device("cpu"), 1, lambda *_: None)
-    assert alive == [ok, bad]
-    assert bench_step.time_group(alive, torch.device("cpu"), settings, lambda *_: None) == 4
+    settings.block_s, settings.warmup = 0.0, 1   # one step per block
+    logged = []
+    assert bench_step.time_group([ok, bad], torch.device("cpu"), settings, logged.append) == 4
     assert ok.error is None and ok.blocks == 4
-    assert "out of memory" in bad.error and bad.blocks == 1   # warm-up, one block, then the error
+    # warm-up, round 0's block, then round 1 starts with it and it fails
+    assert "out of memory" in bad.error and bad.blocks == 1 and bad.steps == 2
+    assert logged == [f"      flaky: failed in round 1: {bad.error}"]
+    assert bench_step.time_group([bad], torch.device("cpu"), settings, logged.append) == 0
     rec = bench_step.record_of(bad, {"numel": 16}, torch.device("cpu"), torch.float32)
     assert rec["error"] and "wall_ms" not in rec
 
