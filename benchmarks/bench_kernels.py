@@ -22,7 +22,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from benchmarks import common, harness  # (puts the repository on sys.path)
 
@@ -157,10 +157,12 @@ def triton_tunables(config: Optional[str]):
 # The run
 # ---------------------------------------------------------------------------------------------
 
-def run_device(device: torch.device, args, settings: dict, log) -> tuple[dict, list]:
+def run_device(device: torch.device, args, settings: dict, log,
+               timed: Optional[Callable] = None) -> tuple[dict, list]:
     """Time every backend (every ``--triton-configs`` of Triton), step, dtype and layout on
     ``device`` against the roof measured at the start and the end, pooled: the device's entry
-    of the results file and its records."""
+    of the results file and its records. ``timed(info, records)`` is called after every
+    layout and dtype with what is measured so far."""
     backends, skipped = common.backends_for(device, include_cpu_triton=args.cpu_triton,
                                             only=args.backends)
     if not backends:
@@ -266,6 +268,8 @@ def run_device(device: torch.device, args, settings: dict, log) -> tuple[dict, l
             info["load_averages"].append((f"after {layout.name} {layout.numel} {dname}",
                                           common.load_average()))
             del sets
+            if timed is not None:
+                timed(info, records)
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -595,11 +599,20 @@ def main(argv: Optional[list] = None) -> dict:
                                                                  args.lr_mode)
                            for op in args.ops for d in args.dtypes},
             "devices": {}, "records": []})
-        for device in dict.fromkeys(harness.device_of(d) for d in args.device):
-            result["devices"][device.type], records = run_device(device, args, settings, log)
+        devices = list(dict.fromkeys(harness.device_of(d) for d in args.device))
+        base = args.name or f"kernels_{common.utc_stamp()}"
+        stem = args.name or f"{base}_{'-'.join(d.type for d in devices)}"
+        result["complete"] = False
+        for device in devices:
+            def timed(info, records, device=device):   # a run cut short keeps what it timed
+                harness.save({**result, "devices": {**result["devices"], device.type: info},
+                              "records": result["records"] + records},
+                             os.path.join(args.out, stem + ".json"))
+            result["devices"][device.type], records = run_device(device, args, settings, log,
+                                                                 timed)
             result["records"].extend(records)
     result["wall_time_s"] = time.perf_counter() - started
-    base = args.name or f"kernels_{common.utc_stamp()}"
+    result["complete"] = True
 
     def plots(result: dict, _png: str) -> dict:
         """One .png per device, ``<base>_<device>.png``."""
@@ -608,6 +621,6 @@ def main(argv: Optional[list] = None) -> dict:
         for key, png in out.items():
             plot(result, key[4:], png)
         return out
-    return harness.finish(result, args.out, args.name or f"{base}_{'-'.join(result['devices'])}",
+    return harness.finish(result, args.out, stem,
                           plot=plots, no_plot=args.no_plot,
                           table=lambda res: tables(res, sizes="all", source=res["paths"]["json"]))

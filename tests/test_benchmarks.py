@@ -520,6 +520,28 @@ def kernel_run(tmp_path_factory):
     return result, out
 
 
+def test_a_kernels_run_saves_after_every_layout_and_dtype(tmp_path, monkeypatch):
+    """A run cut short (the GPU check's time limit) keeps what it timed: the file is written
+    after every layout and dtype, marked incomplete until the run ends."""
+    from benchmarks import harness
+    saved, save = [], harness.save
+
+    def record(result, path):
+        saved.append((result.get("complete"), len(result["records"]), path))
+        save(result, path)
+    monkeypatch.setattr(harness, "save", record)
+    bench_kernels.main(["--quick", "--sizes", "10", "--layouts", "single", "mlp",
+                        "--dtypes", "fp32", "bf16", "--ops", "inner_step", "--backends", "cpu",
+                        "--budget", "0.002", "--max-reps", "2", "--device", "cpu",
+                        "--rotate-mb", "1", "--roof-mb", "0.01", "--threads", "1",
+                        "--out-dir", str(tmp_path), "--name", "cut", "--quiet", "--no-plot"])
+    partial = [(n, p) for complete, n, p in saved if complete is False]
+    assert [n for n, _ in partial] == [1, 2, 3, 4]       # 2 layouts x 2 dtypes, one record each
+    assert {p for _, p in partial} == {str(tmp_path / "cut.json")}
+    assert saved[-1][:2] == (True, 4) and saved[-1][2] == str(tmp_path / "cut.json")
+    assert json.loads((tmp_path / "cut.json").read_text())["complete"] is True
+
+
 def test_the_roof_reaches_the_largest_layout_timed(tmp_path):
     """A roof measured on tensors smaller than the kernels it bounds pays more of a call's
     fixed cost per byte: --roof-mb below the largest layout is raised to it."""
