@@ -303,13 +303,15 @@ def kernel_headline(path: str) -> Dict:
 
 def triton_configs_best(records: List[Dict]) -> Dict:
     """Per ``op/dtype``, the Triton config (``BLOCKxWARPS``) of ``kernels --triton-configs``'
-    records with the highest ratio to the roof, with that ratio and its ratio to a copy."""
+    records that moved the most GB/s, with its ratios to the roof and to a copy (None in the
+    file of a run cut short, whose ratios are filled in at its end; the run's configs share
+    one roof, so GB/s ranks them as the ratio does)."""
     best: Dict = {}
     for r in records:
         key = f"{r.get('op')}/{r.get('dtype')}"
-        if r.get("config") and r.get("ratio_to_roof", -1) > best.get(key, {}).get("of_roof", -1):
-            best[key] = {"config": r["config"], "of_roof": r["ratio_to_roof"],
-                         "of_copy": r.get("ratio_to_copy")}
+        if r.get("config") and r.get("gbps", -1) > best.get(key, {}).get("gbps", -1):
+            best[key] = {"config": r["config"], "gbps": r["gbps"],
+                         "of_roof": r.get("ratio_to_roof"), "of_copy": r.get("ratio_to_copy")}
     return best
 
 
