@@ -19,6 +19,7 @@ import torch
 from benchmarks import common, harness, timing
 
 from emcl_continual import arrays
+from emcl_continual.arrays.base import stack_weights
 from emcl_continual.data.models import build_model
 from emcl_continual.data.streams import make_stream
 from emcl_continual.methods import get_method
@@ -118,10 +119,7 @@ def _width(method, lcls, w, warm_data, timed_data, info, warm, batches, repeats,
     for s in range(w):
         torch.manual_seed(s)
         models.append(build_model(info).to(device))
-    with torch.no_grad():
-        weights = [torch.stack([p.detach() for p in ps]).requires_grad_(True)
-                   for ps in zip(*[list(m.parameters()) for m in models])]
-    arr = lcls(weights, info, [build_config(method, STREAM, s, {}) for s in range(w)], device)
+    arr = lcls(stack_weights(models), info, [build_config(method, STREAM, s, {}) for s in range(w)], device)
     array_step = _stepper(arr, [t[:w].to(device) for t in warm_data],
                           [t[:w].to(device) for t in timed_data], warm, bs)
     steps = {"alone": alone_step, "array": array_step}

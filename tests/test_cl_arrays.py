@@ -163,9 +163,8 @@ def test_lamamls_hand_written_meta_gradients_are_autograds(streams, learn_lr):
     for s in range(3):
         torch.manual_seed(s)
         models.append(build_model(info))
-    weights = [torch.stack([p.detach() for p in ps]).requires_grad_(True) for ps in zip(*[m.parameters() for m in models])]
     configs = [build_config("lamaml", STREAM, s, {"learn_lr": learn_lr}) for s in range(3)]
-    arr = arrays.get_learner("lamaml")(weights, info, configs, "cpu")
+    arr = arrays.get_learner("lamaml")(array_base.stack_weights(models), info, configs, "cpu")
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for a in arr.alpha:
@@ -404,9 +403,8 @@ def test_dropping_a_run_keeps_every_other_runs_state(method, streams):
         for i in idx:
             torch.manual_seed(seeds[i])
             models.append(build_model(info))
-        weights = [torch.stack([p.detach() for p in ps]).requires_grad_(True)
-                   for ps in zip(*[list(m.parameters()) for m in models])]
-        return arrays.get_learner(method)(weights, info, [cfgs[i] for i in idx], "cpu")
+        return arrays.get_learner(method)(array_base.stack_weights(models), info,
+                                          [cfgs[i] for i in idx], "cpu")
 
     def batches(idx, t):
         x = torch.stack([streams[seeds[i]].train[t].x for i in idx])
@@ -479,9 +477,7 @@ def test_emcl_array_weights_stay_within_rounding_of_the_runs_alone(streams):
     for s, _ in runs:
         torch.manual_seed(s)
         models.append(build_model(info))
-    weights = [torch.stack([p.detach() for p in ps]).requires_grad_(True)
-               for ps in zip(*[list(m.parameters()) for m in models])]
-    arr = arrays.get_learner("emcl")(weights, info, cfgs, "cpu")
+    arr = arrays.get_learner("emcl")(array_base.stack_weights(models), info, cfgs, "cpu")
     solos = [get_method("emcl")(m, info, c, "cpu") for m, c in zip(models, cfgs)]
     for t in range(2):
         x = torch.stack([streams[s].train[t].x for s, _ in runs])

@@ -28,8 +28,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["mlp_forward", "ce_per_run", "per_run_sum", "sgd_", "clip_per_run_", "run_view",
+__all__ = ["stack_weights", "mlp_forward", "ce_per_run", "per_run_sum", "sgd_", "clip_per_run_", "run_view",
            "ArrayReservoir", "ArrayRing", "ArrayLearner"]
+
+
+def stack_weights(models: Sequence[torch.nn.Module]) -> list:
+    """An array's weights from its runs' own models: each parameter stacked over the runs (run
+    first), a leaf that requires grad, in the models' parameter order."""
+    with torch.no_grad():
+        return [torch.stack([p.detach() for p in ps]).requires_grad_(True)
+                for ps in zip(*[list(m.parameters()) for m in models])]
 
 
 def run_view(t: Tensor, n: int) -> Tensor:

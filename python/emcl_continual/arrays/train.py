@@ -29,6 +29,7 @@ from ..data.models import build_model
 from ..data.streams import make_stream
 from ..training.config import RUN_DEFAULTS, build_config
 from ..training.train import make_record
+from .base import stack_weights
 
 __all__ = ["run_array"]
 
@@ -82,10 +83,7 @@ def run_array(method: str, stream_name: str, runs: list, *, split: str = "test",
         _sync(device)
         before_time.append(time.perf_counter() - start)
         models.append(model)
-    with torch.no_grad():
-        weights = [torch.stack([p.detach() for p in ps]).requires_grad_(True)
-                   for ps in zip(*[list(m.parameters()) for m in models])]
-    learner = cls(weights, info, configs, device)
+    learner = cls(stack_weights(models), info, configs, device)
 
     width = len(runs)
     alive = list(range(width))              # the runs still in the array, by index in ``runs``
