@@ -1251,3 +1251,29 @@ def test_run_arrays_benchmark_on_the_gpu(tmp_path):
             assert r["run_samples_per_s"] > 0 and r["alone_run_samples_per_s"] > 0
     saved = json.loads((tmp_path / "throughput_cuda.json").read_text())
     assert saved["methods"][1]["rows"][1]["width"] == 4 and saved["device_name"]
+
+
+def test_the_arrays_goals_are_read_off_its_records():
+    """`arrays`' verdicts: never slower than the separate optimizers; on a CPU from N = 16 up
+    within 1.15x of the streams' floor; on a GPU 64 runs in 1/20 of the separate time and 256
+    runs within 1.3x of a copy of the same bytes (the `floor` contender there)."""
+    from benchmarks import bench_arrays
+
+    def rec(runs, to_separate, to_floor):
+        return {"contender": "array", "op": "step", "threads": 1, "runs": runs,
+                "ratio_to_separate": to_separate, "ratio_to_floor": to_floor}
+    gpu = bench_arrays.verdicts([rec(64, 0.04, 2.0), rec(256, 0.01, 1.25),
+                                 {**rec(256, 0.01, 1.0), "contender": "separate"}],
+                                torch.device("cuda"))
+    assert gpu == {"step 1T N=64": {"not_slower_than_separate": True,
+                                    "at_most_1/20_of_separate": True},
+                   "step 1T N=256": {"not_slower_than_separate": True,
+                                     "within_1.3x_of_copy": True}}
+    missed = bench_arrays.verdicts([rec(64, 0.06, None), rec(256, 0.02, 1.4)],
+                                   torch.device("cuda"))
+    assert missed["step 1T N=64"]["at_most_1/20_of_separate"] is False
+    assert missed["step 1T N=256"]["within_1.3x_of_copy"] is False
+    cpu = bench_arrays.verdicts([rec(4, 1.1, 1.5), rec(16, 0.7, 1.2)], torch.device("cpu"))
+    assert cpu == {"step 1T N=4": {"not_slower_than_separate": False},
+                   "step 1T N=16": {"not_slower_than_separate": True,
+                                    "within_1.15x_of_floor": False}}
