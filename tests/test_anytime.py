@@ -328,50 +328,31 @@ def test_tables_carry_the_anytime_runs(tmp_path, monkeypatch):
     assert tables.write_all(str(tmp_path), str(readme), check=True) == []
 
 
-def test_cost_benchmark_runs_and_finds_the_same_training(tmp_path, capsys):
-    """`python -m benchmarks training --anytime` on a tiny prefix: both runs of every method end
-    alike, the evaluation's time is recorded apart, and the whole-stream overhead is taken
-    against the methods' own training times; `--table` prints the file's table again."""
-    import json
-
-    from benchmarks import bench_training as bench
-    bench.main(["--anytime", "--methods", "sgd", "er", "--n-tasks", "2", "--samples-per-task", "60", "--whole",
-                "--out-dir", str(tmp_path), "--name", "cost"])
-    result = json.load(open(tmp_path / "cost.json"))
-    assert result["schema"] == "emcl-kernels/bench_training/anytime/1"
-    assert [r["method"] for r in result["per_method"]] == ["sgd", "er"]
-    assert all(r["same_accuracy_matrix"] and r["anytime_eval_time_s"] > 0 for r in result["per_method"])
-    assert result["whole_stream"] == []
-    assert result["samples_per_task"] == 60 and result["seed"] == 10 and result["anytime"]["every"] == 50
-    whole = {"stream": "permuted-mnist", "samples": 20000, "anytime_eval_time_s": 2.0}
-    ov = bench.anytime_overhead(whole, result)
-    er = result["per_method"][1]
-    assert ov["er"] == pytest.approx(2.0 / (er["train_time_s_off"] / 120 * 20000))
-    assert bench.anytime_overhead(dict(whole, stream="rotated-mnist"), result) == {}
-    capsys.readouterr()
-    text = bench.main(["--table", str(tmp_path / "cost.json")])["table"]
-    assert text.startswith("Per method, 2 tasks of permuted-mnist (seed 10)") and "| er | " in text
-
-
-def test_committed_cost_file_is_read_by_the_table():
-    """benchmarks/results/anytime_cost_cpu.json (``training --anytime``): every method trained
-    the same bits with and without the evaluation, and its table shows the overheads computed
-    from the file's own times (the whole stream's evaluation over the method's extrapolated
-    training)."""
+def test_archived_cost_file_is_what_the_results_page_quotes():
+    """What the presets' anytime evaluation costs, measured once by the former ``training
+    --anytime`` mode (benchmarks/results/archive/anytime_cost_cpu_0563600.json): every method
+    trained the same bits with and without it, and docs/results.md quotes the file's whole-stream
+    evaluation times and, per method, that time over its training of the stream (extrapolated
+    per sample from its run on the stream's first tasks)."""
     import json
     import os
+    import re
 
-    from benchmarks import bench_training as bench
-    path = os.path.join(bench.common.REPO, "benchmarks", "results", "anytime_cost_cpu.json")
-    with open(path) as fh:
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(repo, "benchmarks", "results", "archive", "anytime_cost_cpu_0563600.json")) as fh:
         result = json.load(fh)
-    assert {r["method"] for r in result["per_method"]} >= {"emcl", "er", "lamaml", "mer"}
+    with open(os.path.join(repo, "docs", "results.md")) as fh:
+        page = " ".join(fh.read().split())
+    assert {r["method"] for r in result["per_method"]} == set(METHODS)
     assert all(r["same_accuracy_matrix"] for r in result["per_method"])
-    text = bench.print_tables([path])
-    assert "Per method, 3 tasks of permuted-mnist (seed 10), preset every 50 samples" in text
-    assert "Whole many-permutations (20000 samples, 1001 points)" in text
-    whole = next(w for w in result["whole_stream"] if w["stream"] == result["stream"])
-    agem = next(r for r in result["per_method"] if r["method"] == "agem")
-    prefix = result["n_tasks"] * result["samples_per_task"]
-    expected = whole["anytime_eval_time_s"] / (agem["train_time_s_off"] / prefix * whole["samples"])
-    assert f"(extrapolated from its run above): agem {100 * expected:.0f} %" in text
+    whole = {w["stream"]: w for w in result["whole_stream"]}
+    assert f"evaluation takes {whole['permuted-mnist']['anytime_eval_time_s']:.1f} s (401 points" in page
+    assert f"Rotated MNIST {whole['rotated-mnist']['anytime_eval_time_s']:.1f} s" in page
+    assert f"Many Permutations {whole['many-permutations']['anytime_eval_time_s']:.1f} s for 1,001 points" in page
+    w, prefix = whole[result["stream"]], result["n_tasks"] * result["samples_per_task"]
+    pct = {r["method"]: f"{100 * w['anytime_eval_time_s'] / (r['train_time_s_off'] / prefix * w['samples']):.0f}"
+           for r in result["per_method"]}
+    names = {"sgd": "fine-tuning", "er": "ER", "ewc": "EWC", "agem": "A-GEM", "emcl": "EMCL", "gem": "GEM"}
+    for method, name in names.items():
+        assert re.search(rf"\b{pct[method]} % for {name}\b", page), (method, pct[method])
+    assert pct["lamaml"] == pct["mer"] and f"{pct['mer']} % for La-MAML and MER" in page

@@ -62,7 +62,7 @@ def test_readme_tables_from_the_results_file(cpu_run, capsys):
     assert first == f"| emcl | {bench_training._num(emcl['train_time_s'])} ({auto}) | {emcl['acc']:.2f} |"
     for m in METHODS:
         assert any(line.startswith(f"| {m} |") for line in text.splitlines()), m
-    assert str(out / "run.json") in text and "load average at start" in text
+    assert "From `run.json`: cpu: " in text and "load average at start" in text
 
 
 def test_readme_tables_merge_a_cpu_and_a_gpu_file_with_the_speed_up(cpu_run, tmp_path):
@@ -121,8 +121,11 @@ def test_bad_device_and_stream_are_clear():
         bench_training.main(["--device", "tpu"])
     with pytest.raises(SystemExit, match="unknown stream"):
         bench_training.main(["--streams", "nope"])
-    with pytest.raises(SystemExit, match="unknown --image-methods"):
-        bench_training.main(["--streams", "split-cifar100", "--image-methods", "nope"])
+    with pytest.raises(SystemExit, match="unknown --methods"):
+        bench_training.main(["--streams", "split-cifar100", "--methods", "nope"])
+    with pytest.raises(SystemExit, match="not a training results file"):
+        bench_training.main(["--table", os.path.join(bench_training.common.REPO, "results", "efficiency",
+                                                     "controlled_cpu.json")])
 
 
 def test_table_numbers_have_three_digits_and_no_exponent():
@@ -130,13 +133,7 @@ def test_table_numbers_have_three_digits_and_no_exponent():
         ["0.736", "19.8", "456", "3,280", "14,755"]
 
 
-def test_graph_modes_and_labels():
-    assert bench_training.graph_modes(torch.device("cpu"), "both") == [None]
-    assert bench_training.graph_modes(torch.device("cuda"), "both") == [True, False]
-    assert bench_training.graph_modes(torch.device("cuda"), "on") == [True]
-    assert bench_training.graph_modes(torch.device("cuda"), "off") == [False]
-    with pytest.raises(ValueError):
-        bench_training.graph_modes(torch.device("cuda"), "sometimes")
+def test_labels():
     assert bench_training.label("emcl", "cuda", True) == "emcl (cuda, graph)"
     assert bench_training.label("emcl", "cuda", False) == "emcl (cuda, eager)"
     assert bench_training.label("emcl", "cpu") == "emcl (cpu)" and bench_training.label("er", None) == "er"
@@ -155,7 +152,7 @@ def test_image_streams_without_their_data_are_random_pixels_in_their_shape(strea
 
 def test_image_stream_reports_time_per_batch(tmp_path):
     result = bench_training.main(["--streams", "split-cifar100", "--image-batches", "2",
-                                  "--image-methods", "emcl", "sgd", "--out-dir", str(tmp_path),
+                                  "--methods", "emcl", "sgd", "--out-dir", str(tmp_path),
                                   "--name", "img"])
     recs = result["records"]
     assert [r["label"] for r in recs] == [f"emcl ({result['auto_backend']['cpu']})", "sgd"]
@@ -250,13 +247,13 @@ def test_counter_leaves_the_learner_as_it_was():
 
 def test_heldout_rows_are_the_committed_report_rows():
     heldout = os.path.join(bench_training.common.REPO, "results", "heldout")
-    rows = {r["name"]: r for r in bench_training.heldout_rows(os.path.join(heldout, "permuted-mnist"))}
-    plan = {r["name"]: r for r in json.load(open(os.path.join(heldout, "permuted-mnist", "plan.json")))["rows"]}
+    plan, rows = bench_training.heldout_rows(os.path.join(heldout, "permuted-mnist"))
+    rows, plan = {r["name"]: r for r in rows}, {r["name"]: r for r in plan["rows"]}
     # La-MAML's selected configuration is its own script's: timed once, under both names
     assert "lamaml" not in rows and rows["lamaml/own-script"]["same_as"] == ["lamaml"]
     for name, r in rows.items():
         assert plan[name]["role"] == "report" and r["overrides"] == plan[name]["overrides"]
-    rot = bench_training.heldout_rows(os.path.join(heldout, "rotated-mnist"))
+    _, rot = bench_training.heldout_rows(os.path.join(heldout, "rotated-mnist"))
     assert {"lamaml", "lamaml/own-script", "emcl", "mer", "emcl/glances=5"} <= {r["name"] for r in rot}
     with pytest.raises(SystemExit, match="not report rows"):
         bench_training.heldout_rows(os.path.join(heldout, "rotated-mnist"), ["emcl/grid0"])

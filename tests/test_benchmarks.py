@@ -1119,11 +1119,6 @@ def test_training_benchmark_times_emcl_per_backend(tmp_path):
         assert json.load(f)["settings"]["per_stream"]["permuted-mnist"]["n_tasks"] == 1
 
 
-def test_training_benchmark_plans_baselines_once_and_emcl_per_backend():
-    assert bench_training.plan_runs(["emcl", "sgd", "er"], ["foreach", "cpu"]) == [
-        ("emcl", "foreach"), ("emcl", "cpu"), ("sgd", None), ("er", None)]
-
-
 def test_training_benchmark_fails_clearly_without_emcl_continual(monkeypatch):
     for name in [m for m in sys.modules if m == "emcl_continual" or m.startswith("emcl_continual.")]:
         monkeypatch.delitem(sys.modules, name)
