@@ -2,8 +2,6 @@
 against N separate optimizers, HFTA's way and the bytes' floor (the contenders and the goals:
 benchmarks/README.md, ``arrays``).
 
-    python -m benchmarks arrays                   # CPU at 1 and 2 threads (or the GPU)
-    python -m benchmarks arrays --quick           # N = 1 and 4, 3 rounds (the smoke test)
     python -m benchmarks arrays --runs 1 16 64 --threads 1 --ops inner --name arrays_<machine>
 """
 from __future__ import annotations

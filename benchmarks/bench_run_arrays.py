@@ -1,11 +1,8 @@
 """Run arrays' throughput: run-samples per second against the array width, per method, on one
-CPU thread or on a GPU (the curves ``--array auto`` reads).
+CPU thread or on a GPU (the curves ``--array auto`` reads). The runs, the timer and the file
+(written after every method): benchmarks/README.md, ``run-arrays``.
 
-    python -m benchmarks run-arrays                                         # every array method, widths 1..32
     python -m benchmarks run-arrays --methods mer lamaml --widths 1 2 4 8
-    python -m benchmarks run-arrays --device cuda --widths 1 8 32 128 256   # on a GPU
-
-The runs, the timer and the file (written after every method): benchmarks/README.md, ``run-arrays``.
 """
 from __future__ import annotations
 
@@ -15,6 +12,7 @@ import time
 from typing import Optional
 
 import torch
+from threadpoolctl import threadpool_limits
 
 from benchmarks import common, harness, timing
 
@@ -64,18 +62,6 @@ def _stepper(learner, warm_data, timed_data, warm: int):
     return step
 
 
-def _block(step, n_batches: int, device: torch.device) -> float:
-    """Seconds of ``n_batches`` calls of ``step`` by the device's timer (:data:`TIMERS`)."""
-    def go():
-        for _ in range(n_batches):
-            step()
-    if device.type == "cpu":
-        t0 = time.process_time()
-        go()
-        return time.process_time() - t0
-    return timing.time_once(go, device)
-
-
 def measure(method: str, widths: list, data: tuple, warm: int, batches: int, repeats: int,
             device: torch.device, log=print) -> dict:
     """The run alone and arrays of ``widths`` of ``method`` (``data``: :func:`_data` for the
@@ -119,7 +105,14 @@ def _width(method, w, data, warm, batches, repeats, device, alone) -> dict:
                                      [build_config(method, STREAM, s, {}) for s in range(w)], device)
     steps = {"alone": alone, "array": _stepper(arr, *([t[:w].to(device) for t in d]
                                                       for d in (warm_data, timed_data)), warm)}
-    secs = harness.interleave(list(steps), repeats, lambda k, _: _block(steps[k], batches, device))
+    clock = time.process_time if device.type == "cpu" else time.perf_counter    # TIMERS
+
+    def block(k, _):
+        def go():
+            for _ in range(batches):
+                steps[k]()
+        return timing.time_once(go, device, clock)
+    secs = harness.interleave(list(steps), repeats, block)
     t_alone, t_array = (min(t for _, _, k, t in secs if k == key) for key in steps)
     base, rate = BS * batches / t_alone, w * BS * batches / t_array
     return {"width": w, "alone_seconds": t_alone, "array_seconds": t_array,
@@ -177,11 +170,7 @@ def main(argv: Optional[list] = None) -> dict:
     batches = {m: max(2, BATCHES[m] // 4) if args.quick else BATCHES[m] for m in args.methods}
     repeats = 1 if args.quick else args.repeats
     stem = args.name or f"throughput_{device.type}"
-    try:
-        from threadpoolctl import threadpool_limits
-        threadpool_limits(limits=1)     # MER's NumPy stepper: BLAS on one thread too
-    except ImportError:
-        pass
+    threadpool_limits(limits=1)     # MER's NumPy stepper: BLAS on one thread too
     with harness.threads(args.threads):
         result = harness.head("run-arrays", argv, device, schema=SCHEMA, note=args.note)
         result.update({"what": "run-samples per second of run arrays against their width",

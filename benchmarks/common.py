@@ -1,6 +1,6 @@
 """What the benchmarks share: SPEC section 5's byte model, the backends to time on a device, the
 memory roof, inputs that share no memory and the machine record of a results file
-(benchmarks/README.md). The timers are ``benchmarks.timing``'s, re-exported."""
+(benchmarks/README.md, "The harness"). The timers are ``benchmarks.timing``'s, re-exported."""
 from __future__ import annotations
 
 import datetime
@@ -125,14 +125,7 @@ ROOF_KERNELS = {
 PROBE_KINDS = {"scale_inplace_prefetch": 0, "axpy_inplace_prefetch": 1,
                "update_pattern_prefetch": 2, "inner_pattern": 3, "read_pattern": 4,
                "step_pattern": 5}
-EXTENSION_PROBES = tuple(PROBE_KINDS)
 FOREACH_CHUNKS = 64
-
-
-def write_allocate_default(device: torch.device) -> bool:
-    """Whether a store to a line the kernel has not read costs a read of that line too: on CPU
-    (x86 caches write-allocate), not on a GPU (its L2 takes full-sector writes)."""
-    return torch.device(device).type == "cpu"
 
 
 def stream_probes_available(device: torch.device) -> bool:
@@ -204,16 +197,15 @@ def roof_sizes(device: torch.device, llc_bytes: int, largest: int) -> list:
 
 
 def measure_roof(device: torch.device, numels: Sequence[int], repeats: int, *,
-                 rotate_bytes: int, write_allocate: Optional[bool] = None,
-                 extra: Optional[dict] = None, extra_numel: Optional[int] = None) -> dict:
-    """GB/s of the :data:`ROOF_KERNELS` at each size of ``numels``, at the current thread count,
-    rotated over sets of three tensors totalling ``rotate_bytes`` (every call on the least
-    recently used set): a warm-up call of each, then ``max(repeats, 2 x sets)`` rounds of one
-    call of every kernel. ``extra`` (name -> (callable, bytes per element) on tensors of
-    ``extra_numel`` elements) runs in the rounds of the largest size, beside the roof."""
+                 rotate_bytes: int, extra: Optional[dict] = None,
+                 extra_numel: Optional[int] = None) -> dict:
+    """The roof of the :data:`ROOF_KERNELS` at the sizes ``numels`` (benchmarks/README.md, "The
+    memory roof"): a warm-up call of each, then ``max(repeats, 2 x sets)`` rounds of one call
+    of each, every call on the least recently used set; ``extra`` (name -> (callable, bytes per
+    element) on tensors of ``extra_numel`` elements) runs in the largest size's rounds, beside
+    the roof. The count is write-allocate on CPU (x86 caches), not on a GPU (its L2)."""
     device = torch.device(device)
-    if write_allocate is None:
-        write_allocate = write_allocate_default(device)
+    write_allocate = device.type == "cpu"
     numels = sorted(numels)
     samples = {}   # (kernel, numel) -> ([seconds], bytes per element, sets)
     for numel in numels:
@@ -415,25 +407,6 @@ def _cpu_model() -> str:
     return provenance.processor().get("model_name") or platform.processor() or platform.machine()
 
 
-def emcl_cpu_kernel() -> Optional[str]:
-    """Which copy of the ``cpu`` backend's kernels runs here (``torch.ops.emcl.cpu_kernel()``:
-    AVX-512, AVX2 or portable), or None where the extension is not built."""
-    try:
-        import emcl_kernels.backends.extension  # noqa: F401  (loads torch.ops.emcl)
-        return str(torch.ops.emcl.cpu_kernel())
-    except Exception:  # noqa: BLE001 - optional: a results file without it is still valid
-        return None
-
-
-def git_commit() -> Optional[str]:
-    """The short commit of the checkout, ``-dirty`` when code differs from it (None outside git):
-    ``emcl_continual.core.provenance.code_version``'s."""
-    version = provenance.code_version()
-    if not version["commit"]:
-        return None
-    return version["commit"][:7] + ("-dirty" if version["dirty"] else "")
-
-
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -442,7 +415,8 @@ def device_name(device: torch.device) -> str:
 
 def machine_info() -> dict:
     """What the results came from (SPEC section 7: the processor, its family and model, and what
-    torch and EMCL dispatch on it), from ``emcl_continual.core.provenance.processor``."""
+    torch and EMCL dispatch on it), from ``emcl_continual.core.provenance``; ``git_commit`` the
+    short commit, ``-dirty`` when code differs from it (None outside git)."""
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
         if torch.cuda.is_available() else []
     try:
@@ -450,6 +424,13 @@ def machine_info() -> dict:
         triton_version = triton.__version__
     except Exception:  # noqa: BLE001 - optional
         triton_version = None
+    try:   # the copy of the cpu backend's kernels that runs here: AVX-512, AVX2 or portable
+        import emcl_kernels.backends.extension  # noqa: F401  (loads torch.ops.emcl)
+        cpu_kernel = str(torch.ops.emcl.cpu_kernel())
+    except Exception:  # noqa: BLE001 - where the extension is not built
+        cpu_kernel = None
+    version = provenance.code_version()
+    commit = version["commit"] and version["commit"][:7] + ("-dirty" if version["dirty"] else "")
     try:
         memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1)
     except (ValueError, OSError, AttributeError):
@@ -459,11 +440,11 @@ def machine_info() -> dict:
            f"stepping {cpu.get('stepping') or '?'}") if cpu.get("family") else None
     return {"summary": device_name(torch.device("cpu")) + ", " + ", ".join(gpus or ["no GPU"]),
             "cpu": _cpu_model(), "cpu_ids": ids, "cpu_capability": cpu["torch_cpu_capability"],
-            "emcl_cpu_kernel": emcl_cpu_kernel(), "cpu_count": os.cpu_count(),
+            "emcl_cpu_kernel": cpu_kernel, "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "memory_gib": memory_gib, "gpus": gpus,
             "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
-            "git_commit": git_commit(), "load_average_at_start": load_average()}
+            "git_commit": commit, "load_average_at_start": load_average()}
 
 
 def busy_warning(device: torch.device) -> Optional[str]:
@@ -476,12 +457,6 @@ def busy_warning(device: torch.device) -> Optional[str]:
     return (f"the machine is busy: load average {load:.1f} on {cores} cores while timing with "
             f"{threads} torch thread(s); timings are slower and noisier than on a quiet "
             f"machine{advice}")
-
-
-def command_line(argv: Sequence[str]) -> str:
-    """The command that ran (``python -m benchmarks NAME`` first), paths inside the repository
-    made relative to it."""
-    return " ".join(relative(a) if os.path.isabs(a) else a for a in argv)
 
 
 def relative(path: str) -> str:

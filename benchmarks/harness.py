@@ -1,13 +1,7 @@
 """What every benchmark of the suite does the same way: its common options, the head of its
 results file, writing that file (JSON, and a PNG beside it), the interleaving of rounds and the
 timing loop on it, their summary, the tables and the figures' setup (benchmarks/README.md,
-"Adding a benchmark").
-
-A results file's head names the benchmark's ``schema``, when it was made (``created_utc``), the
-command (``python -m benchmarks NAME ARGS``, paths inside the repository relative to it), the
-machine (:func:`benchmarks.common.machine_info`), the device, a free ``note`` and the
-``notes`` the run adds, the first of which says when the machine was busy at the start.
-"""
+"The harness")."""
 from __future__ import annotations
 
 import argparse
@@ -31,12 +25,7 @@ def parser(name: str, doc: str, *options: str, device: str = "auto",
            threads_default: Optional[str] = None, quick: str = "a short run",
            out: Optional[str] = common.RESULTS_DIR) -> argparse.ArgumentParser:
     """The parser of ``python -m benchmarks NAME`` (its description the first paragraph of
-    ``doc``) with the common ``options`` asked for, each with one meaning across the suite:
-    ``device`` (``--device``, default ``device``, several with ``devices``), ``threads``
-    (``--threads``, default ``threads``, described by ``threads_default`` where that is not the
-    whole story, several with ``many_threads``, each timed in turn), ``out`` (``--out`` or
-    ``--out-dir``, default ``out``), ``name``, ``note``, ``quick`` (``--quick``: ``quick`` says
-    what it cuts), ``plot`` (``--no-plot``) and ``quiet``."""
+    ``doc``) with the common ``options`` asked for (benchmarks/README.md, "The harness")."""
     unknown = set(options) - set(_OPTIONS)
     if unknown:
         raise ValueError(f"unknown common option(s) {sorted(unknown)}; known: {_OPTIONS}")
@@ -92,11 +81,12 @@ def threads(count: Optional[int]):
 
 def head(name: str, argv: Optional[Sequence[str]], device: Optional[torch.device] = None, *,
          schema: Optional[str] = None, note: Optional[str] = None) -> dict:
-    """The head of a results file (the module's docstring); ``argv``: the benchmark's own
-    arguments (None: ``sys.argv[1:]``)."""
+    """The head of a results file (benchmarks/README.md, "The harness"); ``argv``: the
+    benchmark's own arguments (None: ``sys.argv[1:]``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     result = {"schema": schema, "created_utc": common.utc_now(),
-              "command": common.command_line([f"python -m benchmarks {name}", *argv]),
+              "command": " ".join([f"python -m benchmarks {name}",
+                                   *(common.relative(a) if os.path.isabs(a) else a for a in argv)]),
               "machine": common.machine_info(), "note": note, "notes": []}
     if device is not None:
         busy = common.busy_warning(device)
@@ -118,10 +108,9 @@ def save(result: dict, path: str) -> None:
 def finish(result: dict, out: str, stem: str, *, plot: Optional[Callable] = None,
            no_plot: bool = False, table: Optional[Callable] = None,
            log: Callable = print) -> dict:
-    """Write ``OUT/STEM.json`` and, with ``plot(result, png_path)`` and matplotlib importable
-    (unless ``no_plot``), ``OUT/STEM.png`` (a plot that writes other files returns them, key ->
-    path); then print ``table(result)``, the notes and the paths written, which are kept
-    (relative to the repository when inside it) in ``result["paths"]``. Returns ``result``."""
+    """Write ``OUT/STEM.json`` and ``OUT/STEM.png`` (``plot(result, png_path)``, which may
+    return other paths written, key -> path), print ``table(result)``, the notes and the paths;
+    ``result`` with its ``paths`` (benchmarks/README.md, "The harness")."""
     path = os.path.join(out, stem + ".json")
     save(result, path)
     result["paths"] = {"json": common.relative(path)}
@@ -167,12 +156,9 @@ def load_results(paths: Sequence[str], name: str, schema: str) -> list:
 
 def interleave(items: Sequence, rounds: int, run: Callable, *, reverse: bool = False,
                errors: Optional[dict] = None, log: Callable = print) -> list:
-    """``run(item, round)`` for every item once per round, each round starting one item later
-    than the round before (``reverse``: in order on even rounds, reversed on odd ones), so that
-    a slow spell of the machine, or drift, falls on every item alike. Returns ``(round,
-    position, item, value)`` in the order run. With ``errors`` (a dict), an item whose run
-    raises gets its error there (``Type: message``) and sits out the rest, as do the items
-    already in it; without, the exception propagates."""
+    """``(round, position, item, run(item, round))`` for every item of every round, in the order
+    run (benchmarks/README.md, "The harness"); with ``errors``, an item that raises gets its
+    error there and sits out the rest, as do those already in it."""
     items, out = list(items), []
     for rnd in range(rounds):
         start = rnd % len(items) if items else 0
@@ -212,10 +198,8 @@ def summary(seconds: Sequence[float]) -> dict:
 
 def table(headers: Sequence[str], rows: Iterable[Sequence], title: Optional[str] = None, *,
           align: Optional[str] = None, markdown: bool = False) -> str:
-    """A table of ``rows`` under ``headers``: plain text, every column as wide as its widest
-    cell, or with ``markdown`` a markdown table. A cell None is ``-``, a float has 4
-    significant digits; ``align`` has one ``<`` (left) or ``>`` (right) per column, by default
-    numbers right and the rest left."""
+    """A plain-text (or ``markdown``) table of ``rows`` under ``headers``; ``align`` one ``<``
+    or ``>`` per column (benchmarks/README.md, "The harness")."""
     body = [["-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v) for v in row]
             for row in rows]
     if align is None:
@@ -247,10 +231,8 @@ def _is_number(text: str) -> bool:
 def figure(path: str, title: str, *, nrows: int = 1, ncols: int = 1, size: tuple,
            title_size: int = 10, legend: int = 0, legend_size: int = 8, rect=None,
            dpi: int = 110, **subplots):
-    """A matplotlib figure (Agg) of ``nrows`` x ``ncols`` axes that the block draws on
-    (``axes[i][j]``), then titled, laid out in ``rect``, saved to ``path`` and closed.
-    ``legend``: the first axes' entries under the axes, in at most that many columns;
-    ``subplots``: more of ``plt.subplots``' arguments (``sharex``...)."""
+    """``nrows`` x ``ncols`` matplotlib axes (Agg) the block draws on, then titled, laid out in
+    ``rect``, saved to ``path`` and closed (benchmarks/README.md, "The harness")."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -18,13 +18,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_once(fn: Callable[[], None], device: torch.device) -> float:
-    """Seconds of one call, wall clock, with the device synchronized before and after."""
+def time_once(fn: Callable[[], None], device: torch.device, clock: Callable = time.perf_counter) -> float:
+    """Seconds of one call by ``clock`` (default the wall clock), with the device synchronized
+    before and after."""
     synchronize(device)
-    start = time.perf_counter()
+    start = clock()
     fn()
     synchronize(device)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def time_calls(fns: Sequence[Callable[[], None]], device: torch.device, *,

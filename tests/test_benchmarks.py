@@ -259,8 +259,6 @@ def test_roof_kernels_count_write_allocate_only_for_stores_to_unread_lines(kerne
                                                                            without_wa):
     assert common.roof_bytes_per_element(kernel, True) == with_wa
     assert common.roof_bytes_per_element(kernel, False) == without_wa
-    assert common.write_allocate_default(torch.device("cpu")) is True
-    assert common.write_allocate_default(torch.device("cuda")) is False
     # a count that charges a read nobody may make is not exact: such a kernel sets no roof
     assert common.counted_exactly(kernel, True) is (with_wa == without_wa)
     assert common.counted_exactly(kernel, False) is True
@@ -317,7 +315,7 @@ def _roof_kernel_names(device) -> set:
     where they do not run."""
     names = set(common.ROOF_KERNELS)
     if not common.stream_probes_available(device):
-        names -= set(common.EXTENSION_PROBES)
+        names -= set(common.PROBE_KINDS)
     return names
 
 
