@@ -58,7 +58,7 @@ REGISTRY = {b.name: b for b in (
               "How many run-samples per second do run arrays of each continual-learning method "
               "train against the run alone, per width, on one CPU thread or a GPU?",
               ("--methods", "sgd", "--widths", "1", "2", "--repeats", "1", "--warm", "1",
-               "--no-plot", "--out", "{out}"), requires=("mlxtend",)),
+               "--out", "{out}"), requires=("mlxtend",)),
     Benchmark("imports", "bench_imports",
               "How much does `import emcl_kernels` cost beyond `import torch`?",
               ("--runs", "1", "--out", "{out}/imports.json")),
