@@ -1,16 +1,12 @@
 """Many runs, one launch: the optimizer's step over an array of N runs of the paper's MLP,
-against N separate optimizers, HFTA's way and the bytes' floor.
+against N separate optimizers, HFTA's way and the bytes' floor (the contenders and the goals:
+benchmarks/README.md, ``arrays``).
 
-    python -m benchmarks arrays                   # CPU at 1 and 2 threads (or the GPU)
-    python -m benchmarks arrays --quick           # N = 1 and 4, 3 rounds (the smoke test)
     python -m benchmarks arrays --runs 1 16 64 --threads 1 --ops inner --name arrays_<machine>
-
-The contenders and the goals: benchmarks/README.md, ``arrays``.
 """
 from __future__ import annotations
 
-import argparse
-from typing import Callable, Optional
+from typing import Optional
 
 from benchmarks import common, harness
 
@@ -19,9 +15,9 @@ import torch
 from emcl_kernels import FusedEMCLOptimizer
 
 SCHEMA = "emcl-kernels/bench_arrays/1"
-RUNS = (1, 4, 16, 64, 256)
+CONTENDERS = ("array", "separate", "hfta", "floor")
 # --ops choice -> (the optimizer's call, the CPU floor's stream_probe_ kind, the op it moves the
-# bytes of: SPEC section 5's byte model, common.bytes_per_element)
+# bytes of in SPEC section 5's byte model)
 OPS = {"inner": ("inner_step", 3, "inner_step"), "step": ("step", 2, "inner_meta_step")}
 GOAL_TO_FLOOR, GOAL_FROM_RUNS = 1.15, 16          # CPU: the streams' floor, from N = 16 up
 GOAL_TO_COPY, GOAL_COPY_RUNS = 1.3, 256           # GPU: a copy of the same bytes, at N = 256
@@ -45,26 +41,23 @@ def make_array(n: Optional[int], device, gen) -> list:
     return params
 
 
-def array_contender(n: int, device, gen, call: str) -> Callable[[], None]:
-    group = {"params": make_array(n, device, gen), "runs": n, **per_run_values(n)}
-    opt = FusedEMCLOptimizer([group], **HYPER, meta_every=1 if call == "step" else None)
-    return getattr(opt, call)
-
-
-def separate_contender(n: int, device, gen, call: str) -> Callable[[], None]:
-    values = per_run_values(n)
-    meta_every = 1 if call == "step" else None
+def contenders(n: int, device, gen, call: str) -> dict:
+    """Name -> one step of ``n`` runs: ``array`` (one optimizer, ``runs=n``), ``separate`` (n
+    optimizers one after another) and ``hfta`` (:func:`hfta_step`)."""
+    values, meta_every = per_run_values(n), 1 if call == "step" else None
+    group = {"params": make_array(n, device, gen), "runs": n, **values}
     steps = [getattr(FusedEMCLOptimizer(make_array(None, device, gen), lr=values["lr"][r],
                                         reg=values["reg"][r], **HYPER, meta_every=meta_every), call)
              for r in range(n)]
+    array = getattr(FusedEMCLOptimizer([group], **HYPER, meta_every=meta_every), call)
 
-    def run() -> None:
+    def separate() -> None:
         for s in steps:
             s()
-    return run
+    return {"array": array, "separate": separate, "hfta": hfta_step(n, device, gen, call)}
 
 
-def hfta_contender(n: int, device, gen, call: str) -> Callable[[], None]:
+def hfta_step(n: int, device, gen, call: str):
     """EMCL's update as HFTA writes its fused optimizers: per-parameter torch ops, the per-run
     hyper-parameters as [N, 1, ...] tensors broadcast against the stacked weights."""
     params = make_array(n, device, gen)
@@ -98,47 +91,40 @@ def measure(n: int, op: str, device, threads: int, rounds: int, log) -> list:
     """The records of every contender at ``n`` runs: times, GB/s and ratios."""
     call, kind, byte_op = OPS[op]
     nbytes = common.bytes_per_element(byte_op, torch.float32)
-    gen = torch.Generator().manual_seed(n)
     numel = n * sum(torch.Size(s).numel() for s in common.mlp_shapes())
-    contenders = {"array": array_contender(n, device, gen, call),
-                  "separate": separate_contender(n, device, gen, call),
-                  "hfta": hfta_contender(n, device, gen, call)}
+    fns = contenders(n, device, torch.Generator().manual_seed(n), call)
     if device.type == "cpu" and common.stream_probes_available(device):
         tensors = [torch.rand(numel, device=device) for _ in range(4)]
-        contenders["floor"] = lambda: torch.ops.emcl.stream_probe_(*tensors, kind)
+        fns["floor"] = lambda: torch.ops.emcl.stream_probe_(*tensors, kind)
     elif device.type == "cuda":   # a copy reads and writes 8 B per fp32 element
         src, dst = (torch.rand(numel * nbytes // 8, device=device) for _ in range(2))
-        contenders["floor"] = lambda: dst.copy_(src)
+        fns["floor"] = lambda: dst.copy_(src)
     # about 20 ms of work per contender and round
     calls = max(1, min(50, int(2e-2 / max(numel * nbytes / 10e9, 2e-5 * n))))
-    times = harness.interleaved(contenders, device, rounds, calls=calls)
-    stats = {name: harness.summary(t) for name, t in times.items()}
+    stats = {k: harness.summary(t) for k, t in harness.interleaved(fns, device, rounds, calls=calls).items()}
     log(f"  N={n:4d} {op:5s} {threads}T  "
         + "  ".join(f"{k} {v['median_ms']:8.3f}" for k, v in stats.items()) + " ms")
+    floor = stats.get("floor", {}).get("median_ms")
     return [{"runs": n, "op": op, "threads": threads, "contender": name, **s,
              "elements": numel, "bytes_per_element": nbytes,
              "gbps": numel * nbytes / (s["median_ms"] / 1e3) / 1e9,
              "ratio_to_separate": s["median_ms"] / stats["separate"]["median_ms"],
-             "ratio_to_floor": (s["median_ms"] / stats["floor"]["median_ms"]
-                                if "floor" in stats else None)}
+             "ratio_to_floor": s["median_ms"] / floor if floor else None}
             for name, s in stats.items()]
 
 
 def verdicts(records: list, device) -> dict:
     """The goals, read off the records (met / missed per (op, threads, runs))."""
     out = {}
-    for r in records:
-        if r["contender"] != "array":
-            continue
-        key = f"{r['op']} {r['threads']}T N={r['runs']}"
-        v = {"not_slower_than_separate": r["ratio_to_separate"] <= 1.0}
+    for r in (r for r in records if r["contender"] == "array"):
+        v = out[f"{r['op']} {r['threads']}T N={r['runs']}"] = {
+            "not_slower_than_separate": r["ratio_to_separate"] <= 1.0}
         if device.type == "cpu" and r["runs"] >= GOAL_FROM_RUNS and r["ratio_to_floor"]:
             v["within_1.15x_of_floor"] = r["ratio_to_floor"] <= GOAL_TO_FLOOR
         if device.type == "cuda" and r["runs"] == 64:
             v["at_most_1/20_of_separate"] = r["ratio_to_separate"] <= 1 / 20
         if device.type == "cuda" and r["runs"] == GOAL_COPY_RUNS and r["ratio_to_floor"]:
             v["within_1.3x_of_copy"] = r["ratio_to_floor"] <= GOAL_TO_COPY
-        out[key] = v
     return out
 
 
@@ -148,38 +134,31 @@ def plot(result: dict, path: str) -> None:
     with harness.figure(path, f"MLP 784-100-100-10, fp32: {result['machine']['summary']}",
                         ncols=len(combos), size=(5 * len(combos), 4), title_size=8) as axes:
         for ax, (op, threads) in zip(axes[0], combos):
-            for name in ("array", "separate", "hfta", "floor"):
-                rs = sorted((r for r in result["records"] if r["op"] == op
-                             and r["threads"] == threads and r["contender"] == name),
-                            key=lambda r: r["runs"])
+            for name in CONTENDERS:
+                rs = sorted((r for r in result["records"] if (r["op"], r["threads"]) == (op, threads)
+                             and r["contender"] == name), key=lambda r: r["runs"])
                 if rs:
                     ax.plot([r["runs"] for r in rs],
                             [r["median_ms"] / r["runs"] * 1e3 for r in rs], marker="o", label=name)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            ax.set_xlabel("runs N")
-            ax.set_ylabel("µs per run-step")
-            ax.set_title(f"{op}, {threads} thread(s)" if result["device"] == "cpu" else op)
+            ax.set(xlabel="runs N", ylabel="µs per run-step",
+                   title=f"{op}, {threads} thread(s)" if result["device"] == "cpu" else op)
             ax.legend()
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = harness.parser("arrays", __doc__, "device", "threads", "out", "name", "quick", "plot",
-                       threads=[1, 2], many_threads=True,
-                       quick="3 rounds; on the CPU also N = 1 and 4 at one thread")
-    p.add_argument("--runs", type=int, nargs="+", default=list(RUNS), help="array widths N")
-    p.add_argument("--ops", nargs="+", choices=sorted(OPS), default=sorted(OPS))
-    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds per cell")
-    return p
 
 
 def main(argv: Optional[list] = None) -> dict:
     """Run the benchmark; return the results (also written to ``--out``)."""
-    args = build_parser().parse_args(argv)
+    p = harness.parser("arrays", __doc__, "device", "threads", "out", "name", "quick", "plot",
+                       threads=[1, 2], many_threads=True,
+                       quick="3 rounds; on the CPU also N = 1 and 4 at one thread")
+    p.add_argument("--runs", type=int, nargs="+", default=[1, 4, 16, 64, 256], help="array widths N")
+    p.add_argument("--ops", nargs="+", choices=sorted(OPS), default=sorted(OPS))
+    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds per cell")
+    args = p.parse_args(argv)
     device = harness.device_of(args.device)
-    bad = [n for n in args.runs if n < 1]
-    if bad:
-        raise SystemExit(f"bench_arrays: --runs must be positive, got {bad}")
+    if any(n < 1 for n in args.runs):
+        raise SystemExit(f"bench_arrays: --runs must be positive, got {args.runs}")
     if args.quick:
         args.rounds = 3
         if device.type == "cpu":

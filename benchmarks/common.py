@@ -1,34 +1,22 @@
-"""What the benchmarks share: SPEC section 5's byte model, the backends to time on a device,
-the memory roof (benchmarks/README.md, "The memory roof"), inputs that share no memory, and
-the machine record of a results file. The timers are ``benchmarks.timing``'s, re-exported.
-
-    from benchmarks import common
-    common.bytes_per_element("meta_step", torch.bfloat16, "inverse")   # 22
-    chosen, skipped = common.backends_for(torch.device("cpu"))
-    roof = common.device_roof(torch.device("cpu"), repeats=10)          # roof["roof_gbps"]
-"""
+"""What the benchmarks share: SPEC section 5's byte model, the backends to time on a device, the
+memory roof, inputs that share no memory and the machine record of a results file
+(benchmarks/README.md, "The harness"). The timers are ``benchmarks.timing``'s, re-exported."""
 from __future__ import annotations
 
 import datetime
 import os
 import platform
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(REPO, "benchmarks", "results")
-
-
-def ensure_repo_on_path() -> None:
-    """Make ``emcl_kernels`` and ``emcl_continual`` importable from a plain checkout, also where
-    a benchmark's module is imported without the suite's entry (the tests)."""
-    for path in (os.path.join(REPO, "python"), REPO):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-
-
-ensure_repo_on_path()
+# emcl_kernels and emcl_continual importable from a plain checkout, also where a benchmark's
+# module is imported without the suite's entry (the tests)
+for _path in (os.path.join(REPO, "python"), REPO):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 import torch  # noqa: E402
 
@@ -47,18 +35,9 @@ DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.floa
 STATE_BYTES = 4  # θ₀, h and α are always fp32 (SPEC section 1)
 
 
-# ---------------------------------------------------------------------------------------------
-# SPEC section 5: bytes moved per element
-# ---------------------------------------------------------------------------------------------
-
 def bytes_per_element(op: str, param_dtype: torch.dtype, lr_mode: str = "inverse") -> int:
-    """Bytes read plus written per element by one step (SPEC section 5).
-
-    inner step: reads θ, g, θ₀, h and writes θ;
-    meta step and the combined step: read θ, g, θ₀, h (and α) and write h, θ₀, θ (and α),
-    where α is stored only with ``lr_mode="recurrent"``. θ and g are in the parameter's dtype,
-    the state in fp32. fp32: 20 / 28 (36) / 28 (36) B; bf16 saves 2 B per θ and g access.
-    """
+    """Bytes read plus written per element by one step (SPEC section 5): θ and g in the
+    parameter's dtype, θ₀, h (and α, stored only with ``lr_mode="recurrent"``) in fp32."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if lr_mode not in LR_MODES:
@@ -81,31 +60,18 @@ def hyperparameters(op: str, lr_mode: str) -> dict:
         meta.update(lr_scale=0.9, lr_min=0.01, lr_max=0.3)
     elif lr_mode == "constant":
         meta.update(lr_scale=1.0)
-    if op == "inner_step":
-        return inner
-    if op == "meta_step":
-        return meta
-    return {**inner, **meta}
+    return {"inner_step": inner, "meta_step": meta}.get(op, {**inner, **meta})
 
-
-# ---------------------------------------------------------------------------------------------
-# Backends per device
-# ---------------------------------------------------------------------------------------------
 
 def backends_for(device: torch.device, *, include_cpu_triton: bool = False,
                  only: Optional[Sequence[str]] = None) -> tuple[list, dict]:
-    """The backends to time on ``device`` and, for every other one, why it is left out.
-
-    A backend is timed when it is available for the device's tensors at run time (so
-    backends that land later are picked up without a change here). Triton on CPU tensors
-    runs only through the Triton interpreter, orders of magnitude slower than compiled
-    code: it is left out on CPU unless ``include_cpu_triton``.
-    """
+    """The backends available for ``device``'s tensors at run time (those of ``only``), and
+    for every other one why it is left out; Triton on CPU tensors (the interpreter) only with
+    ``include_cpu_triton``."""
     device = torch.device(device)
-    if only:
-        unknown = [b for b in only if b not in BACKENDS]
-        if unknown:
-            raise ValueError(f"unknown backend(s) {unknown}; the backends are {list(BACKENDS)}")
+    unknown = [b for b in only or () if b not in BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown backend(s) {unknown}; the backends are {list(BACKENDS)}")
     status = backend_status()
     chosen, skipped = [], {}
     for name in BACKENDS:
@@ -131,11 +97,11 @@ def backends_for(device: torch.device, *, include_cpu_triton: bool = False,
 
 
 # ---------------------------------------------------------------------------------------------
-# The memory roof: the best of several streaming kernels, counted like the EMCL kernels
+# The memory roof (benchmarks/README.md, "The memory roof")
 # ---------------------------------------------------------------------------------------------
 
 # name -> (bytes read, bytes written, whether the written tensor was read first) per fp32
-# element, the written tensor ``a`` of ``roof_kernels`` (what each does: benchmarks/README.md)
+# element, the written tensor ``a`` of ``roof_kernels``
 ROOF_KERNELS = {
     "copy": (4, 4, False),
     "foreach_copy": (4, 4, False),
@@ -154,22 +120,12 @@ ROOF_KERNELS = {
 }
 # The stream probes, ``probe(a, b, c, d, kind)``: the extension's ``stream_probe_`` on CPU
 # ([note: stream probes] in csrc/emcl_cpu_kernels.h), and the two GPU ones of
-# benchmarks/gpu_probes.py (the kinds in its ``KINDS``). They are the one way to add a kernel
-# with the steps' own streams to the roof.
+# benchmarks/gpu_probes.py (the kinds in its ``KINDS``): the one way to add a kernel with the
+# steps' own streams to the roof.
 PROBE_KINDS = {"scale_inplace_prefetch": 0, "axpy_inplace_prefetch": 1,
                "update_pattern_prefetch": 2, "inner_pattern": 3, "read_pattern": 4,
                "step_pattern": 5}
-EXTENSION_PROBES = tuple(PROBE_KINDS)
 FOREACH_CHUNKS = 64
-# The backends whose kernels are compiled: their fp32 steps are timed beside the roof.
-COMPILED_BACKENDS = ("cpu", "cuda", "triton")
-
-
-def write_allocate_default(device: torch.device) -> bool:
-    """Whether a store to a line the kernel has not read costs a read of that line too: True on
-    CPU (x86 caches write-allocate, torch's CPU kernels use ordinary stores), False on a GPU,
-    whose L2 takes full-sector writes without reading DRAM."""
-    return torch.device(device).type == "cpu"
 
 
 def stream_probes_available(device: torch.device) -> bool:
@@ -191,27 +147,24 @@ def _stream_probes(device: torch.device) -> tuple:
 
 
 def roof_bytes_per_element(kernel: str, write_allocate: bool) -> int:
-    """Bytes one element of ``kernel`` moves between the cores and memory: reads plus writes,
-    plus one read of every written line the kernel did not read itself when the caches
-    write-allocate. The EMCL kernels write only what they have just read, so SPEC section 5's
-    count is their traffic under either model."""
+    """Bytes one element of ``kernel`` moves: reads plus writes, plus, when the caches
+    write-allocate, one read of every written line the kernel did not read itself."""
     read, written, in_place = ROOF_KERNELS[kernel]
     return read + written + (written if write_allocate and not in_place else 0)
 
 
 def counted_exactly(kernel: str, write_allocate: bool) -> bool:
-    """Whether :func:`roof_bytes_per_element` is the traffic ``kernel`` really causes: not for
-    a store to lines it did not read under the write-allocate count (a CPU may skip that read
-    for whole lines it sees overwritten), so such a kernel sets no roof."""
+    """Whether :func:`roof_bytes_per_element` is ``kernel``'s real traffic: not for a store to
+    lines it did not read under the write-allocate count (a CPU may skip that read), so such a
+    kernel sets no roof."""
     _, written, in_place = ROOF_KERNELS[kernel]
     return not write_allocate or in_place or written == 0
 
 
 def roof_kernels(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> dict:
-    """The streaming kernels of the roof, name -> callable, on three distinct 1-d fp32 tensors
-    of one size: only ``a`` is written (its values kept by ``scale_inplace``, moved by 1e-6·b
-    or 1e-6·b·c by the in-place ones, set by the others), except that the probes
-    ``update_pattern_prefetch`` and ``step_pattern`` also move ``c`` by 1e-6·b."""
+    """The roof's streaming kernels, name -> callable, on three distinct 1-d fp32 tensors of one
+    size: only ``a`` is written, except that ``update_pattern_prefetch`` and ``step_pattern``
+    also move ``c`` by 1e-6·b."""
     a_chunks, b_chunks = a.chunk(FOREACH_CHUNKS), b.chunk(FOREACH_CHUNKS)
     kernels = {
         "copy": lambda: a.copy_(b),
@@ -244,17 +197,15 @@ def roof_sizes(device: torch.device, llc_bytes: int, largest: int) -> list:
 
 
 def measure_roof(device: torch.device, numels: Sequence[int], repeats: int, *,
-                 rotate_bytes: int, write_allocate: Optional[bool] = None,
-                 extra: Optional[dict] = None, extra_numel: Optional[int] = None) -> dict:
-    """GB/s of the streaming kernels of :data:`ROOF_KERNELS` at each size in ``numels`` at the
-    current torch thread count, rotated over sets of three tensors totalling ``rotate_bytes``,
-    every call on the least recently used set; ``max(repeats, 2 x sets)`` rounds of one call
-    of every kernel, after a warm-up call of each. ``extra`` (name -> (callable, bytes per
-    element) on tensors of ``extra_numel`` elements) runs in the rounds of the largest size,
-    recorded beside the roof, never part of it. The fields: benchmarks/README.md."""
+                 rotate_bytes: int, extra: Optional[dict] = None,
+                 extra_numel: Optional[int] = None) -> dict:
+    """The roof of the :data:`ROOF_KERNELS` at the sizes ``numels`` (benchmarks/README.md, "The
+    memory roof"): a warm-up call of each, then ``max(repeats, 2 x sets)`` rounds of one call
+    of each, every call on the least recently used set; ``extra`` (name -> (callable, bytes per
+    element) on tensors of ``extra_numel`` elements) runs in the largest size's rounds, beside
+    the roof. The count is write-allocate on CPU (x86 caches), not on a GPU (its L2)."""
     device = torch.device(device)
-    if write_allocate is None:
-        write_allocate = write_allocate_default(device)
+    write_allocate = device.type == "cpu"
     numels = sorted(numels)
     samples = {}   # (kernel, numel) -> ([seconds], bytes per element, sets)
     for numel in numels:
@@ -305,14 +256,15 @@ def _roof_summary(head: dict, samples: dict) -> dict:
 def device_roof(device: torch.device, repeats: int, *, largest: Optional[int] = None,
                 rotate_bytes: Optional[int] = None, backends: Sequence[str] = ()) -> dict:
     """:func:`measure_roof` on ``device`` at the sizes of :func:`roof_sizes` up to ``largest``
-    (default on CPU: 2**26, or 8 x the last-level cache if more; on a GPU 2**28), rotated over
+    (default on CPU: 2**26, or 2 x the last-level cache if more; on a GPU 2**28), rotated over
     ``rotate_bytes`` (default 4 x the last-level cache), with the inner and combined steps of
     the compiled ones of ``backends`` timed beside it on the largest size."""
     device = torch.device(device)
     llc = last_level_cache_bytes(device)
     if largest is None:
         largest = 2 ** 28 if device.type == "cuda" else max(2 ** 26, 2 * llc)
-    extra = emcl_kernel_calls(device, largest, [b for b in backends if b in COMPILED_BACKENDS])
+    compiled = [b for b in backends if b in ("cpu", "cuda", "triton")]
+    extra = emcl_kernel_calls(device, largest, compiled)
     res = measure_roof(device, roof_sizes(device, llc, largest), repeats,
                        rotate_bytes=rotate_bytes or 4 * llc, extra=extra, extra_numel=largest)
     if device.type == "cuda" and _stream_probes(device)[0] is not None:
@@ -337,9 +289,8 @@ def pool_roofs(runs: Sequence[dict]) -> dict:
 
 
 def emcl_kernel_calls(device: torch.device, numel: int, backends: Sequence[str]) -> dict:
-    """For :func:`measure_roof`'s ``extra``: ``emcl_<backend>_<op>`` -> (callable, SPEC section 5
-    bytes per element), the inner and the combined step of each of ``backends`` on one fp32
-    input set of ``numel`` elements."""
+    """``emcl_<backend>_<op>`` -> (callable, SPEC section 5 bytes per element): the inner and
+    the combined step of each of ``backends`` on one fp32 input set of ``numel`` elements."""
     s = make_input_set([(numel,)], torch.float32, device, None, with_meta_lrs=False)
     return {f"emcl_{b}_{op}": (step_fn(op, b, s, hyperparameters(op, "inverse")),
                                bytes_per_element(op, torch.float32))
@@ -349,10 +300,8 @@ def emcl_kernel_calls(device: torch.device, numel: int, backends: Sequence[str])
 def mlp_shapes() -> list:
     """The paper's MNIST MLP, 784-100-100-10 (weights and biases): 89,610 elements."""
     dims = (784, 100, 100, 10)
-    out = []
-    for fan_in, fan_out in zip(dims, dims[1:]):
-        out += [(fan_out, fan_in), (fan_out,)]
-    return out
+    return [shape for fan_in, fan_out in zip(dims, dims[1:])
+            for shape in ((fan_out, fan_in), (fan_out,))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,11 +311,11 @@ def mlp_shapes() -> list:
 @dataclass
 class InputSet:
     """One set of EMCL tensors for a layout: θ, g in the parameter dtype, θ₀, h, α in fp32."""
-    params: list = field(default_factory=list)
-    grads: list = field(default_factory=list)
-    anchors: list = field(default_factory=list)
-    importances: list = field(default_factory=list)
-    meta_lrs: Optional[list] = None
+    params: list
+    grads: list
+    anchors: list
+    importances: list
+    meta_lrs: Optional[list]
     nbytes: int = 0
 
 
@@ -375,7 +324,7 @@ def make_input_set(shapes: Sequence[tuple], dtype: torch.dtype, device: torch.de
     """Fresh random inputs of ``shapes`` (never zeros), every tensor with memory of its own:
     θ ~ N(0,1), g ~ N(0,1), θ₀ = θ + 0.3·N(0,1), h ~ 0.1 + U(0,1), α ~ 0.05 + 0.1·U(0,1).
     Raises if two of them share memory (a step on aliased inputs finds half of them in cache)."""
-    s = InputSet(meta_lrs=[] if with_meta_lrs else None)
+    s = InputSet([], [], [], [], [] if with_meta_lrs else None)
 
     def draw(shape, fn=torch.randn):
         return fn(shape, generator=gen, device=device, dtype=torch.float32)
@@ -408,9 +357,7 @@ def step_fn(op: str, backend: str, s: InputSet, hyper: dict, check_finite: bool 
 
 def overlapping(tensors: Sequence[torch.Tensor]) -> list:
     """Pairs of positions in ``tensors`` whose memory spans (first to last byte) overlap: the
-    same tensor twice, views of one buffer that share bytes (or interleave). Empty when every
-    tensor has memory of its own, as the benchmarks need: an aliased input is read from cache
-    and inflates the GB/s."""
+    same tensor twice, views of one buffer that share bytes (or interleave)."""
     spans = []
     for i, t in enumerate(tensors):
         if t.numel() == 0:
@@ -435,19 +382,15 @@ def overlapping(tensors: Sequence[torch.Tensor]) -> list:
 
 def load_average() -> Optional[list]:
     """The 1, 5 and 15 minute load averages (None where the system has none)."""
-    if not hasattr(os, "getloadavg"):
-        return None
-    return [round(x, 2) for x in os.getloadavg()]
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
 
 
 def last_level_cache_bytes(device: torch.device) -> int:
-    """The last-level cache of ``device`` (the GPU's L2, the CPU's largest cache); 32 MiB when
-    the system does not say."""
+    """The last-level cache of ``device`` (the GPU's L2, the CPU's largest cache); 64 MiB (GPU)
+    or 32 MiB (CPU) when the system does not say."""
     if device.type == "cuda":
-        size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
-        return int(size) or 64 << 20
-    best = 0
-    base = "/sys/devices/system/cpu/cpu0/cache"
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)) or 64 << 20
+    best, base = 0, "/sys/devices/system/cpu/cpu0/cache"
     try:
         for entry in os.listdir(base):
             path = os.path.join(base, entry, "size")
@@ -464,24 +407,6 @@ def _cpu_model() -> str:
     return provenance.processor().get("model_name") or platform.processor() or platform.machine()
 
 
-def emcl_cpu_kernel() -> Optional[str]:
-    """Which copy of the ``cpu`` backend's kernels runs here (``torch.ops.emcl.cpu_kernel()``:
-    AVX-512, AVX2 or portable), or None where the extension is not built."""
-    try:
-        import emcl_kernels.backends.extension  # noqa: F401  (loads torch.ops.emcl)
-        return str(torch.ops.emcl.cpu_kernel())
-    except Exception:  # noqa: BLE001 - optional: a results file without it is still valid
-        return None
-
-
-def git_commit() -> Optional[str]:
-    """The short commit of the checkout, ``-dirty`` when code differs from it (None outside git)."""
-    version = provenance.code_version()
-    if not version["commit"]:
-        return None
-    return version["commit"][:7] + ("-dirty" if version["dirty"] else "")
-
-
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -489,8 +414,9 @@ def device_name(device: torch.device) -> str:
 
 
 def machine_info() -> dict:
-    """What the results came from (SPEC section 7: a claim names the processor, its family and
-    model, and what torch and EMCL dispatch on it)."""
+    """What the results came from (SPEC section 7: the processor, its family and model, and what
+    torch and EMCL dispatch on it), from ``emcl_continual.core.provenance``; ``git_commit`` the
+    short commit, ``-dirty`` when code differs from it (None outside git)."""
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
         if torch.cuda.is_available() else []
     try:
@@ -498,41 +424,33 @@ def machine_info() -> dict:
         triton_version = triton.__version__
     except Exception:  # noqa: BLE001 - optional
         triton_version = None
+    try:   # the copy of the cpu backend's kernels that runs here: AVX-512, AVX2 or portable
+        import emcl_kernels.backends.extension  # noqa: F401  (loads torch.ops.emcl)
+        cpu_kernel = str(torch.ops.emcl.cpu_kernel())
+    except Exception:  # noqa: BLE001 - where the extension is not built
+        cpu_kernel = None
+    version = provenance.code_version()
+    commit = version["commit"] and version["commit"][:7] + ("-dirty" if version["dirty"] else "")
     try:
         memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1)
     except (ValueError, OSError, AttributeError):
         memory_gib = None
     cpu = provenance.processor()
-    return {
-        "summary": device_name(torch.device("cpu")) + ", " + ", ".join(gpus or ["no GPU"]),
-        "cpu": _cpu_model(),
-        "cpu_ids": (f"{cpu.get('vendor') or '?'} family {cpu['family']} model "
-                    f"{cpu.get('model') or '?'} stepping {cpu.get('stepping') or '?'}"
-                    if cpu.get("family") else None),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "emcl_cpu_kernel": emcl_cpu_kernel(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "memory_gib": memory_gib,
-        "gpus": gpus,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": triton_version,
-        "git_commit": git_commit(),
-        "load_average_at_start": load_average(),
-    }
+    ids = (f"{cpu.get('vendor') or '?'} family {cpu['family']} model {cpu.get('model') or '?'} "
+           f"stepping {cpu.get('stepping') or '?'}") if cpu.get("family") else None
+    return {"summary": device_name(torch.device("cpu")) + ", " + ", ".join(gpus or ["no GPU"]),
+            "cpu": _cpu_model(), "cpu_ids": ids, "cpu_capability": cpu["torch_cpu_capability"],
+            "emcl_cpu_kernel": cpu_kernel, "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "memory_gib": memory_gib, "gpus": gpus,
+            "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
+            "git_commit": commit, "load_average_at_start": load_average()}
 
 
 def busy_warning(device: torch.device) -> Optional[str]:
-    """A warning when other jobs load the CPU (load average above the free cores), since
-    then every multi-threaded op waits for its slowest thread; None when the CPU is free."""
-    if not hasattr(os, "getloadavg"):
-        return None
-    load = os.getloadavg()[0]
-    cores = os.cpu_count() or 1
-    threads = torch.get_num_threads()
+    """A warning when other jobs load the CPU (load average above the free cores), since then
+    every multi-threaded op waits for its slowest thread; None when the CPU is free."""
+    load, cores, threads = (load_average() or [0])[0], os.cpu_count() or 1, torch.get_num_threads()
     if load <= cores - 0.5:
         return None
     advice = " (consider --threads 1)" if threads > 1 and device.type == "cpu" else ""
@@ -541,25 +459,8 @@ def busy_warning(device: torch.device) -> Optional[str]:
             f"machine{advice}")
 
 
-def plotting_unavailable() -> Optional[str]:
-    """None when matplotlib imports, else why not (the plots are optional: a machine without
-    it still gets the JSON and the tables)."""
-    try:
-        import matplotlib  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - any failure means: no plot here
-        return f"matplotlib is not importable ({type(exc).__name__}: {exc})"
-    return None
-
-
-def command_line(argv: Sequence[str]) -> str:
-    """The command that ran, for a results file: ``argv`` (``sys.argv`` as the suite sets it:
-    ``python -m benchmarks NAME`` first) with paths inside the repository made relative to it."""
-    return " ".join(relative(a) if os.path.isabs(a) else a for a in argv)
-
-
 def relative(path: str) -> str:
-    """``path`` relative to the repository when it lies inside it (results files name no
-    machine's folders), else as given."""
+    """``path`` relative to the repository when it lies inside it, else as given."""
     full = os.path.abspath(path)
     return os.path.relpath(full, REPO) if full.startswith(REPO + os.sep) else path
 

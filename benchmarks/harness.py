@@ -1,13 +1,7 @@
 """What every benchmark of the suite does the same way: its common options, the head of its
-results file, writing that file (JSON, and a PNG beside it), the interleaving of rounds and
-the timing loop on it, their summary, the tables (plain text and markdown) and the figures'
-setup (an example: benchmarks/README.md, "Adding a benchmark").
-
-A results file's head names the benchmark's ``schema``, when it was made (``created_utc``), the
-command (``python -m benchmarks NAME ARGS``, paths inside the repository relative to it), the
-machine (:func:`benchmarks.common.machine_info`), the device, a free ``note`` and the
-``notes`` the run adds, the first of which says when the machine was busy at the start.
-"""
+results file, writing that file (JSON, and a PNG beside it), the interleaving of rounds and the
+timing loop on it, their summary, the tables and the figures' setup (benchmarks/README.md,
+"The harness")."""
 from __future__ import annotations
 
 import argparse
@@ -31,46 +25,34 @@ def parser(name: str, doc: str, *options: str, device: str = "auto",
            threads_default: Optional[str] = None, quick: str = "a short run",
            out: Optional[str] = common.RESULTS_DIR) -> argparse.ArgumentParser:
     """The parser of ``python -m benchmarks NAME`` (its description the first paragraph of
-    ``doc``) with the common ``options`` asked for, each with one meaning across the suite:
-
-    * ``device``: ``--device``, default ``device`` (auto: the GPU when there is one);
-      ``devices=True`` takes several;
-    * ``threads``: ``--threads``, torch CPU threads, default ``threads`` (``threads_default``
-      describes it when that is not the whole story); ``many_threads=True`` takes several,
-      each timed in turn;
-    * ``out``: ``--out``/``--out-dir``, the results folder (default ``out``);
-    * ``name``: ``--name``, the file stem; ``note``: ``--note``, free text kept in the file;
-    * ``quick``: ``--quick``, a short run (``quick`` says what it cuts);
-    * ``plot``: ``--no-plot``; ``quiet``: ``--quiet``."""
+    ``doc``) with the common ``options`` asked for (benchmarks/README.md, "The harness")."""
     unknown = set(options) - set(_OPTIONS)
     if unknown:
         raise ValueError(f"unknown common option(s) {sorted(unknown)}; known: {_OPTIONS}")
     p = argparse.ArgumentParser(prog=f"python -m benchmarks {name}",
                                 description=(doc or "").strip().split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    if "device" in options:
-        p.add_argument("--device", nargs="+" if devices else None,
-                       default=[device] if devices else device,
-                       help="cpu, cuda, or auto (the GPU when there is one)")
-    if "threads" in options:
-        shown = " ".join(map(str, threads)) if isinstance(threads, (list, tuple)) else str(threads)
-        p.add_argument("--threads", type=int, nargs="+" if many_threads else None,
-                       default=threads, help="torch CPU threads" +
-                       (", each timed in turn" if many_threads else "") + " (default " +
-                       (threads_default or (shown if threads is not None else "torch's")) + ")")
-    if "out" in options:
-        p.add_argument("--out", "--out-dir", dest="out", default=out,
-                       help="folder of the results file")
-    if "name" in options:
-        p.add_argument("--name", default=None, help="file stem of the results")
-    if "note" in options:
-        p.add_argument("--note", default=None, help="free text stored with the results")
-    if "quick" in options:
-        p.add_argument("--quick", action="store_true", help=quick)
-    if "plot" in options:
-        p.add_argument("--no-plot", action="store_true", help="no .png")
-    if "quiet" in options:
-        p.add_argument("--quiet", action="store_true", help="no progress lines")
+    shown = " ".join(map(str, threads)) if isinstance(threads, (list, tuple)) else threads
+    shown = threads_default or ("torch's" if threads is None else shown)
+    specs = {
+        "device": (["--device"], dict(nargs="+" if devices else None,
+                                      default=[device] if devices else device,
+                                      help="cpu, cuda, or auto (the GPU when there is one)")),
+        "threads": (["--threads"], dict(type=int, nargs="+" if many_threads else None,
+                                        default=threads, help="torch CPU threads" + (
+                                            ", each timed in turn" if many_threads else "")
+                                        + f" (default {shown})")),
+        "out": (["--out", "--out-dir"], dict(dest="out", default=out,
+                                             help="folder of the results file")),
+        "name": (["--name"], dict(default=None, help="file stem of the results")),
+        "note": (["--note"], dict(default=None, help="free text stored with the results")),
+        "quick": (["--quick"], dict(action="store_true", help=quick)),
+        "plot": (["--no-plot"], dict(action="store_true", help="no .png")),
+        "quiet": (["--quiet"], dict(action="store_true", help="no progress lines"))}
+    for option in _OPTIONS:
+        if option in options:
+            flags, kwargs = specs[option]
+            p.add_argument(*flags, **kwargs)
     return p
 
 
@@ -99,47 +81,44 @@ def threads(count: Optional[int]):
 
 def head(name: str, argv: Optional[Sequence[str]], device: Optional[torch.device] = None, *,
          schema: Optional[str] = None, note: Optional[str] = None) -> dict:
-    """The head of a results file (see the module's docstring). ``argv``: the benchmark's own
-    arguments (None: ``sys.argv[1:]``)."""
+    """The head of a results file (benchmarks/README.md, "The harness"); ``argv``: the
+    benchmark's own arguments (None: ``sys.argv[1:]``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     result = {"schema": schema, "created_utc": common.utc_now(),
-              "command": common.command_line([f"python -m benchmarks {name}", *argv]),
+              "command": " ".join([f"python -m benchmarks {name}",
+                                   *(common.relative(a) if os.path.isabs(a) else a for a in argv)]),
               "machine": common.machine_info(), "note": note, "notes": []}
     if device is not None:
-        result.update(device=device.type, device_name=common.device_name(device))
         busy = common.busy_warning(device)
-        result["busy_warning"] = busy
-        if busy:
-            result["notes"].append(busy)
+        result.update(device=device.type, device_name=common.device_name(device),
+                      busy_warning=busy)
+        result["notes"] += [busy] if busy else []
     return result
 
 
 def save(result: dict, path: str) -> None:
     """Write ``result`` as JSON to ``path`` through a temporary file, so that the file is
-    always whole (a benchmark that saves after every group keeps what it measured when cut
-    short)."""
+    always whole (a benchmark that saves after every group keeps what it measured when cut)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".part"
-    with open(tmp, "w") as f:
+    with open(path + ".part", "w") as f:
         json.dump(result, f, indent=1)
-    os.replace(tmp, path)
+    os.replace(path + ".part", path)
 
 
 def finish(result: dict, out: str, stem: str, *, plot: Optional[Callable] = None,
            no_plot: bool = False, table: Optional[Callable] = None,
            log: Callable = print) -> dict:
-    """Write ``OUT/STEM.json`` and, with ``plot(result, png_path)`` and matplotlib importable
-    (unless ``no_plot``), ``OUT/STEM.png`` (a plot that writes other files instead returns
-    them, key -> path); then print ``table(result)``, the notes and the
-    paths written. The paths (relative to the repository when inside it) are kept in
-    ``result["paths"]``, which is returned."""
+    """Write ``OUT/STEM.json`` and ``OUT/STEM.png`` (``plot(result, png_path)``, which may
+    return other paths written, key -> path), print ``table(result)``, the notes and the paths;
+    ``result`` with its ``paths`` (benchmarks/README.md, "The harness")."""
     path = os.path.join(out, stem + ".json")
     save(result, path)
     result["paths"] = {"json": common.relative(path)}
     if plot is not None and not no_plot:
-        why_not = common.plotting_unavailable()
-        if why_not:
-            log(f"no plot: {why_not}")
+        try:
+            import matplotlib  # noqa: F401  (the plots are optional)
+        except Exception as exc:  # noqa: BLE001 - any failure means: no plot here
+            log(f"no plot: matplotlib is not importable ({type(exc).__name__}: {exc})")
         else:
             png = os.path.join(out, stem + ".png")
             written = plot(result, png) or {"png": png}
@@ -177,13 +156,9 @@ def load_results(paths: Sequence[str], name: str, schema: str) -> list:
 
 def interleave(items: Sequence, rounds: int, run: Callable, *, reverse: bool = False,
                errors: Optional[dict] = None, log: Callable = print) -> list:
-    """``run(item, round)`` for every item once per round, each round starting one item later
-    than the round before (``reverse``: instead in order on even rounds and reversed on odd
-    ones, for a few rounds of many long runs), so that a slow spell of the machine, or drift,
-    falls on every item alike. Returns ``(round, position, item, value)`` in the order run.
-
-    With ``errors`` (a dict), an item whose run raises gets its error there (``Type: message``)
-    and sits out the rest, as do the items already in it; without, the exception propagates."""
+    """``(round, position, item, run(item, round))`` for every item of every round, in the order
+    run (benchmarks/README.md, "The harness"); with ``errors``, an item that raises gets its
+    error there and sits out the rest, as do those already in it."""
     items, out = list(items), []
     for rnd in range(rounds):
         start = rnd % len(items) if items else 0
@@ -203,10 +178,9 @@ def interleave(items: Sequence, rounds: int, run: Callable, *, reverse: bool = F
 
 def interleaved(fns: dict, device: torch.device, rounds: int, *, calls: int = 1,
                 warmup: int = 1) -> dict:
-    """Seconds per call of each function of ``fns`` (name -> callable): ``warmup`` untimed
-    rounds of :func:`interleave`, then ``rounds`` timed ones, each running ``calls`` calls of
-    every function. Returns name -> [seconds per call, one per round]; on a GPU each round is
-    timed with CUDA events."""
+    """Name -> seconds per call of each function of ``fns``, one per round: ``warmup`` untimed
+    rounds of :func:`interleave`, then ``rounds`` timed ones of ``calls`` calls of every
+    function (:func:`benchmarks.timing.time_calls`: CUDA events on a GPU)."""
     interleave(list(fns), warmup, lambda name, _: fns[name]())
     out = {name: [] for name in fns}
     for _, _, name, secs in interleave(
@@ -224,17 +198,10 @@ def summary(seconds: Sequence[float]) -> dict:
 
 def table(headers: Sequence[str], rows: Iterable[Sequence], title: Optional[str] = None, *,
           align: Optional[str] = None, markdown: bool = False) -> str:
-    """A table of ``rows`` under ``headers``: plain text, every column as wide as its widest
-    cell, or with ``markdown`` a markdown table. A cell None is ``-``, a float has 4
-    significant digits, anything else is ``str``'d; ``align`` has one ``<`` (left) or ``>``
-    (right) per column, by default numbers right and the rest left."""
-    def cell(v):
-        if v is None:
-            return "-"
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return str(v)
-    body = [[cell(v) for v in row] for row in rows]
+    """A plain-text (or ``markdown``) table of ``rows`` under ``headers``; ``align`` one ``<``
+    or ``>`` per column (benchmarks/README.md, "The harness")."""
+    body = [["-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v) for v in row]
+            for row in rows]
     if align is None:
         align = "".join(">" if body and all(_is_number(r[i]) for r in body) else "<"
                         for i in range(len(headers)))
@@ -264,11 +231,8 @@ def _is_number(text: str) -> bool:
 def figure(path: str, title: str, *, nrows: int = 1, ncols: int = 1, size: tuple,
            title_size: int = 10, legend: int = 0, legend_size: int = 8, rect=None,
            dpi: int = 110, **subplots):
-    """A matplotlib figure (Agg) of ``nrows`` x ``ncols`` axes, which the block draws on
-    (``with figure(...) as axes``: ``axes[i][j]``), then titled ``title``, laid out in
-    ``rect``, saved to ``path`` and closed. ``legend``: a legend of the first axes' entries
-    under the axes, in at most that many columns. ``subplots``: more of
-    ``plt.subplots``' arguments (``sharex``...)."""
+    """``nrows`` x ``ncols`` matplotlib axes (Agg) the block draws on, then titled, laid out in
+    ``rect``, saved to ``path`` and closed (benchmarks/README.md, "The harness")."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

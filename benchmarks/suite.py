@@ -1,39 +1,28 @@
 """The benchmark suite: every benchmark by name, the question it answers, and the arguments of
-its smoke test.
-
-    python -m benchmarks --help              # the suite
-    python -m benchmarks NAME --help         # one benchmark's options
-    python -m benchmarks NAME [ARGS...]      # run it
-
-Adding a benchmark is one :data:`REGISTRY` entry: a module of this package with
-``main(argv) -> object``, the question, and the arguments that run it small (tests/test_benchmarks.py
-runs every entry's smoke arguments, and a second mode's ``mode_smoke``, from the repository root,
-``{out}`` replaced by a scratch folder, on the CPU). This module imports
-no benchmark: each is imported when it is run, so ``--help`` is quick and a benchmark's own
-imports (Triton, torchvision, the continual-learning package) cost only its own runs.
+its smoke test (benchmarks/README.md, "Adding a benchmark"). ``python -m benchmarks NAME
+[ARGS...]`` runs one; this module imports none until it is run, so ``--help`` is quick and a
+benchmark's own imports (Triton, torchvision, the continual-learning package) cost only its runs.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @dataclass(frozen=True)
 class Benchmark:
-    """One named benchmark: ``module`` (in ``benchmarks``) has ``main(argv)``."""
+    """One named benchmark: ``module`` (in ``benchmarks``) has ``main(argv)``; ``smoke``, and a
+    second mode's ``mode_smoke``, run it small from the repository root (tests/test_benchmarks.py,
+    ``{out}`` a scratch folder), given the modules of ``requires``."""
     name: str
     module: str
     question: str
     smoke: Tuple[str, ...]
-    smoke_env: Tuple[Tuple[str, str], ...] = ()    # environment of the smoke run
-    requires: Tuple[str, ...] = ()                  # modules without which it cannot run
-    mode_smoke: Tuple[str, ...] = ()                # the smoke of a second mode, if it has one
+    requires: Tuple[str, ...] = ()
+    mode_smoke: Tuple[str, ...] = ()
 
 
 REGISTRY = {b.name: b for b in (
@@ -69,7 +58,7 @@ REGISTRY = {b.name: b for b in (
               "How many run-samples per second do run arrays of each continual-learning method "
               "train against the run alone, per width, on one CPU thread or a GPU?",
               ("--methods", "sgd", "--widths", "1", "2", "--repeats", "1", "--warm", "1",
-               "--no-plot", "--out", "{out}"), requires=("mlxtend",)),
+               "--out", "{out}"), requires=("mlxtend",)),
     Benchmark("imports", "bench_imports",
               "How much does `import emcl_kernels` cost beyond `import torch`?",
               ("--runs", "1", "--out", "{out}/imports.json")),
@@ -78,34 +67,25 @@ REGISTRY = {b.name: b for b in (
 
 def get(name: str) -> Benchmark:
     """The registry entry ``name``; a ValueError naming the suite otherwise."""
-    try:
-        return REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown benchmark {name!r}; the suite: {', '.join(REGISTRY)}") from None
+    if name not in REGISTRY:
+        raise ValueError(f"unknown benchmark {name!r}; the suite: {', '.join(REGISTRY)}")
+    return REGISTRY[name]
 
 
 def run(name: str, argv: Sequence[str]) -> object:
-    """Run benchmark ``name`` with ``argv`` (its own options) and return what its main returns."""
-    bench = get(name)
-    for path in (os.path.join(REPO, "python"), REPO):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    module = importlib.import_module(f"benchmarks.{bench.module}")
-    return module.main(list(argv))
-
-
-def usage() -> str:
-    width = max(len(n) for n in REGISTRY)
-    lines = ["usage: python -m benchmarks NAME [ARGS...]   (python -m benchmarks NAME --help)",
-             "", "The suite (results in benchmarks/results/, indexed by its README.md):", ""]
-    lines += [f"  {b.name:<{width}}  {b.question}" for b in REGISTRY.values()]
-    return "\n".join(lines)
+    """Run benchmark ``name`` with ``argv`` (its own options) and return what its main returns
+    (its module puts the repository on the path: ``benchmarks.common``)."""
+    return importlib.import_module(f"benchmarks.{get(name).module}").main(list(argv))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage())
+        width = max(len(n) for n in REGISTRY)
+        print("usage: python -m benchmarks NAME [ARGS...]   (python -m benchmarks NAME --help)\n\n"
+              "The suite (results in benchmarks/results/, indexed by its README.md):\n")
+        for b in REGISTRY.values():
+            print(f"  {b.name:<{width}}  {b.question}")
         return 0 if argv else 2
     parser = argparse.ArgumentParser(prog="python -m benchmarks", add_help=False)
     parser.add_argument("name", choices=list(REGISTRY))

@@ -1,5 +1,5 @@
-"""The suite's timers, free of anything else in ``benchmarks`` so that every module can use
-them (``gpu_probes`` times its configurations with them, and ``common``'s roof uses the probes):
+"""The suite's timers, free of anything else in ``benchmarks`` so that every module can use them
+(``gpu_probes`` times its configurations with them, and ``common``'s roof uses the probes):
 ``time.perf_counter`` on CPU, CUDA events on a GPU, a summary of repeats, and a repeat count
 that fits a time budget."""
 from __future__ import annotations
@@ -18,32 +18,31 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_once(fn: Callable[[], None], device: torch.device) -> float:
-    """Seconds of one call, wall clock, with the device synchronized before and after."""
+def time_once(fn: Callable[[], None], device: torch.device, clock: Callable = time.perf_counter) -> float:
+    """Seconds of one call by ``clock`` (default the wall clock), with the device synchronized
+    before and after."""
     synchronize(device)
-    start = time.perf_counter()
+    start = clock()
     fn()
     synchronize(device)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def time_calls(fns: Sequence[Callable[[], None]], device: torch.device, *,
                max_total_s: Optional[float] = None, min_calls: int = 1) -> list:
-    """Seconds of each call of ``fns`` (in order): CUDA events on a GPU (device time between
-    the call's first and last launch), ``time.perf_counter`` around each call on CPU.
-
-    On CPU, ``max_total_s`` stops early (after at least ``min_calls`` calls) once the calls
-    have taken that long, so a machine that turns slow mid-run cannot stretch the run."""
+    """Seconds of each call of ``fns`` (in order): CUDA events on a GPU (device time between the
+    call's first and last launch), ``time.perf_counter`` around each call on CPU, where
+    ``max_total_s`` stops early (after at least ``min_calls`` calls) once the calls have taken
+    that long, so a machine that turns slow mid-run cannot stretch the run."""
     if device.type == "cuda":
-        starts = [torch.cuda.Event(enable_timing=True) for _ in fns]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in fns]
+        events = [[torch.cuda.Event(enable_timing=True) for _ in range(2)] for _ in fns]
         torch.cuda.synchronize(device)
-        for fn, s, e in zip(fns, starts, ends):
-            s.record()
+        for fn, (start, end) in zip(fns, events):
+            start.record()
             fn()
-            e.record()
+            end.record()
         torch.cuda.synchronize(device)
-        return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
+        return [start.elapsed_time(end) / 1e3 for start, end in events]
     out = []
     for fn in fns:
         start = time.perf_counter()

@@ -67,7 +67,7 @@ def test_every_benchmark_runs_its_smoke_arguments(name, smoke, tmp_path):
         pytest.importorskip(module, reason=f"benchmark {name} needs {module}")
     args = [a.replace("{out}", str(tmp_path)) for a in smoke]
     proc = subprocess.run([sys.executable, "-m", "benchmarks", name, *args], cwd=ROOT,
-                          env=child_env(**dict(bench.smoke_env)), capture_output=True,
+                          env=child_env(), capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     if any("{out}" in a for a in smoke):
@@ -259,8 +259,6 @@ def test_roof_kernels_count_write_allocate_only_for_stores_to_unread_lines(kerne
                                                                            without_wa):
     assert common.roof_bytes_per_element(kernel, True) == with_wa
     assert common.roof_bytes_per_element(kernel, False) == without_wa
-    assert common.write_allocate_default(torch.device("cpu")) is True
-    assert common.write_allocate_default(torch.device("cuda")) is False
     # a count that charges a read nobody may make is not exact: such a kernel sets no roof
     assert common.counted_exactly(kernel, True) is (with_wa == without_wa)
     assert common.counted_exactly(kernel, False) is True
@@ -317,7 +315,7 @@ def _roof_kernel_names(device) -> set:
     where they do not run."""
     names = set(common.ROOF_KERNELS)
     if not common.stream_probes_available(device):
-        names -= set(common.EXTENSION_PROBES)
+        names -= set(common.PROBE_KINDS)
     return names
 
 
@@ -1211,10 +1209,10 @@ def test_run_arrays_records_a_width_out_of_memory_and_stops_there(monkeypatch):
     from benchmarks import bench_run_arrays as B
     real = B._width
 
-    def tight(method, lcls, w, *args):
+    def tight(method, w, *args):
         if w >= 2:
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {w} GiB")
-        return real(method, lcls, w, *args)
+        return real(method, w, *args)
     monkeypatch.setattr(B, "_width", tight)
     cpu = torch.device("cpu")
     data = B._data(4, 1, 2)
