@@ -15,7 +15,6 @@ import math
 import os
 import time
 from typing import Callable, NamedTuple, Optional
-from unittest import mock
 
 from benchmarks import common, harness  # (puts the repository on sys.path)
 
@@ -105,21 +104,26 @@ def triton_config(text: str) -> str:
     return f"{block}x{warps}"
 
 
+@contextlib.contextmanager
 def triton_tunables(config: Optional[str]):
-    """A context in which the Triton backend's ``BLOCK_SIZE`` and ``NUM_WARPS`` (module
-    attributes read at every call) are ``config``'s, restored after; a no-op with None."""
+    """The Triton backend's ``BLOCK_SIZE`` and ``NUM_WARPS`` (module attributes read at every
+    call) set to ``config`` for the block, restored after; nothing with None."""
     if config is None:
-        return contextlib.nullcontext()
+        yield
+        return
     from emcl_kernels.backends import triton as TB
-    block, warps = (int(x) for x in config.split("x"))
-    return mock.patch.multiple(TB, BLOCK_SIZE=block, NUM_WARPS=warps)
+    before = TB.BLOCK_SIZE, TB.NUM_WARPS
+    TB.BLOCK_SIZE, TB.NUM_WARPS = (int(x) for x in config.split("x"))
+    try:
+        yield
+    finally:
+        TB.BLOCK_SIZE, TB.NUM_WARPS = before
 
 
 def run_device(device: torch.device, args, s: dict, log, timed: Callable) -> tuple[dict, list]:
     """Time every backend (every ``--triton-configs`` of Triton), step, dtype and layout on
     ``device`` against the roof measured at the start and the end, pooled: the device's entry
-    of the results file and its records. ``timed(info, records)`` is called after every
-    layout and dtype with what is measured so far."""
+    of the results file and its records, handed to ``timed`` after every layout and dtype."""
     backends, skipped = common.backends_for(device, only=args.backends,
                                             include_cpu_triton="triton" in (args.backends or ()))
     if not backends:
@@ -373,8 +377,7 @@ def build_parser():
     p.add_argument("--backends", nargs="+", default=None,
                    help="only these backends (default: every one available on the device)")
     p.add_argument("--ops", nargs="+", default=list(common.OPS), choices=common.OPS)
-    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"],
-                   choices=list(common.DTYPE_NAMES))
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(common.DTYPE_NAMES))
     p.add_argument("--layouts", nargs="+", default=list(LAYOUT_NAMES), choices=list(LAYOUT_NAMES))
     p.add_argument("--sizes", nargs="+", type=int, default=None, metavar="LOG2",
                    help="single-tensor sizes as powers of two (default: 10..26 on CPU, 10..28 on "

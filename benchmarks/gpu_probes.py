@@ -57,8 +57,7 @@ def stream_probe(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Ten
         raise ValueError(f"kind must be one of {sorted(KINDS.values())}, got {kind}")
     if any(t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != a.numel()
            or t.device != a.device for t in (a, b, c, d)):
-        raise ValueError("the probes take four contiguous fp32 tensors of one size, "
-                         "on one device")
+        raise ValueError("the probes take four contiguous fp32 tensors of one size on one device")
     if a.device.type != "cuda":
         _launch(a, b, c, d, kind, *INTERPRETER_CONFIG)
         return

@@ -548,9 +548,9 @@ def test_the_roof_reaches_the_largest_layout_timed(tmp_path):
     """A roof measured on tensors smaller than the kernels it bounds pays more of a call's
     fixed cost per byte: --roof-mb below the largest layout is raised to it."""
     result = bench_kernels.main(["--quick", "--sizes", "15", "--layouts", "single",
-                                 "--device", "cpu", "--backends", "cpu", "--rotate-mb", "1", "--roof-mb", "0.01",
-                                 "--threads", "1", "--out-dir", str(tmp_path), "--name", "run",
-                                 "--quiet"])
+                                 "--device", "cpu", "--backends", "cpu", "--rotate-mb", "1",
+                                 "--roof-mb", "0.01", "--threads", "1", "--out-dir", str(tmp_path),
+                                 "--name", "run", "--quiet"])
     roof = result["devices"]["cpu"]["roof"]
     assert max(k["numel"] for k in roof["records"]) == 2 ** 15
 
