@@ -1,10 +1,8 @@
 """The GPU roof's probes with EMCL's own streams (``common.PROBE_KINDS``; on the CPU the
 extension's ``torch.ops.emcl.stream_probe_``): ``inner_pattern`` (kind 3: reads a, b, c, d;
 writes a += 1e-6 * (b + c * d)) and ``step_pattern`` (kind 5: a += 1e-6 * b, c += 1e-6 * b,
-d written back). One Triton program per ``BLOCK`` elements of four equal-size contiguous fp32
-tensors, unmasked where the size is whole blocks; on a GPU each probe times :data:`CONFIGS`
-once per size and keeps the fastest. Why: benchmarks/README.md, "The memory roof".
-"""
+d written back), one Triton program per ``BLOCK`` elements, unmasked on whole blocks. Why:
+benchmarks/README.md, "The memory roof"."""
 from __future__ import annotations
 
 import torch
@@ -17,9 +15,8 @@ try:
 except ImportError:  # no Triton: the GPU roof keeps its other kernels
     triton = None
 
-BLOCK = 4096            # the interpreter's (CPU) configuration
-NUM_WARPS = 8
 CONFIGS = ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8))   # (BLOCK, warps) on a GPU
+INTERPRETER_CONFIG = (4096, 8)   # on CPU tensors (Triton's interpreter, which ignores warps)
 _chosen: dict = {}      # (device, numel, kind) -> (BLOCK, warps)
 KINDS = {"inner_pattern": 3, "step_pattern": 5}
 
@@ -52,21 +49,19 @@ def available(device: torch.device) -> bool:
 
 def stream_probe(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor,
                  kind: int) -> None:
-    """One pass of probe ``kind`` (3 or 5) over four contiguous fp32 tensors of one size."""
+    """One pass of probe ``kind`` (3 or 5) over four contiguous fp32 tensors of one size, on
+    a GPU in the fastest of :data:`CONFIGS` there (timed on the first call per size)."""
     if triton is None:
         raise RuntimeError("the GPU stream probes need Triton")
     if kind not in KINDS.values():
         raise ValueError(f"kind must be one of {sorted(KINDS.values())}, got {kind}")
-    n = a.numel()
-    for t in (a, b, c, d):
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != n \
-                or t.device != a.device:
-            raise ValueError("the probes take four contiguous fp32 tensors of one size, "
-                             "on one device")
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != a.numel()
+           or t.device != a.device for t in (a, b, c, d)):
+        raise ValueError("the probes take four contiguous fp32 tensors of one size on one device")
     if a.device.type != "cuda":
-        _launch(a, b, c, d, kind, BLOCK, None)
+        _launch(a, b, c, d, kind, *INTERPRETER_CONFIG)
         return
-    key = (a.device, n, kind)
+    key = (str(a.device), a.numel(), kind)
     if key not in _chosen:
         _chosen[key] = _fastest_config(a, b, c, d, kind)
     _launch(a, b, c, d, kind, *_chosen[key])
@@ -75,16 +70,14 @@ def stream_probe(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Ten
 def chosen_configs() -> list:
     """The configuration each GPU probe runs with: one dict per (device, size, kind) timed."""
     names = {v: k for k, v in KINDS.items()}
-    return [{"device": str(dev), "numel": n, "kernel": names[kind], "block": blk, "warps": w}
-            for (dev, n, kind), (blk, w) in sorted(_chosen.items(),
-                                                    key=lambda kv: (str(kv[0][0]), *kv[0][1:]))]
+    return [{"device": dev, "numel": n, "kernel": names[kind], "block": blk, "warps": w}
+            for (dev, n, kind), (blk, w) in sorted(_chosen.items())]
 
 
-def _launch(a, b, c, d, kind: int, block: int, warps) -> None:
+def _launch(a, b, c, d, kind: int, block: int, warps: int) -> None:
     n = a.numel()
-    kwargs = {} if warps is None else {"num_warps": warps}
     _stream_probe[(triton.cdiv(n, block),)](a, b, c, d, n, KIND=kind, BLOCK=block,
-                                            WHOLE=n % block == 0, **kwargs)
+                                            WHOLE=n % block == 0, num_warps=warps)
 
 
 def _fastest_config(a, b, c, d, kind: int, calls: int = 5) -> tuple:

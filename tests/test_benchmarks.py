@@ -182,20 +182,21 @@ def test_backends_for_filters_and_rejects_unknown_names():
 
 
 def test_layouts_come_from_the_project_models():
-    layouts, skipped = bench_kernels.build_layouts(["single", "mlp", "resnet18", "many"], [10, 12])
-    assert not skipped
+    layouts = bench_kernels.build_layouts(["single", "mlp", "resnet18", "many"], [10, 12])
+    assert [l.name for l in layouts] == ["single", "single", "mlp-2x100", "resnet18-reduced",
+                                         "many-1000x4096"]
     by_name = {(l.name, l.numel): l for l in layouts}
     assert ("single", 1024) in by_name and ("single", 4096) in by_name
     mlp = by_name[("mlp-2x100", 784 * 100 + 100 + 100 * 100 + 100 + 100 * 10 + 10)]
-    assert mlp.n_tensors == 6
+    assert len(mlp.shapes) == 6
     from emcl_continual.data.models import ReducedResNet18
     from emcl_continual.data.streams import StreamInfo
     model = ReducedResNet18(StreamInfo("x", 20, (3, 32, 32), 100, [(5 * t, 5 * t + 5) for t in range(20)], True))
     resnet = [l for l in layouts if l.name == "resnet18-reduced"][0]
     assert resnet.numel == sum(p.numel() for p in model.parameters())
-    assert resnet.n_tensors == len(list(model.parameters()))
+    assert len(resnet.shapes) == len(list(model.parameters()))
     many = [l for l in layouts if l.name == "many-1000x4096"][0]
-    assert many.n_tensors == 1000 and many.numel == 1000 * 4096
+    assert len(many.shapes) == 1000 and many.numel == 1000 * 4096
 
 
 def test_rotated_sets_exceed_the_last_level_cache():
@@ -363,7 +364,8 @@ def test_gpu_stream_probes_do_what_their_names_say():
         from benchmarks import gpu_probes as G
         assert not G.available(torch.device("cpu"))
         gen = torch.Generator().manual_seed(3)
-        for n in (G.BLOCK + 77, 2 * G.BLOCK):   # a masked tail; whole blocks, unmasked
+        block = G.INTERPRETER_CONFIG[0]
+        for n in (block + 77, 2 * block):   # a masked tail; whole blocks, unmasked
             a, b, c, d = (torch.randn(n, generator=gen) for _ in range(4))
             a0, b0, c0, d0 = (t.clone() for t in (a, b, c, d))
             G.stream_probe(a, b, c, d, 3)
@@ -512,8 +514,8 @@ def test_stats_and_repeats():
 def kernel_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     result = bench_kernels.main(["--quick", "--sizes", "10", "--layouts", "single", "mlp",
-                                 "--budget", "0.002", "--max-reps", "3", "--device", "cpu",
-                                 "--rotate-mb", "2", "--roof-mb", "1", "--threads", "1",
+                                 "--device", "cpu", "--rotate-mb", "2", "--roof-mb", "1",
+                                 "--threads", "1",
                                  "--out-dir", str(out), "--name", "run", "--quiet"])
     return result, out
 
@@ -530,7 +532,7 @@ def test_a_kernels_run_saves_after_every_layout_and_dtype(tmp_path, monkeypatch)
     monkeypatch.setattr(harness, "save", record)
     bench_kernels.main(["--quick", "--sizes", "10", "--layouts", "single", "mlp",
                         "--dtypes", "fp32", "bf16", "--ops", "inner_step", "--backends", "cpu",
-                        "--budget", "0.002", "--max-reps", "2", "--device", "cpu",
+                        "--device", "cpu",
                         "--rotate-mb", "1", "--roof-mb", "0.01", "--threads", "1",
                         "--out-dir", str(tmp_path), "--name", "cut", "--quiet", "--no-plot"])
     partial = [(n, p) for complete, n, p in saved if complete is False]
@@ -544,10 +546,9 @@ def test_the_roof_reaches_the_largest_layout_timed(tmp_path):
     """A roof measured on tensors smaller than the kernels it bounds pays more of a call's
     fixed cost per byte: --roof-mb below the largest layout is raised to it."""
     result = bench_kernels.main(["--quick", "--sizes", "15", "--layouts", "single",
-                                 "--budget", "0.002", "--max-reps", "2", "--device", "cpu",
-                                 "--backends", "cpu", "--rotate-mb", "1", "--roof-mb", "0.01",
-                                 "--threads", "1", "--out-dir", str(tmp_path), "--name", "run",
-                                 "--quiet"])
+                                 "--device", "cpu", "--backends", "cpu", "--rotate-mb", "1",
+                                 "--roof-mb", "0.01", "--threads", "1", "--out-dir", str(tmp_path),
+                                 "--name", "run", "--quiet"])
     roof = result["devices"]["cpu"]["roof"]
     assert max(k["numel"] for k in roof["records"]) == 2 ** 15
 
@@ -563,7 +564,7 @@ def test_kernel_run_has_a_record_for_every_backend_op_dtype_and_layout(kernel_ru
     with open(out / "run.json") as f:
         saved = json.load(f)
     assert saved["records"] == json.loads(json.dumps(result["records"]))
-    assert (out / "run_cpu.png").read_bytes()[:8] == PNG_MAGIC
+    assert (out / "run.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def test_kernel_records_are_consistent(kernel_run):
@@ -591,7 +592,9 @@ def test_kernel_records_are_consistent(kernel_run):
         assert r["roof_gbps"] == roof and r["ratio_to_roof"] == pytest.approx(r["gbps"] / roof)
         assert r["ratio_to_roof_best"] == pytest.approx(r["gbps_best"] / roof)
         assert r["gbps_best"] >= r["gbps"]
-        assert r["time_ms_min"] <= r["time_ms"] and 1 <= r["repeats"] <= 3
+        quick = bench_kernels.PRESETS["quick"]
+        assert r["time_ms_min"] <= r["time_ms"]
+        assert quick["min_reps"] <= r["repeats"] <= quick["max_reps"]
         assert r["finite"] is True
         assert r["rotation_bytes"] >= 2 << 20 and r["rotation_sets"] >= 2
         for base in ("reference", "foreach"):
@@ -615,14 +618,17 @@ def test_kernel_run_says_what_it_left_out(kernel_run):
 
 
 def test_reference_is_capped(tmp_path):
-    result = bench_kernels.main(["--sizes", "10", "12", "--layouts", "single", "--ops", "inner_step",
-                                 "--dtypes", "fp32", "--reference-cap", "10", "--budget", "0.001",
-                                 "--max-reps", "2", "--device", "cpu", "--out-dir", str(tmp_path),
-                                 "--rotate-mb", "1", "--roof-mb", "1", "--threads", "1", "--no-plot", "--quiet", "--backends", "reference", "foreach"])
+    cap = bench_kernels.PRESETS["quick"]["reference_cap"]
+    result = bench_kernels.main(["--quick", "--sizes", "10", str(cap.bit_length()), "--layouts",
+                                 "single", "--ops", "inner_step", "--dtypes", "fp32",
+                                 "--device", "cpu", "--out-dir", str(tmp_path), "--rotate-mb", "1",
+                                 "--roof-mb", "1", "--threads", "1", "--no-plot", "--quiet",
+                                 "--backends", "reference", "foreach"])
     sizes = {(r["backend"], r["numel"]) for r in result["records"]}
-    assert sizes == {("reference", 1024), ("foreach", 1024), ("foreach", 4096)}
-    assert any("reference backend timed only up to 1024" in n for n in result["devices"]["cpu"]["notes"])
-    big = [r for r in result["records"] if r["numel"] == 4096][0]
+    assert sizes == {("reference", 1024), ("foreach", 1024), ("foreach", 2 * cap)}
+    assert any(f"reference backend timed only up to {cap}" in n
+               for n in result["devices"]["cpu"]["notes"])
+    big = [r for r in result["records"] if r["numel"] == 2 * cap][0]
     assert big["speedup_vs_reference"] is None
 
 
@@ -652,7 +658,7 @@ def test_readme_table_comes_from_the_results_file(kernel_run, capsys):
 def test_kernel_script_runs_from_the_command_line(tmp_path):
     cmd = [sys.executable, "-m", "benchmarks", "kernels", "--quick",
            "--sizes", "10", "--layouts", "single", "--dtypes", "bf16", "--ops", "meta_step",
-           "--budget", "0.001", "--max-reps", "2", "--device", "cpu", "--out-dir", str(tmp_path),
+           "--device", "cpu", "--out-dir", str(tmp_path),
            "--rotate-mb", "1", "--roof-mb", "1", "--threads", "1", "--name", "cli",
            "--quiet", "--no-plot"]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the suite finds the repo itself
@@ -691,16 +697,17 @@ def test_triton_configs_are_checked_and_set_for_the_block():
 
 def test_triton_configs_mode_times_each_config_as_a_column(tmp_path):
     """``--triton-configs`` on the CPU through Triton's interpreter (a child process: the
-    interpreter is chosen at import): one record per config, each its own column; a smaller
-    block launches more programs, which the interpreter runs one by one."""
+    interpreter is chosen at import; triton is timed on CPU tensors when asked for by name):
+    one record per config, each its own column; a smaller block launches more programs, which
+    the interpreter runs one by one."""
     pytest.importorskip("triton")
-    cmd = [sys.executable, "-m", "benchmarks", "kernels", "--quick", "--cpu-triton",
+    cmd = [sys.executable, "-m", "benchmarks", "kernels", "--quick",
            "--backends", "triton", "foreach", "--triton-configs", "1024x4", "4096x8",
            "--sizes", "13", "--layouts", "single", "--dtypes", "fp32", "--ops", "inner_step",
-           "--budget", "0.001", "--max-reps", "2", "--device", "cpu", "--rotate-mb", "1",
+           "--device", "cpu", "--rotate-mb", "1",
            "--roof-mb", "1", "--threads", "1", "--out-dir", str(tmp_path), "--name", "tri",
            "--no-plot", "--quiet"]
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"TRITON_INTERPRET": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| foreach | triton 1024x4 | triton 4096x8 |" in proc.stdout
