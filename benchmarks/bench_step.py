@@ -1,23 +1,21 @@
 """Optimizer-step benchmark: ``FusedEMCLOptimizer.step()`` against torch's own optimizers, host
-time included, on the MLP, ResNet-18, 1,000 x 4,096 and GPT-2-124M layouts; with
-``--host-only``, the host's part of ``step()`` alone, the backend's kernels a no-op.
+time included, on the MLP, ResNet-18, 1,000 x 4,096 and GPT-2-124M layouts.
 
     python -m benchmarks step             # the GPU if there is one, else the CPU (1, 2 threads)
     python -m benchmarks step --quick              # fewer rounds (a few minutes on 2 cores)
     python -m benchmarks step --device cuda --out benchmarks/results
     python -m benchmarks step --layouts mlp resnet18 --dtypes fp32 --threads 1
     python -m benchmarks step --table benchmarks/results/step_epyc-2core.json --backends cpu
-    python -m benchmarks step --host-only --device cpu --name host_xeon-2core
 
 The contenders, their SPEC section 7 peers and goals (:data:`PEERS`), how each is timed and every
 field of a record: benchmarks/README.md, ``step``.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import os
-import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -30,7 +28,6 @@ import torch
 from emcl_kernels import FusedEMCLOptimizer
 
 SCHEMA = "emcl-kernels/bench_step/1"
-HOST_SCHEMA = "emcl-kernels/bench_step_host/1"
 LAYOUT_CHOICES = ("mlp", "resnet18", "many", "gpt2")
 BASELINES = ("adam_fused", "adam_fused_checked", "adam_fused_scaler", "adam_foreach",
              "sgd_foreach")
@@ -44,9 +41,7 @@ PARAM_SCALE, GRAD_SCALE = 0.1, 1e-3   # θ ~ 0.1·N(0,1), g ~ 1e-3·N(0,1): fini
 REFERENCE_CAP = 2 ** 20               # EMCL's reference backend only up to this many elements
 
 
-# ---------------------------------------------------------------------------------------------
-# Layouts: parameter shapes, nothing downloaded
-# ---------------------------------------------------------------------------------------------
+# --- Layouts: parameter shapes, nothing downloaded ---------------------------------------------
 
 def resnet18_shapes() -> list:
     """torchvision's ``resnet18()`` parameter shapes in its parameter order, written out from
@@ -65,17 +60,10 @@ def resnet18_shapes() -> list:
 
 def gpt2_shapes(n_layer: int = 12, d: int = 768, vocab: int = 50257, ctx: int = 1024) -> list:
     """GPT-2-124M's parameter shapes (Hugging Face's layout, the LM head tied to wte): wte,
-    wpe, per block ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj (weights and
-    biases), ln_f. 148 tensors, 124,439,808 elements."""
-    shapes = [(vocab, d), (ctx, d)]
-    for _ in range(n_layer):
-        shapes += [(d,), (d,),                       # ln_1
-                   (d, 3 * d), (3 * d,),             # attn.c_attn
-                   (d, d), (d,),                     # attn.c_proj
-                   (d,), (d,),                       # ln_2
-                   (d, 4 * d), (4 * d,),             # mlp.c_fc
-                   (4 * d, d), (d,)]                 # mlp.c_proj
-    return shapes + [(d,), (d,)]                     # ln_f
+    wpe, the blocks, ln_f (weights and biases). 148 tensors, 124,439,808 elements."""
+    block = [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,),    # ln_1, attn.c_attn, attn.c_proj
+             (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]  # ln_2, mlp.c_fc, mlp.c_proj
+    return [(vocab, d), (ctx, d)] + block * n_layer + [(d,), (d,)]
 
 
 # a --layouts choice -> (its name in the records, its shapes, where they come from)
@@ -114,9 +102,7 @@ def make_params(shapes, dtype: torch.dtype, device: torch.device, gen) -> list:
     return params
 
 
-# ---------------------------------------------------------------------------------------------
-# Contenders
-# ---------------------------------------------------------------------------------------------
+# --- Contenders --------------------------------------------------------------------------------
 
 def bytes_per_element(kind: str, dtype: torch.dtype) -> int:
     """Bytes read + written per parameter element by one step of ``kind`` (``emcl_step``,
@@ -133,14 +119,17 @@ def bytes_per_element(kind: str, dtype: torch.dtype) -> int:
 
 @dataclass(eq=False)
 class Contender:
-    """One timed call: an optimizer and the method called on it (hashed by identity)."""
+    """One timed call (hashed by identity): one step ``fn``, what its record says of it, and
+    its samples."""
     name: str                      # e.g. "emcl[cpu] step() nocheck"
     family: str                    # a BASELINES name | emcl | floor
-    optimizer: object
-    call: str                      # "step()" or "inner_step()"
-    bytes_kind: str
+    fn: Callable[[], object]       # one step
+    bytes_kind: str                # bytes_per_element's kind
+    optimizer: object = None       # whose state is checked finite at the end
+    call: str = "step()"           # step() | inner_step() | stream_probe_
     backend: Optional[str] = None
     check_finite: Optional[bool] = None
+    scaler: bool = False           # stepped through a torch.amp.GradScaler
     settings: dict = field(default_factory=dict)
     wall: list = field(default_factory=list)     # s per step (CPU: every step; GPU: per block)
     host: list = field(default_factory=list)     # s per step() call (GPU; CPU: = wall)
@@ -149,14 +138,6 @@ class Contender:
     estimate_s: float = 0.0                      # the last warm-up step's wall time
     block: int = 1
     error: Optional[str] = None
-    runner: Optional[Callable[[], object]] = None   # what one step is, when not optimizer.call
-    scaler: bool = False                            # stepped through a torch.amp.GradScaler
-
-    @property
-    def fn(self) -> Callable[[], object]:
-        if self.runner is not None:
-            return self.runner
-        return getattr(self.optimizer, self.call.rstrip("()"))
 
     def __str__(self) -> str:
         return self.name
@@ -221,58 +202,66 @@ def torch_check_missing(params: list) -> Optional[str]:
     return None
 
 
-def make_contenders(params: list, emcl_backends: list, log) -> tuple:
-    """(contenders, errors): torch's baselines and, per EMCL backend, its contenders (which
-    they are: benchmarks/README.md, ``step``). A constructor that raises is recorded, not
-    fatal; so are the contenders whose finite check torch cannot run
-    (:func:`torch_check_missing`)."""
-    out, errors = [], {}
+# torch's optimizers: (name, class, settings); Adam fused is also stepped as the checked and
+# the GradScaler peer
+TORCH_OPTIMIZERS = (("adam_fused", torch.optim.Adam, {"lr": 1e-3, "fused": True}),
+                    ("adam_foreach", torch.optim.Adam, {"lr": 1e-3, "foreach": True}),
+                    ("sgd_foreach", torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9,
+                                                      "foreach": True}))
+SCALER = {"grad_scaler": "default"}
+
+
+def make_contenders(params: list, emcl_backends: list, log) -> list:
+    """torch's optimizers and, per EMCL backend, its contenders (which they are:
+    benchmarks/README.md, ``step``). A constructor that raises is a contender with its error
+    (not timed), and so is each contender through torch's finite check where torch has no
+    kernel for it (:func:`torch_check_missing`)."""
+    out = []
     device = params[0].device if params else torch.device("cpu")
+
+    def build(key: str, family: str, kind: str, cls, settings: dict, **what):
+        try:
+            return cls(params, **settings)
+        except Exception as exc:  # noqa: BLE001 - recorded in the results
+            out.append(Contender(key, family, None, kind, error=f"{type(exc).__name__}: {exc}",
+                                 **what))
+            log(f"      {key}: cannot be built: {out[-1].error}")
+            return None
+
+    for name, cls, settings in TORCH_OPTIMIZERS:
+        kind = "adam" if name.startswith("adam") else "sgd"
+        opt = build(name, name, kind, cls, settings)
+        if opt is not None:
+            out.append(Contender(name, name, opt.step, kind, opt, settings=settings))
+        if opt is not None and name == "adam_fused":
+            check = {"finite_check": "_amp_foreach_non_finite_check_and_unscale_"}
+            out += [Contender("adam_fused_checked", "adam_fused_checked", checked_step(opt),
+                              kind, opt, settings={**settings, **check}),
+                    Contender("adam_fused_scaler", "adam_fused_scaler", scaler_step(opt, device),
+                              kind, opt, settings={**settings, **SCALER}, scaler=True)]
+    for backend, check in itertools.product(emcl_backends, (True, False)):
+        suffix = "" if check else " nocheck"
+        settings = {"meta_every": 1, "backend": backend, "check_finite": check}
+        opt = build(f"emcl[{backend}]{suffix}", "emcl", "emcl_step", FusedEMCLOptimizer,
+                    settings, backend=backend)
+        if opt is None:
+            continue
+        mine = dict(optimizer=opt, backend=backend, check_finite=check)
+        out += [Contender(f"emcl[{backend}] step(){suffix}", "emcl", opt.step, "emcl_step",
+                          settings=settings, **mine),
+                Contender(f"emcl[{backend}] inner_step(){suffix}", "emcl", opt.inner_step,
+                          "emcl_inner", call="inner_step()", settings=settings, **mine)]
+        if check:
+            out.append(Contender(f"emcl[{backend}] step() scaler", "emcl",
+                                 scaler_step(opt, device), "emcl_step", scaler=True,
+                                 settings={**settings, **SCALER}, **mine))
     no_check = torch_check_missing(params)
     if no_check:
         log(f"      adam_fused_checked and every GradScaler contender: {no_check}")
-        errors["adam_fused_checked"] = errors["adam_fused_scaler"] = no_check
-    specs = [("adam_fused", torch.optim.Adam, {"lr": 1e-3, "fused": True}),
-             ("adam_foreach", torch.optim.Adam, {"lr": 1e-3, "foreach": True}),
-             ("sgd_foreach", torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9, "foreach": True})]
-    for name, cls, settings in specs:
-        try:
-            opt = cls(params, **settings)
-        except Exception as exc:  # noqa: BLE001 - recorded in the results
-            errors[name] = f"{type(exc).__name__}: {exc}"
-            log(f"      {name}: cannot be built: {errors[name]}")
-            continue
-        kind = "adam" if name.startswith("adam") else "sgd"
-        out.append(Contender(name, name, opt, "step()", kind, settings=settings))
-        if name == "adam_fused" and not no_check:
-            check = "_amp_foreach_non_finite_check_and_unscale_"
-            out += [Contender("adam_fused_checked", "adam_fused_checked", opt, "step()", "adam",
-                              settings={**settings, "finite_check": check},
-                              runner=checked_step(opt)),
-                    Contender("adam_fused_scaler", "adam_fused_scaler", opt, "step()", "adam",
-                              settings={**settings, "grad_scaler": "default"},
-                              runner=scaler_step(opt, device), scaler=True)]
-    for backend in emcl_backends:
-        for check in (True, False):
-            suffix = "" if check else " nocheck"
-            try:
-                opt = FusedEMCLOptimizer(params, meta_every=1, backend=backend,
-                                         check_finite=check)
-            except Exception as exc:  # noqa: BLE001
-                errors[f"emcl[{backend}]{suffix}"] = f"{type(exc).__name__}: {exc}"
-                continue
-            settings = {"meta_every": 1, "backend": backend, "check_finite": check}
-            out += [Contender(f"emcl[{backend}] {call}{suffix}", "emcl", opt, call, kind,
-                              backend, check, settings)
-                    for call, kind in (("step()", "emcl_step"), ("inner_step()", "emcl_inner"))]
-            if check and no_check:
-                errors[f"emcl[{backend}] step() scaler"] = no_check
-            elif check:
-                out.append(Contender(f"emcl[{backend}] step() scaler", "emcl", opt, "step()",
-                                     "emcl_step", backend, check,
-                                     {**settings, "grad_scaler": "default"},
-                                     runner=scaler_step(opt, device), scaler=True))
-    return out, errors
+        for c in out:
+            if c.scaler or "finite_check" in c.settings:
+                c.error = no_check
+    return out
 
 
 # The floors ([note: stream probes] in csrc/emcl_cpu_kernels.h; benchmarks/README.md, "The
@@ -295,9 +284,8 @@ def floor_contenders(numel: int, dtype: torch.dtype, device: torch.device) -> li
         return []
     tensors = [torch.rand(numel, device=device).to(dtype if i < 2 else torch.float32)
                for i in range(4)]
-    return [Contender(name, "floor", None, "stream_probe_", bytes_kind,
-                      settings={"stream_probe_kind": kind},
-                      runner=lambda kind=kind: torch.ops.emcl.stream_probe_(*tensors, kind))
+    return [Contender(name, "floor", lambda kind=kind: torch.ops.emcl.stream_probe_(*tensors, kind),
+                      bytes_kind, call="stream_probe_", settings={"stream_probe_kind": kind})
             for name, (kind, bytes_kind) in floors.items()]
 
 
@@ -308,9 +296,7 @@ def finite_state(params: list, optimizer) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in params + state)
 
 
-# ---------------------------------------------------------------------------------------------
-# Timing
-# ---------------------------------------------------------------------------------------------
+# --- Timing ------------------------------------------------------------------------------------
 
 @dataclass
 class Settings:
@@ -325,21 +311,17 @@ class Settings:
     gpu_min_block: int = 20
     profile_steps: int = 10    # GPU steps under torch.profiler per contender
     roof_reps: int = 10
-    host_calls: int = 400      # --host-only: calls per round on the MLP (a tenth, >= 40, else)
 
 
 QUICK = dict(mode="quick", min_rounds=3, max_rounds=15, budget_s=3.0, block_s=0.001,
-             max_block=20, gpu_min_block=10, profile_steps=3, roof_reps=4, host_calls=200)
+             max_block=20, gpu_min_block=10, profile_steps=3, roof_reps=4)
 
 
 def time_group(contenders: list, device: torch.device, settings: Settings, log) -> int:
-    """``settings.warmup`` (at least one) untimed steps of every contender, the last one's wall
-    time kept as the estimate that sizes its blocks, then interleaved rounds
-    (:func:`harness.interleave`), each running one block of every contender: on CPU each step
-    timed (wall = host); on a GPU the host time of each step without synchronizing and the
-    wall time of the whole block between two synchronizations (the steps pipelined, as in
-    training), per step. A contender whose step raises keeps the error and sits out the
-    remaining rounds. Returns the number of rounds."""
+    """The warm-up steps of every contender (the last one's time sizes its blocks), then
+    interleaved rounds of one block of every contender (:func:`harness.interleave`; how each
+    is timed: benchmarks/README.md, ``step``). A contender whose step raises keeps the error
+    and sits out the remaining rounds. Returns the number of rounds."""
     errors = {c: c.error for c in contenders if c.error}
 
     def interleave(rounds: int, run) -> None:
@@ -410,18 +392,14 @@ def summarize_gpu_events(events, steps: int) -> dict:
                 or evt.name.startswith("Optimizer."):
             continue
         name = evt.name.lower()
-        kind = "memcpy" if name.startswith("memcpy") else \
-            "memset" if name.startswith("memset") else "kernel"
-        kinds[kind] += 1
+        kinds[next((k for k in ("memcpy", "memset") if name.startswith(k)), "kernel")] += 1
         device_us += evt.time_range.elapsed_us()
     return {"device_ms": device_us / 1e3 / steps,
             "gpu_activities_per_step": sum(kinds.values()) / steps,
             **{f"gpu_{k}s_per_step": v / steps for k, v in kinds.items()}}
 
 
-# ---------------------------------------------------------------------------------------------
-# Records
-# ---------------------------------------------------------------------------------------------
+# --- Records -----------------------------------------------------------------------------------
 
 def record_of(c: Contender, group: dict, device: torch.device, dtype: torch.dtype) -> dict:
     """The JSON record of one contender in one group (ratios filled in later)."""
@@ -494,21 +472,17 @@ def add_floor_ratios(r: dict, peer: dict, floors: dict) -> None:
         r["ratio_to_floor_spread"] = r["wall_ms_q25"] / streams["wall_ms_q75"]
 
 
-# ---------------------------------------------------------------------------------------------
-# The run
-# ---------------------------------------------------------------------------------------------
+# --- The run -----------------------------------------------------------------------------------
 
 def run_layout(device, choice, dtype, thread_counts, emcl_backends, args, settings, roofs, log):
     """Every contender on one layout and dtype, at every thread count; returns the records."""
     name, shapes, source = layout_shapes(choice)
     numel = numel_of(shapes)
     dname = {v: k for k, v in common.DTYPE_NAMES.items()}[dtype]
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    params = make_params(shapes, dtype, device, gen)
+    params = make_params(shapes, dtype, device, torch.Generator(device=device).manual_seed(0))
     backends = [b for b in emcl_backends if b != "reference" or numel <= REFERENCE_CAP]
     log(f"   {name} ({len(shapes)} tensors, {numel:,} elements, {source}) {dname}")
-    contenders, errors = make_contenders(params, backends, log)
-    contenders += floor_contenders(numel, dtype, device)
+    contenders = make_contenders(params, backends, log) + floor_contenders(numel, dtype, device)
     records = []
     for threads in thread_counts:
         if threads is not None:
@@ -516,19 +490,17 @@ def run_layout(device, choice, dtype, thread_counts, emcl_backends, args, settin
         load_before = common.load_average()
         rounds = time_group(contenders, device, settings, log)
         profile = {}
-        if device.type == "cuda":
-            for c in (c for c in contenders if not c.error):
-                try:
-                    profile[c.name] = gpu_activities(c, device, settings.profile_steps)
-                except Exception as exc:  # noqa: BLE001 - the timings stand without it
-                    log(f"      (profiler failed for {c.name}: {type(exc).__name__}: {exc})")
-        roof = roofs.get(torch.get_num_threads())
+        for c in (c for c in contenders if device.type == "cuda" and not c.error):
+            try:
+                profile[c.name] = gpu_activities(c, device, settings.profile_steps)
+            except Exception as exc:  # noqa: BLE001 - the timings stand without it
+                log(f"      (profiler failed for {c.name}: {type(exc).__name__}: {exc})")
+        roof = roofs.get(torch.get_num_threads()) or {}
         group = {"threads": torch.get_num_threads(), "layout": name, "layout_source": source,
                  "n_tensors": len(shapes), "numel": numel, "dtype": dname,
                  "load_average_before": load_before, "load_average_after": common.load_average(),
-                 "group_rounds": rounds,
-                 "roof_gbps": roof["roof_gbps"] if roof else None,
-                 "copy_gbps": roof["copy_gbps"] if roof else None}
+                 "group_rounds": rounds, "roof_gbps": roof.get("roof_gbps"),
+                 "copy_gbps": roof.get("copy_gbps")}
         params_finite, new = finite_state(params, None), []
         for c in contenders:
             rec = record_of(c, group, device, dtype)
@@ -536,31 +508,14 @@ def run_layout(device, choice, dtype, thread_counts, emcl_backends, args, settin
             rec["finite"] = params_finite and finite_state([], c.optimizer)
             new.append(rec)
             c.wall, c.host, c.blocks = [], [], 0   # the samples restart at the next thread count
-        new += [{"device": device.type, **group, "contender": key,
-                 "family": "emcl" if key.startswith("emcl") else key,
-                 "backend": key[5:].split("]")[0] if key.startswith("emcl[") else None,
-                 "error": err} for key, err in errors.items()]
         add_ratios(new)
-        for r in new:
-            log(_progress_line(r))
+        log(_contender_table(new, gpu=device.type == "cuda"))
         records += new
     del contenders, params
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return records
-
-
-def _progress_line(r: dict) -> str:
-    if r.get("error"):
-        return f"      {r['contender']:<34} error: {r['error']}"
-    peer = (f", {r['ratio_to_peer']:.2f}x {r['peer']} (goal {r['goal']}: {r['verdict']})"
-            if r.get("ratio_to_peer") is not None else "")
-    gpu = (f", host {r['host_ms']:.3f} device {r['device_ms']:.3f} ms"
-           if r.get("device_ms") is not None else "")
-    return (f"      {r['threads']}t {r['contender']:<34} {r['wall_ms']:10.4f} ms "
-            f"[{r['wall_ms_q25']:.4f}, {r['wall_ms_q75']:.4f}]{peer}{gpu}"
-            f"{'' if r['finite'] else '  NOT FINITE'}")
 
 
 def run(args, argv, settings: Settings, device: torch.device, log) -> dict:
@@ -587,7 +542,6 @@ def run(args, argv, settings: Settings, device: torch.device, log) -> dict:
     for line in [f"not timed: emcl[{k}]: {v}" for k, v in skipped.items()] + \
             [f"warning: {note}" for note in result["notes"]]:
         log("   " + line)
-    roofs = {}
     for threads in () if args.no_roof else thread_counts:
         if threads is not None:
             torch.set_num_threads(threads)
@@ -597,15 +551,14 @@ def run(args, argv, settings: Settings, device: torch.device, log) -> dict:
             rotate_bytes=int(args.rotate_mb * 2 ** 20) if args.rotate_mb else None)
         log(f"   roof at {roof['threads']} thread(s): {roof['roof_gbps']:.1f} GB/s "
             f"({roof['roof_kernel']}); copy {roof['copy_gbps']:.1f} GB/s")
-        roofs[roof["threads"]] = roof
         result["roofs"].append(roof)
+    roofs = {roof["threads"]: roof for roof in result["roofs"]}
     stem = args.name or f"step_{common.utc_stamp()}_{device.type}"
-    for choice in args.layouts or LAYOUT_CHOICES:
-        for dname in args.dtypes or ("fp32", "bf16"):
-            result["records"] += run_layout(device, choice, common.DTYPE_NAMES[dname],
-                                            thread_counts, emcl_backends, args, settings,
-                                            roofs, log)
-            harness.save(result, os.path.join(args.out, stem + ".json"))
+    for choice, dname in itertools.product(args.layouts or LAYOUT_CHOICES,
+                                           args.dtypes or ("fp32", "bf16")):
+        result["records"] += run_layout(device, choice, common.DTYPE_NAMES[dname],
+                                        thread_counts, emcl_backends, args, settings, roofs, log)
+        harness.save(result, os.path.join(args.out, stem + ".json"))
     bad = [r for r in result["records"] if r.get("finite") is False]
     if bad:
         result["notes"].append(f"{len(bad)} record(s) ended with non-finite parameters or "
@@ -613,7 +566,7 @@ def run(args, argv, settings: Settings, device: torch.device, log) -> dict:
     # A step whose bytes fit in the last-level cache may beat the memory roof; one that
     # streams several caches' worth cannot.
     llc = common.last_level_cache_bytes(device)
-    above = [r for r in result["records"] if r.get("ratio_to_roof") and r["ratio_to_roof"] > 1.0
+    above = [r for r in result["records"] if (r.get("ratio_to_roof") or 0) > 1.0
              and r["bytes_per_element"] * r["numel"] >= 4 * llc]
     if above:
         result["notes"].append(f"BUG: {len(above)} step(s) that stream more than 4 x the "
@@ -624,77 +577,7 @@ def run(args, argv, settings: Settings, device: torch.device, log) -> dict:
                           table=lambda res: tables(res, source=res["paths"]["json"]))
 
 
-# ---------------------------------------------------------------------------------------------
-# --host-only: the host's part of a step
-# ---------------------------------------------------------------------------------------------
-
-def host_times(choice: str, device: torch.device, settings: Settings, backend: str,
-               seed: int) -> dict:
-    """The host time of ``step()`` (µs per call) on layout ``choice`` in fp32, the backend's
-    ``step`` a no-op while timed, with the same and with changing gradients (the record:
-    benchmarks/README.md, ``--host-only``)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    params = make_params(layout_shapes(choice)[1], torch.float32, device, gen)
-    pool = [[p.grad for p in params]] + [
-        [torch.randn(p.shape, generator=gen, device=device).mul_(GRAD_SCALE) for p in params]
-        for _ in range(2)]
-    sets = itertools.cycle(pool)
-    opt = FusedEMCLOptimizer(params, meta_every=1, backend=backend)
-    opt.step()
-
-    def assign():
-        for p, g in zip(params, next(sets)):
-            p.grad = g
-
-    def changing():
-        assign()
-        opt.step()
-    calls = settings.host_calls if choice == "mlp" else max(40, settings.host_calls // 10)
-    fns = {"same": opt.step, "changing": changing, "assign": assign}
-
-    def median_us(key: str, _) -> float:
-        if key == "same":
-            for p, g in zip(params, pool[0]):
-                p.grad = g
-        # host time on any device: time_calls' CPU clock, perf_counter around each call
-        return statistics.median(timing.time_calls([fns[key]] * calls, torch.device("cpu"))) * 1e6
-    kernels = opt._runtime.plans[0].backend
-    real, kernels.step = kernels.step, (lambda *a, **k: None)
-    rounds = {key: [] for key in fns}
-    try:
-        for _, _, key, us in harness.interleave(list(fns), settings.min_rounds, median_us):
-            rounds[key].append(us)
-    finally:
-        kernels.step = real
-    median = {k: statistics.median(v) for k, v in rounds.items()}
-    return {"same_grads_us": median["same"],
-            "changing_grads_us": median["changing"] - median["assign"],
-            "same_grads_fastest_us": min(rounds["same"]),
-            "changing_grads_fastest_us": min(rounds["changing"]) - min(rounds["assign"]),
-            **{f"{k}_rounds_us": v for k, v in rounds.items()}}
-
-
-def run_host_only(args, argv, settings: Settings, device: torch.device) -> dict:
-    """``--host-only``: :func:`host_times` per layout, written to ``OUT/host_*.json``."""
-    torch.set_num_threads((args.threads or [1])[0])
-    backend = (args.backends or ["auto"])[0]
-    result = harness.head("step", argv, device, schema=HOST_SCHEMA, note=args.note)
-    result.update(backend=backend, threads=torch.get_num_threads(), rounds=settings.min_rounds,
-                  load_before=common.load_average(), layouts={})
-    for choice in args.layouts or ("mlp", "many"):
-        result["layouts"][choice] = host_times(choice, device, settings, backend, args.seed)
-    result["load_after"] = common.load_average()
-    keys = ("same_grads_us", "changing_grads_us", "same_grads_fastest_us",
-            "changing_grads_fastest_us")
-    return harness.finish(
-        result, args.out, args.name or f"host_{common.utc_stamp()}_{device.type}",
-        table=lambda res: harness.table(["layout", *keys], [
-            (name, *(r[k] for k in keys)) for name, r in res["layouts"].items()]))
-
-
-# ---------------------------------------------------------------------------------------------
-# Output: the tables (the terminal's at the end of a run, docs/performance.md's from a file)
-# ---------------------------------------------------------------------------------------------
+# --- Output: the tables (the terminal's at the end of a run, docs/performance.md's from a file) ---
 
 BASELINE_TITLES = {"adam_fused": "Adam fused", "adam_fused_checked": "Adam fused, checked",
                    "adam_fused_scaler": "Adam fused + GradScaler", "adam_foreach": "Adam foreach",
@@ -815,19 +698,19 @@ def tables(result: dict, *, backends=None, layouts=None, dtypes=None, source: st
     for threads in dict.fromkeys(r["threads"] for r in recs):
         sub = [r for r in recs if r["threads"] == threads]
         rows = []
-        for layout in dict.fromkeys(r["layout"] for r in sub):
-            for dtype in dict.fromkeys(r["dtype"] for r in sub):
-                here = [r for r in sub if r["layout"] == layout and r["dtype"] == dtype]
-                if not here:
-                    continue
-                cells = [layout, dtype] + [
-                    _summary_cell(next((r for r in here if r["family"] == b), None), True)
-                    for b in BASELINES[:3]]
-                cells += [_summary_cell(next((r for r in here if r["family"] == "emcl"
-                                              and r.get("backend") == backend
-                                              and _pair_key(r) == key), None), False)
-                          for backend in emcl_backends for key in PEER_TITLES]
-                rows.append(cells + ([_floor_cell(here)] if floors else []))
+        for layout, dtype in itertools.product(dict.fromkeys(r["layout"] for r in sub),
+                                               dict.fromkeys(r["dtype"] for r in sub)):
+            here = [r for r in sub if r["layout"] == layout and r["dtype"] == dtype]
+            if not here:
+                continue
+            cells = [layout, dtype] + [
+                _summary_cell(next((r for r in here if r["family"] == b), None), True)
+                for b in BASELINES[:3]]
+            cells += [_summary_cell(next((r for r in here if r["family"] == "emcl"
+                                          and r.get("backend") == backend
+                                          and _pair_key(r) == key), None), False)
+                      for backend in emcl_backends for key in PEER_TITLES]
+            rows.append(cells + ([_floor_cell(here)] if floors else []))
         title = f"{threads} thread(s)" if result["device"] == "cpu" else result["device_name"]
         lines += ["", f"*{title}*", "", _markdown(head, rows)]
     errors = {(r["contender"], r["error"]) for r in recs if r.get("error")}
@@ -867,8 +750,7 @@ def plot(result: dict, path: str) -> None:
     dtypes = list(dict.fromkeys(r["dtype"] for r in recs))
     layouts = list(dict.fromkeys(r["layout"] for r in recs))
     peer = {r["contender"]: r["peer"] for r in recs}
-    names = list(peer)
-    width, height = 0.8 / len(names), 4.0 * len(threads) + 1.2
+    width, height = 0.8 / len(peer), 4.0 * len(threads) + 1.2
     title = (f"EMCL's step over its peer's on {result['device_name']} "
              f"({result['settings']['mode']} run, {result['created_utc']})")
     with harness.figure(path, title, nrows=len(threads), ncols=len(dtypes), legend=4,
@@ -876,7 +758,7 @@ def plot(result: dict, path: str) -> None:
                         rect=(0, 0.8 / height, 1, 1 - 0.4 / height)) as axes:
         for (i, t), (j, dt) in itertools.product(enumerate(threads), enumerate(dtypes)):
             ax = axes[i][j]
-            for k, name in enumerate(names):
+            for k, name in enumerate(peer):
                 mine = {r["layout"]: r for r in recs
                         if (r["threads"], r["dtype"], r["contender"]) == (t, dt, name)}
                 xs = [x for x, lay in enumerate(layouts) if lay in mine]
@@ -898,18 +780,17 @@ def main(argv: Optional[list] = None) -> dict:
     """Run the benchmark; return the results dict (also written to ``--out``)."""
     p = harness.parser("step", __doc__, "device", "threads", "out", "name", "note", "quick",
                        "plot", "quiet", many_threads=True,
-                       threads_default="on CPU: 1 2; on a GPU: torch's; --host-only: 1",
+                       threads_default="on CPU: 1 2; on a GPU: torch's",
                        quick="fewer rounds and warm-up steps")
     p.add_argument("--layouts", nargs="+", default=None, choices=LAYOUT_CHOICES,
-                   help="default: every one (--table: every one in the file; --host-only: "
-                        "mlp many)")
+                   help="default: every one (--table: every one in the file)")
     p.add_argument("--dtypes", nargs="+", default=None, choices=["fp32", "bf16"],
                    help="default: both (--table: every one in the file)")
     p.add_argument("--backends", nargs="+", default=None,
                    help="EMCL backends (default: every one available on the device; --table: "
-                        "every one in the file; --host-only: the first, default auto)")
+                        "every one in the file)")
     p.add_argument("--rounds", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
-                   help="rounds per group (full 5 60, quick 3 15; --host-only: MIN)")
+                   help="rounds per group (full 5 60, quick 3 15)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds of rounds per group, about (full 20, quick 3)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per contender")
@@ -920,10 +801,6 @@ def main(argv: Optional[list] = None) -> dict:
                    help="MiB of the roof's rotated tensor sets per size (default: 4 x the "
                         "last-level cache)")
     p.add_argument("--no-roof", action="store_true", help="skip the roof measurement")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--host-only", action="store_true",
-                   help="the host's part of step() alone, the backend's kernels a no-op, fp32, "
-                        "same and changing gradients (host_<stamp>_<device>.json)")
     p.add_argument("--table", nargs="*", metavar="RESULTS_JSON", default=None,
                    help="print the tables of these results files (none: the newest "
                         "benchmarks/results/step_*.json) and exit; --backends, --layouts and "
@@ -935,18 +812,12 @@ def main(argv: Optional[list] = None) -> dict:
                             for source, result in harness.load_results(args.table, "step", SCHEMA))
         print(text)
         return {"table": text}
+    given = {"budget_s": args.budget, "warmup": args.warmup,
+             **dict(zip(("min_rounds", "max_rounds"), args.rounds or ()))}
     settings = Settings(**(QUICK if args.quick else {}))
-    if args.rounds:
-        settings.min_rounds, settings.max_rounds = args.rounds
-        if not 1 <= settings.min_rounds <= settings.max_rounds:
-            raise SystemExit("--rounds: need 1 <= MIN <= MAX")
-    if args.budget is not None:
-        settings.budget_s = args.budget
-    if args.warmup is not None:
-        settings.warmup = args.warmup
+    settings = dataclasses.replace(settings, **{k: v for k, v in given.items() if v is not None})
+    if not 1 <= settings.min_rounds <= settings.max_rounds:
+        raise SystemExit("--rounds: need 1 <= MIN <= MAX")
     log = (lambda *_: None) if args.quiet else (lambda msg: print(msg, flush=True))
     with harness.threads(None):
-        device = harness.device_of(args.device)
-        if args.host_only:
-            return run_host_only(args, argv, settings, device)
-        return run(args, argv, settings, device, log)
+        return run(args, argv, settings, harness.device_of(args.device), log)
