@@ -184,24 +184,6 @@ def scaler_step(optimizer, device: torch.device) -> Callable[[], object]:
     return step
 
 
-def torch_check_missing(params: list) -> Optional[str]:
-    """Why torch's finite check (``torch._amp_foreach_non_finite_check_and_unscale_``, what a
-    ``GradScaler`` runs) cannot check these gradients, or None where it can (on CUDA torch 2.11
-    has no bf16 kernel for it)."""
-    if not params:
-        return None
-    probe = torch.ones(1, dtype=params[0].dtype, device=params[0].device)
-    found = torch.zeros((), dtype=torch.float32, device=probe.device)
-    inv = torch.ones((), dtype=torch.float32, device=probe.device)
-    try:
-        torch._amp_foreach_non_finite_check_and_unscale_([probe], found, inv)
-    except (NotImplementedError, RuntimeError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return (f"not timed: torch's finite check has no kernel for {probe.dtype} gradients "
-                f"on {probe.device.type} ({first})")
-    return None
-
-
 # torch's optimizers: (name, class, settings); Adam fused is also stepped as the checked and
 # the GradScaler peer
 TORCH_OPTIMIZERS = (("adam_fused", torch.optim.Adam, {"lr": 1e-3, "fused": True}),
@@ -213,9 +195,8 @@ SCALER = {"grad_scaler": "default"}
 
 def make_contenders(params: list, emcl_backends: list, log) -> list:
     """torch's optimizers and, per EMCL backend, its contenders (which they are:
-    benchmarks/README.md, ``step``). A constructor that raises is a contender with its error
-    (not timed), and so is each contender through torch's finite check where torch has no
-    kernel for it (:func:`torch_check_missing`)."""
+    benchmarks/README.md, ``step``); a constructor that raises is a contender with its error,
+    not timed."""
     out = []
     device = params[0].device if params else torch.device("cpu")
 
@@ -255,12 +236,6 @@ def make_contenders(params: list, emcl_backends: list, log) -> list:
             out.append(Contender(f"emcl[{backend}] step() scaler", "emcl",
                                  scaler_step(opt, device), "emcl_step", scaler=True,
                                  settings={**settings, **SCALER}, **mine))
-    no_check = torch_check_missing(params)
-    if no_check:
-        log(f"      adam_fused_checked and every GradScaler contender: {no_check}")
-        for c in out:
-            if c.scaler or "finite_check" in c.settings:
-                c.error = no_check
     return out
 
 
@@ -318,40 +293,32 @@ QUICK = dict(mode="quick", min_rounds=3, max_rounds=15, budget_s=3.0, block_s=0.
 
 
 def time_group(contenders: list, device: torch.device, settings: Settings, log) -> int:
-    """The warm-up steps of every contender (the last one's time sizes its blocks), then
-    interleaved rounds of one block of every contender (:func:`harness.interleave`; how each
-    is timed: benchmarks/README.md, ``step``). A contender whose step raises keeps the error
-    and sits out the remaining rounds. Returns the number of rounds."""
+    """Warm-up rounds of one step of every contender (the last one's time sizes its blocks),
+    then interleaved rounds of one block of every contender (:func:`harness.interleave`; how
+    each is timed: benchmarks/README.md, ``step``). A contender whose step raises keeps the
+    error and sits out the remaining rounds. Returns the number of timed rounds."""
     errors = {c: c.error for c in contenders if c.error}
 
-    def interleave(rounds: int, run) -> None:
-        harness.interleave(contenders, rounds, lambda c, _: run(c), errors=errors,
-                           log=lambda msg: log("      " + msg))
-        for c, error in errors.items():
-            c.error = error
-
-    def warm(c: Contender) -> None:
-        for _ in range(max(1, settings.warmup)):
-            c.estimate_s = timing.time_once(c.fn, device)
-            c.steps += 1
-
-    def block(c: Contender) -> None:
-        fn, secs = c.fn, []
+    def run(c: Contender, steps: int, timed: bool) -> None:
+        """``steps`` steps of ``c`` back to back between two synchronizations."""
         timing.synchronize(device)
         start = time.perf_counter()
-        for _ in range(c.block):
-            t0 = time.perf_counter()
-            fn()
-            secs.append(time.perf_counter() - t0)
+        host = timing.time_calls([c.fn] * steps, torch.device("cpu"))   # each call, no sync
         timing.synchronize(device)
-        if device.type == "cuda":
-            c.wall.append((time.perf_counter() - start) / c.block)
-        else:
-            c.wall.extend(secs)
-        c.host.extend(secs)
-        c.blocks += 1
-        c.steps += c.block
-    interleave(1, warm)
+        c.estimate_s = (time.perf_counter() - start) / steps
+        c.steps += steps
+        if timed:   # wall: on CPU every step, on a GPU the block's (the steps pipelined)
+            c.wall += host if device.type == "cpu" else [c.estimate_s]
+            c.host += host
+            c.blocks += 1
+
+    def interleave(rounds: int, steps: Optional[int]) -> int:
+        harness.interleave(contenders, rounds, lambda c, _: run(c, steps or c.block, not steps),
+                           errors=errors, log=lambda msg: log("      " + msg))
+        for c, error in errors.items():
+            c.error = error
+        return rounds
+    interleave(max(1, settings.warmup), 1)
     alive = [c for c in contenders if not c.error]
     if not alive:
         return 0
@@ -359,10 +326,9 @@ def time_group(contenders: list, device: torch.device, settings: Settings, log) 
     for c in alive:
         c.block = int(max(lo, min(settings.max_block,
                                   -(-settings.block_s // max(c.estimate_s, 1e-7)))))
-    rounds = timing.repeats_for(sum(c.block * c.estimate_s for c in alive), settings.budget_s,
-                                settings.min_rounds, settings.max_rounds)
-    interleave(rounds, block)
-    return rounds
+    return interleave(timing.repeats_for(sum(c.block * c.estimate_s for c in alive),
+                                         settings.budget_s, settings.min_rounds,
+                                         settings.max_rounds), None)
 
 
 def gpu_activities(c: Contender, device: torch.device, steps: int) -> dict:
@@ -640,11 +606,11 @@ def _markdown(head: list, rows: list) -> str:
 
 def _summary_cell(r: Optional[dict], baseline: bool) -> str:
     """A baseline's "ms [quartiles]", or an EMCL row's ratio to its peer and verdict; "n/a"
-    where torch cannot run the contender, "error" where it failed, "-" where it is absent."""
+    where torch has no kernel for the contender, "error" where it failed, "-" where absent."""
     if r is None:
         return "-"
     if r.get("error"):
-        return "n/a" if r["error"].startswith("not timed") else "error"
+        return "n/a" if r["error"].startswith(("not timed", "NotImplementedError")) else "error"
     if baseline:
         return f"{r['wall_ms']:.3g} [{r['wall_ms_q25']:.3g}-{r['wall_ms_q75']:.3g}]"
     if r.get("ratio_to_peer") is None:

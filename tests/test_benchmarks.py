@@ -1137,29 +1137,36 @@ def test_training_benchmark_rejects_missing_methods():
         bench_training.main(["--methods", "nope"])
 
 
-def test_step_contenders_without_torchs_finite_check_are_named_not_timed(monkeypatch):
+def test_step_contenders_torch_cannot_check_are_recorded_not_timed(monkeypatch):
     """Where torch's finite check has no kernel for the gradients' dtype (bf16 on CUDA in torch
-    2.11), the checked and GradScaler contenders are recorded as not timed, with the reason;
-    the others are built as usual."""
-    params = [torch.nn.Parameter(torch.randn(5, 3))]
-    names = lambda cs: sorted(c.name for c in cs)  # noqa: E731
-    assert bench_step.torch_check_missing(params) is None
-    with_check = bench_step.make_contenders(params, ["reference"], lambda m: None)
-    assert not any(c.error for c in with_check) and "adam_fused_checked" in names(with_check)
+    2.11), the checked and GradScaler contenders fail on their first step with torch's error,
+    which they keep (a table shows them as n/a); the others are timed as usual."""
+    params = bench_step.make_params([(5, 3), (7,)], torch.float32, torch.device("cpu"),
+                                    torch.Generator().manual_seed(0))
 
     def no_kernel(grads, found_inf, inv_scale):
         raise NotImplementedError('"_amp_foreach_non_finite_check_and_unscale_cuda" not '
                                   "implemented for 'BFloat16'")
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", no_kernel)
-    why = bench_step.torch_check_missing(params)
-    assert "no kernel for torch.float32 gradients on cpu" in why and "BFloat16" in why
-    lines = []
-    out = bench_step.make_contenders(params, ["reference"], lines.append)
-    errors = {c.name: c.error for c in out if c.error}
+    contenders = bench_step.make_contenders(params, ["reference"], lambda m: None)
+    settings = bench_step.Settings(**bench_step.QUICK)
+    settings.min_rounds = settings.max_rounds = 1
+    settings.block_s, settings.warmup = 0.0, 1
+    assert bench_step.time_group(contenders, torch.device("cpu"), settings, lambda m: None) == 1
+    errors = {c.name: c.error for c in contenders if c.error}
     assert sorted(errors) == ["adam_fused_checked", "adam_fused_scaler",
                               "emcl[reference] step() scaler"]
-    assert set(errors.values()) == {why} and any(why in line for line in lines)
-    assert names(out) == names(with_check)
+    assert all(e.startswith("NotImplementedError") and "BFloat16" in e for e in errors.values())
+    assert all(c.blocks == 1 for c in contenders if not c.error) and len(contenders) == 10
+    records = [bench_step.record_of(c, {"numel": 111, "threads": 1, "layout": "x",
+                                        "dtype": "fp32"}, torch.device("cpu"), torch.float32)
+               for c in contenders]
+    bench_step.add_ratios(records)
+    cells = {r["contender"]: bench_step._summary_cell(r, r["family"] != "emcl") for r in records}
+    assert [cells[n] for n in sorted(errors)] == ["n/a"] * 3
+    assert cells["adam_fused"].endswith("]")
+    assert re.match(r"\d+\.\d\dx \(", cells["emcl[reference] step() nocheck"])
+    assert cells["emcl[reference] step()"].endswith("ms (no peer)")    # its peer is not timed
 
 
 # ---------------------------------------------------------------------------------------------
