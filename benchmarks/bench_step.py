@@ -1,18 +1,11 @@
 """Optimizer-step benchmark: ``FusedEMCLOptimizer.step()`` against torch's own optimizers, host
 time included, on the MLP, ResNet-18, 1,000 x 4,096 and GPT-2-124M layouts.
 
-    python -m benchmarks step             # the GPU if there is one, else the CPU (1, 2 threads)
-    python -m benchmarks step --quick              # fewer rounds (a few minutes on 2 cores)
-    python -m benchmarks step --device cuda --out benchmarks/results
-    python -m benchmarks step --layouts mlp resnet18 --dtypes fp32 --threads 1
-    python -m benchmarks step --table benchmarks/results/step_epyc-2core.json --backends cpu
-
-The contenders, their SPEC section 7 peers and goals (:data:`PEERS`), how each is timed and every
-field of a record: benchmarks/README.md, ``step``.
+Its commands, the contenders, their SPEC section 7 peers and goals (:data:`PEERS`), how each is
+timed and every field of a record: benchmarks/README.md, ``step``.
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
 import os
@@ -488,10 +481,8 @@ def run(args, argv, settings: Settings, device: torch.device, log) -> dict:
     """The benchmark: the roof at every thread count, then every layout and dtype; the
     results file saved after every group, so that a run cut short keeps its groups."""
     started = time.perf_counter()
-    if device.type == "cuda":
-        thread_counts = [None] if args.threads is None else args.threads[:1]
-    else:
-        thread_counts = args.threads or [1, 2]
+    # on a GPU one thread count (torch's by default), on CPU each in turn
+    thread_counts = (args.threads or [None])[:1] if device.type == "cuda" else args.threads or [1, 2]
     emcl_backends, skipped = common.backends_for(device, only=args.backends)
     if not emcl_backends:
         raise SystemExit(f"no EMCL backend to time on {device}: " +
@@ -529,14 +520,6 @@ def run(args, argv, settings: Settings, device: torch.device, log) -> dict:
     if bad:
         result["notes"].append(f"{len(bad)} record(s) ended with non-finite parameters or "
                                "state: their timings may be distorted")
-    # A step whose bytes fit in the last-level cache may beat the memory roof; one that
-    # streams several caches' worth cannot.
-    llc = common.last_level_cache_bytes(device)
-    above = [r for r in result["records"] if (r.get("ratio_to_roof") or 0) > 1.0
-             and r["bytes_per_element"] * r["numel"] >= 4 * llc]
-    if above:
-        result["notes"].append(f"BUG: {len(above)} step(s) that stream more than 4 x the "
-                               "last-level cache ran above the memory roof: find why")
     result["wall_time_s"] = time.perf_counter() - started
     result["complete"] = True
     return harness.finish(result, args.out, stem, plot=plot, no_plot=args.no_plot,
@@ -755,11 +738,9 @@ def main(argv: Optional[list] = None) -> dict:
     p.add_argument("--backends", nargs="+", default=None,
                    help="EMCL backends (default: every one available on the device; --table: "
                         "every one in the file)")
-    p.add_argument("--rounds", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
-                   help="rounds per group (full 5 60, quick 3 15)")
     p.add_argument("--budget", type=float, default=None,
-                   help="seconds of rounds per group, about (full 20, quick 3)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps per contender")
+                   help="seconds of rounds per group, about (full 20, quick 3; at least 5 rounds, "
+                        "quick 3)")
     p.add_argument("--roof-mb", type=float, default=None,
                    help="MiB per tensor of the roof's largest size (default: 256 on CPU, 1 GiB on "
                         "a GPU)")
@@ -778,12 +759,9 @@ def main(argv: Optional[list] = None) -> dict:
                             for source, result in harness.load_results(args.table, "step", SCHEMA))
         print(text)
         return {"table": text}
-    given = {"budget_s": args.budget, "warmup": args.warmup,
-             **dict(zip(("min_rounds", "max_rounds"), args.rounds or ()))}
     settings = Settings(**(QUICK if args.quick else {}))
-    settings = dataclasses.replace(settings, **{k: v for k, v in given.items() if v is not None})
-    if not 1 <= settings.min_rounds <= settings.max_rounds:
-        raise SystemExit("--rounds: need 1 <= MIN <= MAX")
+    if args.budget is not None:
+        settings.budget_s = args.budget
     log = (lambda *_: None) if args.quiet else (lambda msg: print(msg, flush=True))
     with harness.threads(None):
         return run(args, argv, settings, harness.device_of(args.device), log)

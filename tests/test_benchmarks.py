@@ -898,8 +898,7 @@ def step_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("step")
     result = bench_step.main(["--quick", "--device", "cpu", "--layouts", "mlp", "--dtypes", "fp32",
                               "bf16", "--threads", "1", "--backends", "foreach", "cpu",
-                              "--rounds", "2", "2", "--warmup", "1", "--budget", "0.01",
-                              "--roof-mb", "1", "--rotate-mb", "2", "--out", str(out),
+                              "--budget", "0.001", "--roof-mb", "1", "--rotate-mb", "2", "--out", str(out),
                               "--name", "step", "--quiet"])
     return result, out
 
@@ -984,8 +983,8 @@ def test_step_records_are_consistent(step_run):
         assert r["finite"] is True
         assert r["wall_ms_min"] <= r["wall_ms_q25"] <= r["wall_ms"] <= r["wall_ms_q75"]
         assert r["host_ms"] == r["wall_ms"]          # on CPU the whole step is host work
-        assert r["rounds"] == 2 and r["samples"] == 2 * r["steps_per_block"]
-        assert r["steps_taken"] >= 1 + r["samples"]     # warm-up, timed
+        assert r["rounds"] == 3 and r["samples"] == 3 * r["steps_per_block"]   # quick's least
+        assert r["steps_taken"] == 2 + r["samples"]     # warm-up, timed
         assert r["device_ms"] is None and r["gpu_activities_per_step"] is None
         assert r["gbps"] == pytest.approx(r["bytes_per_element"] * r["numel"] / r["wall_ms"] / 1e6)
         assert r["roof_gbps"] == result["roofs"][0]["roof_gbps"]
@@ -1062,7 +1061,7 @@ def test_a_table_of_another_benchmarks_file_is_refused(step_run):
 def test_step_script_runs_from_the_command_line(tmp_path):
     cmd = [sys.executable, "-m", "benchmarks", "step", "--quick",
            "--device", "cpu", "--layouts", "mlp", "--dtypes", "fp32", "--threads", "1",
-           "--backends", "foreach", "--rounds", "1", "1", "--warmup", "1", "--budget", "0.001",
+           "--backends", "foreach", "--budget", "0.001",
            "--no-roof", "--no-plot", "--out", str(tmp_path)]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the suite finds the repo itself
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
@@ -1075,8 +1074,8 @@ def test_step_script_runs_from_the_command_line(tmp_path):
 def test_step_benchmark_writes_its_results_without_matplotlib(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)   # import matplotlib now fails
     result = bench_step.main(["--device", "cpu", "--layouts", "mlp", "--dtypes", "fp32",
-                              "--threads", "1", "--backends", "foreach", "--rounds", "1", "1",
-                              "--warmup", "1", "--budget", "0.001", "--no-roof",
+                              "--threads", "1", "--backends", "foreach", "--quick",
+                              "--budget", "0.001", "--no-roof",
                               "--out", str(tmp_path), "--name", "noplot", "--quiet"])
     assert "png" not in result["paths"] and (tmp_path / "noplot.json").exists()
     assert "no plot: matplotlib is not importable" in capsys.readouterr().out
@@ -1085,7 +1084,7 @@ def test_step_benchmark_writes_its_results_without_matplotlib(tmp_path, monkeypa
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_step_benchmark_on_the_gpu(tmp_path):
     result = bench_step.main(["--quick", "--device", "cuda", "--layouts", "mlp", "--dtypes", "fp32",
-                              "--rounds", "2", "2", "--warmup", "1", "--roof-mb", "16",
+                              "--budget", "0.01", "--roof-mb", "16",
                               "--out", str(tmp_path), "--name", "gpu", "--quiet", "--no-plot"])
     ok = [r for r in result["records"] if not r.get("error")]
     assert {"adam_fused", "adam_foreach", "sgd_foreach"} <= {r["contender"] for r in ok}
