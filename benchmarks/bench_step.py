@@ -291,6 +291,8 @@ def time_group(contenders: list, device: torch.device, settings: Settings, log) 
     each is timed: benchmarks/README.md, ``step``). A contender whose step raises keeps the
     error and sits out the remaining rounds. Returns the number of timed rounds."""
     errors = {c: c.error for c in contenders if c.error}
+    for c in contenders:    # the samples of this group only (the thread counts share contenders)
+        c.wall, c.host, c.blocks = [], [], 0
 
     def run(c: Contender, steps: int, timed: bool) -> None:
         """``steps`` steps of ``c`` back to back between two synchronizations."""
@@ -360,14 +362,18 @@ def summarize_gpu_events(events, steps: int) -> dict:
 
 # --- Records -----------------------------------------------------------------------------------
 
-def record_of(c: Contender, group: dict, device: torch.device, dtype: torch.dtype) -> dict:
-    """The JSON record of one contender in one group (ratios filled in later)."""
+def record_of(c: Contender, group: dict, device: torch.device, dtype: torch.dtype,
+              params_finite: bool = True, gpu: Optional[dict] = None) -> dict:
+    """The JSON record of one contender in one group (ratios filled in later); ``gpu``: its
+    :func:`summarize_gpu_events`."""
     rec = {"device": device.type, "device_name": common.device_name(device), **group,
            "contender": c.name, "family": c.family, "call": c.call, "backend": c.backend,
            "check_finite": c.check_finite, "grad_scaler": c.scaler, "settings": c.settings,
            "emcl_step": EMCL_STEP.get(c.bytes_kind) if c.family in ("emcl", "floor") else None,
            "bytes_per_element": bytes_per_element(c.bytes_kind, dtype),
-           "error": c.error, "steps_taken": c.steps}
+           "error": c.error, "steps_taken": c.steps, "device_ms": None,
+           "gpu_activities_per_step": None, **(gpu or {}),
+           "finite": params_finite and finite_state([], c.optimizer)}
     if c.error or not c.wall:
         return rec
     wall = timing.Stats.of(c.wall)
@@ -384,8 +390,8 @@ def record_of(c: Contender, group: dict, device: torch.device, dtype: torch.dtyp
 
 def add_ratios(records: list) -> None:
     """Within each group (device, threads, layout, dtype): every record's ``ratio_to_*``, an
-    EMCL record's ``peer``, ``goal``, ``verdict`` (SPEC section 7, :data:`PEERS`) and floor
-    ratios (:func:`add_floor_ratios`); what each means: benchmarks/README.md, ``step``."""
+    EMCL record's ``peer``, ``goal``, ``verdict`` (SPEC section 7, :data:`PEERS`) and, without
+    the check or a GradScaler, ``ratio_to_floor``; what each means: benchmarks/README.md."""
     groups = {}
     for r in records:
         groups.setdefault((r["device"], r["threads"], r["layout"], r["dtype"]), []).append(r)
@@ -413,22 +419,10 @@ def add_ratios(records: list) -> None:
             r["ratio_to_peer_spread"] = spread
             r["verdict"] = ("met" if ratio <= goal else
                             "tie" if spread is not None and spread <= goal else "missed")
-            if floors and not r.get("check_finite") and not r.get("grad_scaler"):
-                add_floor_ratios(r, p, floors)
-
-
-def add_floor_ratios(r: dict, peer: dict, floors: dict) -> None:
-    """``floor_ratio_to_peer``, ``floor``, ``ratio_to_floor`` and ``ratio_to_floor_spread``
-    of ``r`` from the floors of its step timed in its group."""
-    mine = {n: f for n, f in floors.items() if f.get("emcl_step") == r.get("emcl_step")}
-    if not mine:
-        return
-    r["floor_ratio_to_peer"] = {n: f["wall_ms"] / peer["wall_ms"] for n, f in mine.items()}
-    streams = mine.get(STREAMS_FLOOR.get(r.get("emcl_step")))
-    if streams:
-        r["floor"] = streams["contender"]
-        r["ratio_to_floor"] = r["wall_ms"] / streams["wall_ms"]
-        r["ratio_to_floor_spread"] = r["wall_ms_q25"] / streams["wall_ms_q75"]
+            floor = floors.get(STREAMS_FLOOR.get(r.get("emcl_step")))
+            if floor and not r.get("check_finite") and not r.get("grad_scaler"):
+                r.update(floor=floor["contender"], ratio_to_floor=r["wall_ms"] / floor["wall_ms"],
+                         ratio_to_floor_spread=r["wall_ms_q25"] / floor["wall_ms_q75"])
 
 
 # --- The run -----------------------------------------------------------------------------------
@@ -460,13 +454,8 @@ def run_layout(device, choice, dtype, thread_counts, emcl_backends, args, settin
                  "load_average_before": load_before, "load_average_after": common.load_average(),
                  "group_rounds": rounds, "roof_gbps": roof.get("roof_gbps"),
                  "copy_gbps": roof.get("copy_gbps")}
-        params_finite, new = finite_state(params, None), []
-        for c in contenders:
-            rec = record_of(c, group, device, dtype)
-            rec.update(profile.get(c.name, {"device_ms": None, "gpu_activities_per_step": None}))
-            rec["finite"] = params_finite and finite_state([], c.optimizer)
-            new.append(rec)
-            c.wall, c.host, c.blocks = [], [], 0   # the samples restart at the next thread count
+        finite = finite_state(params, None)
+        new = [record_of(c, group, device, dtype, finite, profile.get(c.name)) for c in contenders]
         add_ratios(new)
         log(_contender_table(new, gpu=device.type == "cuda"))
         records += new
