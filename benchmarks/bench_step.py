@@ -90,8 +90,7 @@ def make_params(shapes, dtype: torch.dtype, device: torch.device, gen) -> list:
         params.append(p)
     shared = common.overlapping([t for p in params for t in (p, p.grad)])
     if shared:
-        raise RuntimeError(f"make_params: {len(shared)} pair(s) of parameters/gradients share "
-                           "memory")
+        raise RuntimeError(f"make_params: {len(shared)} pair(s) of tensors share memory")
     return params
 
 
@@ -427,11 +426,10 @@ def add_ratios(records: list) -> None:
 
 # --- The run -----------------------------------------------------------------------------------
 
-def run_layout(device, choice, dtype, thread_counts, emcl_backends, args, settings, roofs, log):
+def run_layout(device, choice, dname, thread_counts, emcl_backends, settings, roofs, log):
     """Every contender on one layout and dtype, at every thread count; returns the records."""
     name, shapes, source = layout_shapes(choice)
-    numel = numel_of(shapes)
-    dname = {v: k for k, v in common.DTYPE_NAMES.items()}[dtype]
+    numel, dtype = numel_of(shapes), common.DTYPE_NAMES[dname]
     params = make_params(shapes, dtype, device, torch.Generator(device=device).manual_seed(0))
     backends = [b for b in emcl_backends if b != "reference" or numel <= REFERENCE_CAP]
     log(f"   {name} ({len(shapes)} tensors, {numel:,} elements, {source}) {dname}")
@@ -457,12 +455,8 @@ def run_layout(device, choice, dtype, thread_counts, emcl_backends, args, settin
         finite = finite_state(params, None)
         new = [record_of(c, group, device, dtype, finite, profile.get(c.name)) for c in contenders]
         add_ratios(new)
-        log(_contender_table(new, gpu=device.type == "cuda"))
+        log("\n".join(summary_tables(new).values()))
         records += new
-    del contenders, params
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return records
 
 
@@ -493,8 +487,7 @@ def run(args, argv, settings: Settings, device: torch.device, log) -> dict:
             torch.set_num_threads(threads)
         roof = common.device_roof(
             device, settings.roof_reps, backends=emcl_backends,
-            largest=max(1, int(args.roof_mb * 2 ** 20) // 4) if args.roof_mb else None,
-            rotate_bytes=int(args.rotate_mb * 2 ** 20) if args.rotate_mb else None)
+            largest=max(1, int(args.roof_mb * 2 ** 20) // 4) if args.roof_mb else None)
         log(f"   roof at {roof['threads']} thread(s): {roof['roof_gbps']:.1f} GB/s "
             f"({roof['roof_kernel']}); copy {roof['copy_gbps']:.1f} GB/s")
         result["roofs"].append(roof)
@@ -502,16 +495,19 @@ def run(args, argv, settings: Settings, device: torch.device, log) -> dict:
     stem = args.name or f"step_{common.utc_stamp()}_{device.type}"
     for choice, dname in itertools.product(args.layouts or LAYOUT_CHOICES,
                                            args.dtypes or ("fp32", "bf16")):
-        result["records"] += run_layout(device, choice, common.DTYPE_NAMES[dname],
-                                        thread_counts, emcl_backends, args, settings, roofs, log)
+        result["records"] += run_layout(device, choice, dname, thread_counts, emcl_backends,
+                                        settings, roofs, log)
         harness.save(result, os.path.join(args.out, stem + ".json"))
+        gc.collect()     # the layout's tensors and optimizers, before the next one's
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     bad = [r for r in result["records"] if r.get("finite") is False]
     if bad:
         result["notes"].append(f"{len(bad)} record(s) ended with non-finite parameters or "
                                "state: their timings may be distorted")
     result["wall_time_s"] = time.perf_counter() - started
     result["complete"] = True
-    return harness.finish(result, args.out, stem, plot=plot, no_plot=args.no_plot,
+    return harness.finish(result, args.out, stem,
                           table=lambda res: tables(res, source=res["paths"]["json"]))
 
 
@@ -618,21 +614,35 @@ def tables(result: dict, *, backends=None, layouts=None, dtypes=None, source: st
              if l]
     roofs = "; ".join(f"{r['threads']} thread(s) {r['roof_gbps']:.1f} GB/s ({r['roof_kernel']})"
                       for r in result.get("roofs", []))
-    emcl_backends = [b for b in dict.fromkeys(r.get("backend") for r in recs
-                                              if r["family"] == "emcl") if b]
-    floors = any(r["family"] == "floor" for r in recs)
     lines = [f"**{result['device_name']}**, torch {machine.get('torch', '?')}; "
              f"{result['settings']['mode']} run of {result['created_utc']}"
              + (f", from `{source}`" if source else "") + "." + CAPTION
              + (f" 1-minute load average during the run: {min(l[0] for l in loads):.1f} to "
                 f"{max(l[0] for l in loads):.1f} on {machine.get('cpu_count', '?')} cores."
                 if loads else "")
-             + (f" Memory roof: {roofs}." if roofs else "") + (FLOOR_CAPTION if floors else "")]
+             + (f" Memory roof: {roofs}." if roofs else "")
+             + (FLOOR_CAPTION if any(r["family"] == "floor" for r in recs) else "")]
+    for threads, table in summary_tables(recs).items():
+        title = f"{threads} thread(s)" if result["device"] == "cpu" else result["device_name"]
+        lines += ["", f"*{title}*", "", table]
+    errors = {(r["contender"], r["error"]) for r in recs if r.get("error")}
+    goals = step_goals(recs)
+    lines += ([""] if goals or errors else []) + goals
+    return "\n".join(lines + [f"- {_title(n)}: {e}" for n, e in sorted(errors)])
+
+
+def summary_tables(recs: list) -> dict:
+    """Per thread count, the table of ``recs``: per layout and dtype the three Adam peers'
+    times, each EMCL backend's SPEC section 7 rows over their peers, and the floors."""
+    emcl_backends = [b for b in dict.fromkeys(r.get("backend") for r in recs
+                                              if r["family"] == "emcl") if b]
+    floors = any(r["family"] == "floor" for r in recs)
     head = ["layout", "dtype"] + [f"{BASELINE_TITLES[b]} (ms)" for b in BASELINES[:3]]
     for backend in emcl_backends:
         prefix = f"EMCL `{backend}` " if len(emcl_backends) > 1 else "EMCL "
         head += [prefix + title for title in PEER_TITLES.values()]
     head += ["floor / Adam fused"] if floors else []
+    out = {}
     for threads in dict.fromkeys(r["threads"] for r in recs):
         sub = [r for r in recs if r["threads"] == threads]
         rows = []
@@ -649,98 +659,31 @@ def tables(result: dict, *, backends=None, layouts=None, dtypes=None, source: st
                                           and _pair_key(r) == key), None), False)
                       for backend in emcl_backends for key in PEER_TITLES]
             rows.append(cells + ([_floor_cell(here)] if floors else []))
-        title = f"{threads} thread(s)" if result["device"] == "cpu" else result["device_name"]
-        lines += ["", f"*{title}*", "", _markdown(head, rows)]
-    errors = {(r["contender"], r["error"]) for r in recs if r.get("error")}
-    goals = step_goals(recs)
-    lines += ([""] if goals or errors else []) + goals
-    lines += [f"- {_title(n)}: {e}" for n, e in sorted(errors)]
-    return "\n".join(lines + ["", _contender_table(recs, gpu=result["device"] != "cpu")])
-
-
-def _contender_table(recs: list, gpu: bool) -> str:
-    """Every timed contender's times, one row each."""
-    head = ["layout", "dtype"] + ([] if gpu else ["threads"]) + ["contender", "wall ms"]
-    head += ["host ms", "device ms", "GPU activities / step"] if gpu else []
-    rows = []
-    for r in recs:
-        if r.get("error") or (gpu and r.get("device_ms") is None):
-            continue
-        cells = [r["layout"], r["dtype"]] + ([] if gpu else [str(r["threads"])])
-        cells += [_title(r["contender"]), f"{r['wall_ms']:.3g}"]
-        if gpu:
-            cells += [f"{r['host_ms']:.3g}", f"{r['device_ms']:.3g}",
-                      f"{r['gpu_activities_per_step']:.3g}"]
-        rows.append(cells + ["-" if r.get(k) is None else f"{r[k]:.2f}x"
-                             for k in ("ratio_to_adam_fused", "ratio_to_peer")])
-    return _markdown(head + ["x Adam fused", "x peer"], rows)
-
-
-def plot(result: dict, path: str) -> None:
-    """One panel per (thread count, dtype): per layout, each EMCL SPEC section 7 row's wall
-    time over its peer's, log scale, lines at the goals 1.0 and 0.8."""
-    recs = [r for r in result["records"] if r.get("ratio_to_peer")]
-    if not recs:
-        return
-    import matplotlib
-
-    threads = list(dict.fromkeys(r["threads"] for r in recs))
-    dtypes = list(dict.fromkeys(r["dtype"] for r in recs))
-    layouts = list(dict.fromkeys(r["layout"] for r in recs))
-    peer = {r["contender"]: r["peer"] for r in recs}
-    width, height = 0.8 / len(peer), 4.0 * len(threads) + 1.2
-    title = (f"EMCL's step over its peer's on {result['device_name']} "
-             f"({result['settings']['mode']} run, {result['created_utc']})")
-    with harness.figure(path, title, nrows=len(threads), ncols=len(dtypes), legend=4,
-                        size=(max(7.0, 2.2 * len(layouts)) * len(dtypes), height),
-                        rect=(0, 0.8 / height, 1, 1 - 0.4 / height)) as axes:
-        for (i, t), (j, dt) in itertools.product(enumerate(threads), enumerate(dtypes)):
-            ax = axes[i][j]
-            for k, name in enumerate(peer):
-                mine = {r["layout"]: r for r in recs
-                        if (r["threads"], r["dtype"], r["contender"]) == (t, dt, name)}
-                xs = [x for x, lay in enumerate(layouts) if lay in mine]
-                ax.bar([x - 0.4 + width * (k + 0.5) for x in xs],
-                       [mine[layouts[x]]["ratio_to_peer"] for x in xs], width,
-                       label=f"{name} / {peer[name]}",
-                       color=matplotlib.colormaps["tab20"](k % 20))
-            for goal, style in ((1.0, "-"), (0.8, ":")):
-                ax.axhline(goal, color="k", lw=1, ls=style)
-            ax.set_yscale("log")
-            ax.set_xticks(range(len(layouts)))
-            ax.set_xticklabels(layouts, fontsize=8)
-            ax.set_ylabel("wall time / peer's")
-            where = result["device"] if result["device"] == "cuda" else f"{t} thread(s)"
-            ax.set_title(f"{where}, {dt}", fontsize=10)
+        out[threads] = _markdown(head, rows)
+    return out
 
 
 def main(argv: Optional[list] = None) -> dict:
     """Run the benchmark; return the results dict (also written to ``--out``)."""
     p = harness.parser("step", __doc__, "device", "threads", "out", "name", "note", "quick",
-                       "plot", "quiet", many_threads=True,
+                       "quiet", many_threads=True,
                        threads_default="on CPU: 1 2; on a GPU: torch's",
                        quick="fewer rounds and warm-up steps")
     p.add_argument("--layouts", nargs="+", default=None, choices=LAYOUT_CHOICES,
-                   help="default: every one (--table: every one in the file)")
+                   help="default: every one")
     p.add_argument("--dtypes", nargs="+", default=None, choices=["fp32", "bf16"],
-                   help="default: both (--table: every one in the file)")
+                   help="default: both")
     p.add_argument("--backends", nargs="+", default=None,
-                   help="EMCL backends (default: every one available on the device; --table: "
-                        "every one in the file)")
+                   help="EMCL backends (default: every one available on the device)")
     p.add_argument("--budget", type=float, default=None,
-                   help="seconds of rounds per group, about (full 20, quick 3; at least 5 rounds, "
-                        "quick 3)")
+                   help="seconds of rounds per group, about (full 20, quick 3; rounds >= 5, 3)")
     p.add_argument("--roof-mb", type=float, default=None,
-                   help="MiB per tensor of the roof's largest size (default: 256 on CPU, 1 GiB on "
-                        "a GPU)")
-    p.add_argument("--rotate-mb", type=float, default=None,
-                   help="MiB of the roof's rotated tensor sets per size (default: 4 x the "
-                        "last-level cache)")
+                   help="MiB per tensor of the roof's largest size (CPU 256, GPU 1024)")
     p.add_argument("--no-roof", action="store_true", help="skip the roof measurement")
     p.add_argument("--table", nargs="*", metavar="RESULTS_JSON", default=None,
                    help="print the tables of these results files (none: the newest "
                         "benchmarks/results/step_*.json) and exit; --backends, --layouts and "
-                        "--dtypes select")
+                        "--dtypes select (default: every one in the files)")
     args = p.parse_args(argv)
     if args.table is not None:
         text = "\n\n".join(tables(result, backends=args.backends, layouts=args.layouts,

@@ -898,7 +898,7 @@ def step_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("step")
     result = bench_step.main(["--quick", "--device", "cpu", "--layouts", "mlp", "--dtypes", "fp32",
                               "bf16", "--threads", "1", "--backends", "foreach", "cpu",
-                              "--budget", "0.001", "--roof-mb", "1", "--rotate-mb", "2", "--out", str(out),
+                              "--budget", "0.001", "--roof-mb", "1", "--out", str(out),
                               "--name", "step", "--quiet"])
     return result, out
 
@@ -925,7 +925,6 @@ def test_step_run_times_every_contender_on_every_dtype(step_run):
         saved = json.load(f)
     assert saved["schema"] == bench_step.SCHEMA and saved["complete"] is True
     assert saved["records"] == json.loads(json.dumps(result["records"]))
-    assert (out / "step.png").read_bytes()[:8] == PNG_MAGIC
     emcl = [b for b in ("foreach", "cpu") if b in result["emcl_backends"]]
     expected = {"adam_fused", "adam_fused_checked", "adam_fused_scaler", "adam_foreach",
                 "sgd_foreach"} | {
@@ -1007,8 +1006,7 @@ def test_step_readme_table_comes_from_the_results_file(step_run):
     result, out = step_run
     text = bench_step.main(["--table", str(out / "step.json"), "--backends", "cpu"])["table"]
     assert result["device_name"] in text and "step.json" in text
-    summary, contenders = text.split("\n\n| layout | dtype | threads | contender |")
-    rows = [l for l in summary.splitlines() if l.startswith("| mlp")]
+    rows = [l for l in text.splitlines() if l.startswith("| mlp")]
     assert len(rows) == 2
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
@@ -1034,16 +1032,6 @@ def test_step_readme_table_comes_from_the_results_file(step_run):
     assert "emcl[foreach]" not in text and "EMCL `foreach`" not in text
     assert any(l.startswith("- EMCL `cpu` `step()`") for l in text.splitlines()) or \
         "cpu" not in result["emcl_backends"]
-    # then every timed contender of the selection, one row each, with its wall time
-    timed = [r for r in result["records"] if not r.get("error")
-             and (r["family"] != "emcl" or r["backend"] == "cpu")]
-    lines = contenders.splitlines()[2:]
-    assert len(lines) == len(timed)
-    for line, r in zip(lines, timed):
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        assert cells[:3] == [r["layout"], r["dtype"], str(r["threads"])]
-        assert cells[4] == f"{r['wall_ms']:.3g}"
-        assert cells[5] == f"{r['ratio_to_adam_fused']:.2f}x"
 
 
 def test_a_table_of_another_benchmarks_file_is_refused(step_run):
@@ -1056,30 +1044,20 @@ def test_step_script_runs_from_the_command_line(tmp_path):
     cmd = [sys.executable, "-m", "benchmarks", "step", "--quick",
            "--device", "cpu", "--layouts", "mlp", "--dtypes", "fp32", "--threads", "1",
            "--backends", "foreach", "--budget", "0.001",
-           "--no-roof", "--no-plot", "--out", str(tmp_path)]
+           "--no-roof", "--out", str(tmp_path)]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the suite finds the repo itself
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = list(tmp_path.glob("step_*_cpu.json"))
-    assert len(files) == 1 and "| Adam fused |" in proc.stdout
+    assert len(files) == 1 and "| mlp-784-100-100-10 | fp32 |" in proc.stdout
     assert json.loads(files[0].read_text())["roofs"] == []
-
-
-def test_step_benchmark_writes_its_results_without_matplotlib(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)   # import matplotlib now fails
-    result = bench_step.main(["--device", "cpu", "--layouts", "mlp", "--dtypes", "fp32",
-                              "--threads", "1", "--backends", "foreach", "--quick",
-                              "--budget", "0.001", "--no-roof",
-                              "--out", str(tmp_path), "--name", "noplot", "--quiet"])
-    assert "png" not in result["paths"] and (tmp_path / "noplot.json").exists()
-    assert "no plot: matplotlib is not importable" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_step_benchmark_on_the_gpu(tmp_path):
     result = bench_step.main(["--quick", "--device", "cuda", "--layouts", "mlp", "--dtypes", "fp32",
                               "--budget", "0.01", "--roof-mb", "16",
-                              "--out", str(tmp_path), "--name", "gpu", "--quiet", "--no-plot"])
+                              "--out", str(tmp_path), "--name", "gpu", "--quiet"])
     ok = [r for r in result["records"] if not r.get("error")]
     assert {"adam_fused", "adam_foreach", "sgd_foreach"} <= {r["contender"] for r in ok}
     for r in ok:
