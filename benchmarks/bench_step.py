@@ -35,19 +35,17 @@ REFERENCE_CAP = 2 ** 20               # EMCL's reference backend only up to this
 
 
 # --- Layouts: parameter shapes, nothing downloaded ---------------------------------------------
-
 def resnet18_shapes() -> list:
     """torchvision's ``resnet18()`` parameter shapes in its parameter order, written out from
     the architecture (tested equal to torchvision's): 62 tensors, 11,689,512 elements."""
-    shapes = [(64, 3, 7, 7), (64,), (64,)]                      # conv1, bn1
-    inplanes = 64
-    for planes in (64, 128, 256, 512):
-        for block in range(2):                                    # two BasicBlocks per stage
-            shapes += [(planes, inplanes, 3, 3), (planes,), (planes,),
-                       (planes, planes, 3, 3), (planes,), (planes,)]
-            if block == 0 and inplanes != planes:
-                shapes += [(planes, inplanes, 1, 1), (planes,), (planes,)]  # downsample
-            inplanes = planes
+    def conv_bn(cout: int, cin: int, k: int) -> list:
+        return [(cout, cin, k, k), (cout,), (cout,)]
+    shapes = conv_bn(64, 3, 7)                                    # conv1, bn1
+    for stage, planes in enumerate((64, 128, 256, 512)):          # two BasicBlocks per stage
+        inplanes = planes // 2 if stage else planes
+        shapes += conv_bn(planes, inplanes, 3) + conv_bn(planes, planes, 3)
+        shapes += conv_bn(planes, inplanes, 1) if stage else []   # the first block's downsample
+        shapes += conv_bn(planes, planes, 3) * 2                  # the second block
     return shapes + [(1000, 512), (1000,)]                        # fc
 
 
@@ -74,10 +72,6 @@ def layout_shapes(choice: str) -> tuple:
     return name, shapes(), source
 
 
-def numel_of(shapes) -> int:
-    return sum(torch.Size(shape).numel() for shape in shapes)
-
-
 def make_params(shapes, dtype: torch.dtype, device: torch.device, gen) -> list:
     """One leaf parameter per shape, θ ~ 0.1·N(0,1), each with its own gradient
     g ~ 1e-3·N(0,1) (never zeros) that stays for the whole run (no backward in the timed
@@ -95,7 +89,6 @@ def make_params(shapes, dtype: torch.dtype, device: torch.device, gen) -> list:
 
 
 # --- Contenders --------------------------------------------------------------------------------
-
 def bytes_per_element(kind: str, dtype: torch.dtype) -> int:
     """Bytes read + written per parameter element by one step of ``kind`` (``emcl_step``,
     ``emcl_inner``, ``adam``, ``sgd``, ``inner_reads``), the least any implementation of the
@@ -159,8 +152,7 @@ def checked_step(optimizer) -> Callable[[], object]:
         try:
             return optimizer.step()
         finally:
-            del optimizer.grad_scale
-            del optimizer.found_inf
+            del optimizer.grad_scale, optimizer.found_inf
     return step
 
 
@@ -176,8 +168,7 @@ def scaler_step(optimizer, device: torch.device) -> Callable[[], object]:
     return step
 
 
-# torch's optimizers: (name, class, settings); Adam fused is also stepped as the checked and
-# the GradScaler peer
+# torch's optimizers (name, class, settings); Adam fused also as the checked and GradScaler peers
 TORCH_OPTIMIZERS = (("adam_fused", torch.optim.Adam, {"lr": 1e-3, "fused": True}),
                     ("adam_foreach", torch.optim.Adam, {"lr": 1e-3, "foreach": True}),
                     ("sgd_foreach", torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9,
@@ -264,7 +255,6 @@ def finite_state(params: list, optimizer) -> bool:
 
 
 # --- Timing ------------------------------------------------------------------------------------
-
 @dataclass
 class Settings:
     """How hard to measure: the full run's defaults, :data:`QUICK` for ``--quick``."""
@@ -325,15 +315,20 @@ def time_group(contenders: list, device: torch.device, settings: Settings, log) 
                                          settings.max_rounds), None)
 
 
-def gpu_activities(c: Contender, device: torch.device, steps: int) -> dict:
-    """:func:`summarize_gpu_events` of ``steps`` steps of ``c`` under ``torch.profiler``."""
+def gpu_activities(c: Contender, device: torch.device, steps: int, log) -> dict:
+    """:func:`summarize_gpu_events` of ``steps`` steps of ``c`` under ``torch.profiler`` (none
+    where the profiler fails: the timings stand without it)."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            c.fn()
+    try:
         torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                c.fn()
+            torch.cuda.synchronize(device)
+    except Exception as exc:  # noqa: BLE001 - recorded as no activities
+        log(f"      (profiler failed for {c.name}: {type(exc).__name__}: {exc})")
+        return {}
     c.steps += steps
     return summarize_gpu_events(prof.events(), steps)
 
@@ -360,7 +355,6 @@ def summarize_gpu_events(events, steps: int) -> dict:
 
 
 # --- Records -----------------------------------------------------------------------------------
-
 def record_of(c: Contender, group: dict, device: torch.device, dtype: torch.dtype,
               params_finite: bool = True, gpu: Optional[dict] = None) -> dict:
     """The JSON record of one contender in one group (ratios filled in later); ``gpu``: its
@@ -412,12 +406,8 @@ def add_ratios(records: list) -> None:
                       "ratio_to_peer_min": r.get(f"ratio_to_{name}_min"), "verdict": None})
             if ratio is None:
                 continue
-            p = base[name]
-            spread = (r["wall_ms_q25"] / p["wall_ms_q75"]
-                      if r.get("wall_ms_q25") and p.get("wall_ms_q75") else None)
-            r["ratio_to_peer_spread"] = spread
-            r["verdict"] = ("met" if ratio <= goal else
-                            "tie" if spread is not None and spread <= goal else "missed")
+            spread = r["ratio_to_peer_spread"] = r["wall_ms_q25"] / base[name]["wall_ms_q75"]
+            r["verdict"] = "met" if ratio <= goal else "tie" if spread <= goal else "missed"
             floor = floors.get(STREAMS_FLOOR.get(r.get("emcl_step")))
             if floor and not r.get("check_finite") and not r.get("grad_scaler"):
                 r.update(floor=floor["contender"], ratio_to_floor=r["wall_ms"] / floor["wall_ms"],
@@ -425,11 +415,10 @@ def add_ratios(records: list) -> None:
 
 
 # --- The run -----------------------------------------------------------------------------------
-
 def run_layout(device, choice, dname, thread_counts, emcl_backends, settings, roofs, log):
     """Every contender on one layout and dtype, at every thread count; returns the records."""
     name, shapes, source = layout_shapes(choice)
-    numel, dtype = numel_of(shapes), common.DTYPE_NAMES[dname]
+    numel, dtype = sum(torch.Size(s).numel() for s in shapes), common.DTYPE_NAMES[dname]
     params = make_params(shapes, dtype, device, torch.Generator(device=device).manual_seed(0))
     backends = [b for b in emcl_backends if b != "reference" or numel <= REFERENCE_CAP]
     log(f"   {name} ({len(shapes)} tensors, {numel:,} elements, {source}) {dname}")
@@ -440,12 +429,8 @@ def run_layout(device, choice, dname, thread_counts, emcl_backends, settings, ro
             torch.set_num_threads(threads)
         load_before = common.load_average()
         rounds = time_group(contenders, device, settings, log)
-        profile = {}
-        for c in (c for c in contenders if device.type == "cuda" and not c.error):
-            try:
-                profile[c.name] = gpu_activities(c, device, settings.profile_steps)
-            except Exception as exc:  # noqa: BLE001 - the timings stand without it
-                log(f"      (profiler failed for {c.name}: {type(exc).__name__}: {exc})")
+        profile = {c.name: gpu_activities(c, device, settings.profile_steps, log)
+                   for c in contenders if device.type == "cuda" and not c.error}
         roof = roofs.get(torch.get_num_threads()) or {}
         group = {"threads": torch.get_num_threads(), "layout": name, "layout_source": source,
                  "n_tensors": len(shapes), "numel": numel, "dtype": dname,
@@ -512,7 +497,6 @@ def run(args, argv, settings: Settings, device: torch.device, log) -> dict:
 
 
 # --- Output: the tables (the terminal's at the end of a run, docs/performance.md's from a file) ---
-
 BASELINE_TITLES = {"adam_fused": "Adam fused", "adam_fused_checked": "Adam fused, checked",
                    "adam_fused_scaler": "Adam fused + GradScaler", "adam_foreach": "Adam foreach",
                    "sgd_foreach": "SGD foreach"}
@@ -564,12 +548,6 @@ def step_goals(records: list) -> list:
                 f"{count['missed']}; highest {worst['ratio_to_peer']:.2f}x ({worst['layout']} "
                 f"{worst['dtype']}, {worst['threads']} thread(s))")
     return lines
-
-
-def _markdown(head: list, rows: list) -> str:
-    """A markdown table, layout, dtype and contender left-aligned."""
-    return harness.table(head, rows, markdown=True, align="".join(
-        "<" if h in ("layout", "dtype", "contender") else ">" for h in head))
 
 
 def _summary_cell(r: Optional[dict], baseline: bool) -> str:
@@ -659,7 +637,7 @@ def summary_tables(recs: list) -> dict:
                                           and _pair_key(r) == key), None), False)
                       for backend in emcl_backends for key in PEER_TITLES]
             rows.append(cells + ([_floor_cell(here)] if floors else []))
-        out[threads] = _markdown(head, rows)
+        out[threads] = harness.table(head, rows, markdown=True, align="<<" + ">" * (len(head) - 2))
     return out
 
 
