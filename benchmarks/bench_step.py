@@ -120,7 +120,7 @@ class Contender:
     host: list = field(default_factory=list)     # s per step() call (GPU; CPU: = wall)
     blocks: int = 0                              # blocks timed (one per round)
     steps: int = 0
-    estimate_s: float = 0.0                      # the last warm-up step's wall time
+    estimate_s: float = 0.0                      # wall time per step of its last steps run
     block: int = 1
     error: Optional[str] = None
 
@@ -259,7 +259,7 @@ def finite_state(params: list, optimizer) -> bool:
 class Settings:
     """How hard to measure: the full run's defaults, :data:`QUICK` for ``--quick``."""
     mode: str = "full"
-    warmup: int = 2            # steps of every contender before timing (state, plans, caches)
+    warmup: int = 2            # untimed rounds of one step of each contender (state, plans)
     min_rounds: int = 5
     max_rounds: int = 60
     budget_s: float = 20.0     # time for the rounds of one (layout, dtype, threads) group, about
