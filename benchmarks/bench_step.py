@@ -1,23 +1,14 @@
 """Optimizer-step benchmark: ``FusedEMCLOptimizer.step()`` against torch's own optimizers, host
-time included, on the MLP, ResNet-18, 1,000 x 4,096 and GPT-2-124M layouts; with
-``--host-only``, the host's part of ``step()`` alone, the backend's kernels a no-op.
+time included, on the MLP, ResNet-18, 1,000 x 4,096 and GPT-2-124M layouts.
 
-    python -m benchmarks step             # the GPU if there is one, else the CPU (1, 2 threads)
-    python -m benchmarks step --quick              # fewer rounds (a few minutes on 2 cores)
-    python -m benchmarks step --device cuda --out benchmarks/results
-    python -m benchmarks step --layouts mlp resnet18 --dtypes fp32 --threads 1
-    python -m benchmarks step --table benchmarks/results/step_epyc-2core.json --backends cpu
-    python -m benchmarks step --host-only --device cpu --name host_xeon-2core
-
-The contenders, their SPEC section 7 peers and goals (:data:`PEERS`), how each is timed and every
-field of a record: benchmarks/README.md, ``step``.
+Its commands, the contenders, their SPEC section 7 peers and goals (:data:`PEERS`), how each is
+timed and every field of a record: benchmarks/README.md, ``step``.
 """
 from __future__ import annotations
 
 import gc
 import itertools
 import os
-import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -30,7 +21,6 @@ import torch
 from emcl_kernels import FusedEMCLOptimizer
 
 SCHEMA = "emcl-kernels/bench_step/1"
-HOST_SCHEMA = "emcl-kernels/bench_step_host/1"
 LAYOUT_CHOICES = ("mlp", "resnet18", "many", "gpt2")
 BASELINES = ("adam_fused", "adam_fused_checked", "adam_fused_scaler", "adam_foreach",
              "sgd_foreach")
@@ -44,38 +34,27 @@ PARAM_SCALE, GRAD_SCALE = 0.1, 1e-3   # θ ~ 0.1·N(0,1), g ~ 1e-3·N(0,1): fini
 REFERENCE_CAP = 2 ** 20               # EMCL's reference backend only up to this many elements
 
 
-# ---------------------------------------------------------------------------------------------
-# Layouts: parameter shapes, nothing downloaded
-# ---------------------------------------------------------------------------------------------
-
+# --- Layouts: parameter shapes, nothing downloaded ---------------------------------------------
 def resnet18_shapes() -> list:
     """torchvision's ``resnet18()`` parameter shapes in its parameter order, written out from
     the architecture (tested equal to torchvision's): 62 tensors, 11,689,512 elements."""
-    shapes = [(64, 3, 7, 7), (64,), (64,)]                      # conv1, bn1
-    inplanes = 64
-    for planes in (64, 128, 256, 512):
-        for block in range(2):                                    # two BasicBlocks per stage
-            shapes += [(planes, inplanes, 3, 3), (planes,), (planes,),
-                       (planes, planes, 3, 3), (planes,), (planes,)]
-            if block == 0 and inplanes != planes:
-                shapes += [(planes, inplanes, 1, 1), (planes,), (planes,)]  # downsample
-            inplanes = planes
+    def conv_bn(cout: int, cin: int, k: int) -> list:
+        return [(cout, cin, k, k), (cout,), (cout,)]
+    shapes = conv_bn(64, 3, 7)                                    # conv1, bn1
+    for stage, planes in enumerate((64, 128, 256, 512)):          # two BasicBlocks per stage
+        inplanes = planes // 2 if stage else planes
+        shapes += conv_bn(planes, inplanes, 3) + conv_bn(planes, planes, 3)
+        shapes += conv_bn(planes, inplanes, 1) if stage else []   # the first block's downsample
+        shapes += conv_bn(planes, planes, 3) * 2                  # the second block
     return shapes + [(1000, 512), (1000,)]                        # fc
 
 
 def gpt2_shapes(n_layer: int = 12, d: int = 768, vocab: int = 50257, ctx: int = 1024) -> list:
     """GPT-2-124M's parameter shapes (Hugging Face's layout, the LM head tied to wte): wte,
-    wpe, per block ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj (weights and
-    biases), ln_f. 148 tensors, 124,439,808 elements."""
-    shapes = [(vocab, d), (ctx, d)]
-    for _ in range(n_layer):
-        shapes += [(d,), (d,),                       # ln_1
-                   (d, 3 * d), (3 * d,),             # attn.c_attn
-                   (d, d), (d,),                     # attn.c_proj
-                   (d,), (d,),                       # ln_2
-                   (d, 4 * d), (4 * d,),             # mlp.c_fc
-                   (4 * d, d), (d,)]                 # mlp.c_proj
-    return shapes + [(d,), (d,)]                     # ln_f
+    wpe, the blocks, ln_f (weights and biases). 148 tensors, 124,439,808 elements."""
+    block = [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,),    # ln_1, attn.c_attn, attn.c_proj
+             (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]  # ln_2, mlp.c_fc, mlp.c_proj
+    return [(vocab, d), (ctx, d)] + block * n_layer + [(d,), (d,)]
 
 
 # a --layouts choice -> (its name in the records, its shapes, where they come from)
@@ -93,10 +72,6 @@ def layout_shapes(choice: str) -> tuple:
     return name, shapes(), source
 
 
-def numel_of(shapes) -> int:
-    return sum(torch.Size(shape).numel() for shape in shapes)
-
-
 def make_params(shapes, dtype: torch.dtype, device: torch.device, gen) -> list:
     """One leaf parameter per shape, θ ~ 0.1·N(0,1), each with its own gradient
     g ~ 1e-3·N(0,1) (never zeros) that stays for the whole run (no backward in the timed
@@ -109,15 +84,11 @@ def make_params(shapes, dtype: torch.dtype, device: torch.device, gen) -> list:
         params.append(p)
     shared = common.overlapping([t for p in params for t in (p, p.grad)])
     if shared:
-        raise RuntimeError(f"make_params: {len(shared)} pair(s) of parameters/gradients share "
-                           "memory")
+        raise RuntimeError(f"make_params: {len(shared)} pair(s) of tensors share memory")
     return params
 
 
-# ---------------------------------------------------------------------------------------------
-# Contenders
-# ---------------------------------------------------------------------------------------------
-
+# --- Contenders --------------------------------------------------------------------------------
 def bytes_per_element(kind: str, dtype: torch.dtype) -> int:
     """Bytes read + written per parameter element by one step of ``kind`` (``emcl_step``,
     ``emcl_inner``, ``adam``, ``sgd``, ``inner_reads``), the least any implementation of the
@@ -133,30 +104,25 @@ def bytes_per_element(kind: str, dtype: torch.dtype) -> int:
 
 @dataclass(eq=False)
 class Contender:
-    """One timed call: an optimizer and the method called on it (hashed by identity)."""
+    """One timed call (hashed by identity): one step ``fn``, what its record says of it, and
+    its samples."""
     name: str                      # e.g. "emcl[cpu] step() nocheck"
     family: str                    # a BASELINES name | emcl | floor
-    optimizer: object
-    call: str                      # "step()" or "inner_step()"
-    bytes_kind: str
+    fn: Callable[[], object]       # one step
+    bytes_kind: str                # bytes_per_element's kind
+    optimizer: object = None       # whose state is checked finite at the end
+    call: str = "step()"           # step() | inner_step() | stream_probe_
     backend: Optional[str] = None
     check_finite: Optional[bool] = None
+    scaler: bool = False           # stepped through a torch.amp.GradScaler
     settings: dict = field(default_factory=dict)
     wall: list = field(default_factory=list)     # s per step (CPU: every step; GPU: per block)
     host: list = field(default_factory=list)     # s per step() call (GPU; CPU: = wall)
     blocks: int = 0                              # blocks timed (one per round)
     steps: int = 0
-    estimate_s: float = 0.0                      # the last warm-up step's wall time
+    estimate_s: float = 0.0                      # wall time per step of its last steps run
     block: int = 1
     error: Optional[str] = None
-    runner: Optional[Callable[[], object]] = None   # what one step is, when not optimizer.call
-    scaler: bool = False                            # stepped through a torch.amp.GradScaler
-
-    @property
-    def fn(self) -> Callable[[], object]:
-        if self.runner is not None:
-            return self.runner
-        return getattr(self.optimizer, self.call.rstrip("()"))
 
     def __str__(self) -> str:
         return self.name
@@ -186,8 +152,7 @@ def checked_step(optimizer) -> Callable[[], object]:
         try:
             return optimizer.step()
         finally:
-            del optimizer.grad_scale
-            del optimizer.found_inf
+            del optimizer.grad_scale, optimizer.found_inf
     return step
 
 
@@ -203,76 +168,58 @@ def scaler_step(optimizer, device: torch.device) -> Callable[[], object]:
     return step
 
 
-def torch_check_missing(params: list) -> Optional[str]:
-    """Why torch's finite check (``torch._amp_foreach_non_finite_check_and_unscale_``, what a
-    ``GradScaler`` runs) cannot check these gradients, or None where it can (on CUDA torch 2.11
-    has no bf16 kernel for it)."""
-    if not params:
-        return None
-    probe = torch.ones(1, dtype=params[0].dtype, device=params[0].device)
-    found = torch.zeros((), dtype=torch.float32, device=probe.device)
-    inv = torch.ones((), dtype=torch.float32, device=probe.device)
-    try:
-        torch._amp_foreach_non_finite_check_and_unscale_([probe], found, inv)
-    except (NotImplementedError, RuntimeError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return (f"not timed: torch's finite check has no kernel for {probe.dtype} gradients "
-                f"on {probe.device.type} ({first})")
-    return None
+# torch's optimizers (name, class, settings); Adam fused also as the checked and GradScaler peers
+TORCH_OPTIMIZERS = (("adam_fused", torch.optim.Adam, {"lr": 1e-3, "fused": True}),
+                    ("adam_foreach", torch.optim.Adam, {"lr": 1e-3, "foreach": True}),
+                    ("sgd_foreach", torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9,
+                                                      "foreach": True}))
+SCALER = {"grad_scaler": "default"}
 
 
-def make_contenders(params: list, emcl_backends: list, log) -> tuple:
-    """(contenders, errors): torch's baselines and, per EMCL backend, its contenders (which
-    they are: benchmarks/README.md, ``step``). A constructor that raises is recorded, not
-    fatal; so are the contenders whose finite check torch cannot run
-    (:func:`torch_check_missing`)."""
-    out, errors = [], {}
+def make_contenders(params: list, emcl_backends: list, log) -> list:
+    """torch's optimizers and, per EMCL backend, its contenders (which they are:
+    benchmarks/README.md, ``step``); a constructor that raises is a contender with its error,
+    not timed."""
+    out = []
     device = params[0].device if params else torch.device("cpu")
-    no_check = torch_check_missing(params)
-    if no_check:
-        log(f"      adam_fused_checked and every GradScaler contender: {no_check}")
-        errors["adam_fused_checked"] = errors["adam_fused_scaler"] = no_check
-    specs = [("adam_fused", torch.optim.Adam, {"lr": 1e-3, "fused": True}),
-             ("adam_foreach", torch.optim.Adam, {"lr": 1e-3, "foreach": True}),
-             ("sgd_foreach", torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9, "foreach": True})]
-    for name, cls, settings in specs:
+
+    def build(key: str, family: str, kind: str, cls, settings: dict, **what):
         try:
-            opt = cls(params, **settings)
+            return cls(params, **settings)
         except Exception as exc:  # noqa: BLE001 - recorded in the results
-            errors[name] = f"{type(exc).__name__}: {exc}"
-            log(f"      {name}: cannot be built: {errors[name]}")
-            continue
+            out.append(Contender(key, family, None, kind, error=f"{type(exc).__name__}: {exc}",
+                                 **what))
+            log(f"      {key}: cannot be built: {out[-1].error}")
+            return None
+
+    for name, cls, settings in TORCH_OPTIMIZERS:
         kind = "adam" if name.startswith("adam") else "sgd"
-        out.append(Contender(name, name, opt, "step()", kind, settings=settings))
-        if name == "adam_fused" and not no_check:
-            check = "_amp_foreach_non_finite_check_and_unscale_"
-            out += [Contender("adam_fused_checked", "adam_fused_checked", opt, "step()", "adam",
-                              settings={**settings, "finite_check": check},
-                              runner=checked_step(opt)),
-                    Contender("adam_fused_scaler", "adam_fused_scaler", opt, "step()", "adam",
-                              settings={**settings, "grad_scaler": "default"},
-                              runner=scaler_step(opt, device), scaler=True)]
-    for backend in emcl_backends:
-        for check in (True, False):
-            suffix = "" if check else " nocheck"
-            try:
-                opt = FusedEMCLOptimizer(params, meta_every=1, backend=backend,
-                                         check_finite=check)
-            except Exception as exc:  # noqa: BLE001
-                errors[f"emcl[{backend}]{suffix}"] = f"{type(exc).__name__}: {exc}"
-                continue
-            settings = {"meta_every": 1, "backend": backend, "check_finite": check}
-            out += [Contender(f"emcl[{backend}] {call}{suffix}", "emcl", opt, call, kind,
-                              backend, check, settings)
-                    for call, kind in (("step()", "emcl_step"), ("inner_step()", "emcl_inner"))]
-            if check and no_check:
-                errors[f"emcl[{backend}] step() scaler"] = no_check
-            elif check:
-                out.append(Contender(f"emcl[{backend}] step() scaler", "emcl", opt, "step()",
-                                     "emcl_step", backend, check,
-                                     {**settings, "grad_scaler": "default"},
-                                     runner=scaler_step(opt, device), scaler=True))
-    return out, errors
+        opt = build(name, name, kind, cls, settings)
+        if opt is not None:
+            out.append(Contender(name, name, opt.step, kind, opt, settings=settings))
+        if opt is not None and name == "adam_fused":
+            check = {"finite_check": "_amp_foreach_non_finite_check_and_unscale_"}
+            out += [Contender("adam_fused_checked", "adam_fused_checked", checked_step(opt),
+                              kind, opt, settings={**settings, **check}),
+                    Contender("adam_fused_scaler", "adam_fused_scaler", scaler_step(opt, device),
+                              kind, opt, settings={**settings, **SCALER}, scaler=True)]
+    for backend, check in itertools.product(emcl_backends, (True, False)):
+        suffix = "" if check else " nocheck"
+        settings = {"meta_every": 1, "backend": backend, "check_finite": check}
+        opt = build(f"emcl[{backend}]{suffix}", "emcl", "emcl_step", FusedEMCLOptimizer,
+                    settings, backend=backend)
+        if opt is None:
+            continue
+        mine = dict(optimizer=opt, backend=backend, check_finite=check)
+        out += [Contender(f"emcl[{backend}] step(){suffix}", "emcl", opt.step, "emcl_step",
+                          settings=settings, **mine),
+                Contender(f"emcl[{backend}] inner_step(){suffix}", "emcl", opt.inner_step,
+                          "emcl_inner", call="inner_step()", settings=settings, **mine)]
+        if check:
+            out.append(Contender(f"emcl[{backend}] step() scaler", "emcl",
+                                 scaler_step(opt, device), "emcl_step", scaler=True,
+                                 settings={**settings, **SCALER}, **mine))
+    return out
 
 
 # The floors ([note: stream probes] in csrc/emcl_cpu_kernels.h; benchmarks/README.md, "The
@@ -295,9 +242,8 @@ def floor_contenders(numel: int, dtype: torch.dtype, device: torch.device) -> li
         return []
     tensors = [torch.rand(numel, device=device).to(dtype if i < 2 else torch.float32)
                for i in range(4)]
-    return [Contender(name, "floor", None, "stream_probe_", bytes_kind,
-                      settings={"stream_probe_kind": kind},
-                      runner=lambda kind=kind: torch.ops.emcl.stream_probe_(*tensors, kind))
+    return [Contender(name, "floor", lambda kind=kind: torch.ops.emcl.stream_probe_(*tensors, kind),
+                      bytes_kind, call="stream_probe_", settings={"stream_probe_kind": kind})
             for name, (kind, bytes_kind) in floors.items()]
 
 
@@ -308,15 +254,12 @@ def finite_state(params: list, optimizer) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in params + state)
 
 
-# ---------------------------------------------------------------------------------------------
-# Timing
-# ---------------------------------------------------------------------------------------------
-
+# --- Timing ------------------------------------------------------------------------------------
 @dataclass
 class Settings:
     """How hard to measure: the full run's defaults, :data:`QUICK` for ``--quick``."""
     mode: str = "full"
-    warmup: int = 2            # steps of every contender before timing (state, plans, caches)
+    warmup: int = 2            # untimed rounds of one step of each contender (state, plans)
     min_rounds: int = 5
     max_rounds: int = 60
     budget_s: float = 20.0     # time for the rounds of one (layout, dtype, threads) group, about
@@ -325,51 +268,41 @@ class Settings:
     gpu_min_block: int = 20
     profile_steps: int = 10    # GPU steps under torch.profiler per contender
     roof_reps: int = 10
-    host_calls: int = 400      # --host-only: calls per round on the MLP (a tenth, >= 40, else)
 
 
 QUICK = dict(mode="quick", min_rounds=3, max_rounds=15, budget_s=3.0, block_s=0.001,
-             max_block=20, gpu_min_block=10, profile_steps=3, roof_reps=4, host_calls=200)
+             max_block=20, gpu_min_block=10, profile_steps=3, roof_reps=4)
 
 
 def time_group(contenders: list, device: torch.device, settings: Settings, log) -> int:
-    """``settings.warmup`` (at least one) untimed steps of every contender, the last one's wall
-    time kept as the estimate that sizes its blocks, then interleaved rounds
-    (:func:`harness.interleave`), each running one block of every contender: on CPU each step
-    timed (wall = host); on a GPU the host time of each step without synchronizing and the
-    wall time of the whole block between two synchronizations (the steps pipelined, as in
-    training), per step. A contender whose step raises keeps the error and sits out the
-    remaining rounds. Returns the number of rounds."""
+    """Warm-up rounds of one step of every contender (the last one's time sizes its blocks),
+    then interleaved rounds of one block of every contender (:func:`harness.interleave`; how
+    each is timed: benchmarks/README.md, ``step``). A contender whose step raises keeps the
+    error and sits out the remaining rounds. Returns the number of timed rounds."""
     errors = {c: c.error for c in contenders if c.error}
+    for c in contenders:    # the samples of this group only (the thread counts share contenders)
+        c.wall, c.host, c.blocks = [], [], 0
 
-    def interleave(rounds: int, run) -> None:
-        harness.interleave(contenders, rounds, lambda c, _: run(c), errors=errors,
-                           log=lambda msg: log("      " + msg))
-        for c, error in errors.items():
-            c.error = error
-
-    def warm(c: Contender) -> None:
-        for _ in range(max(1, settings.warmup)):
-            c.estimate_s = timing.time_once(c.fn, device)
-            c.steps += 1
-
-    def block(c: Contender) -> None:
-        fn, secs = c.fn, []
+    def run(c: Contender, steps: int, timed: bool) -> None:
+        """``steps`` steps of ``c`` back to back between two synchronizations."""
         timing.synchronize(device)
         start = time.perf_counter()
-        for _ in range(c.block):
-            t0 = time.perf_counter()
-            fn()
-            secs.append(time.perf_counter() - t0)
+        host = timing.time_calls([c.fn] * steps, torch.device("cpu"))   # each call, no sync
         timing.synchronize(device)
-        if device.type == "cuda":
-            c.wall.append((time.perf_counter() - start) / c.block)
-        else:
-            c.wall.extend(secs)
-        c.host.extend(secs)
-        c.blocks += 1
-        c.steps += c.block
-    interleave(1, warm)
+        c.estimate_s = (time.perf_counter() - start) / steps
+        c.steps += steps
+        if timed:   # wall: on CPU every step, on a GPU the block's (the steps pipelined)
+            c.wall += host if device.type == "cpu" else [c.estimate_s]
+            c.host += host
+            c.blocks += 1
+
+    def interleave(rounds: int, steps: Optional[int]) -> int:
+        harness.interleave(contenders, rounds, lambda c, _: run(c, steps or c.block, not steps),
+                           errors=errors, log=lambda msg: log("      " + msg))
+        for c, error in errors.items():
+            c.error = error
+        return rounds
+    interleave(max(1, settings.warmup), 1)
     alive = [c for c in contenders if not c.error]
     if not alive:
         return 0
@@ -377,21 +310,25 @@ def time_group(contenders: list, device: torch.device, settings: Settings, log) 
     for c in alive:
         c.block = int(max(lo, min(settings.max_block,
                                   -(-settings.block_s // max(c.estimate_s, 1e-7)))))
-    rounds = timing.repeats_for(sum(c.block * c.estimate_s for c in alive), settings.budget_s,
-                                settings.min_rounds, settings.max_rounds)
-    interleave(rounds, block)
-    return rounds
+    return interleave(timing.repeats_for(sum(c.block * c.estimate_s for c in alive),
+                                         settings.budget_s, settings.min_rounds,
+                                         settings.max_rounds), None)
 
 
-def gpu_activities(c: Contender, device: torch.device, steps: int) -> dict:
-    """:func:`summarize_gpu_events` of ``steps`` steps of ``c`` under ``torch.profiler``."""
+def gpu_activities(c: Contender, device: torch.device, steps: int, log) -> dict:
+    """:func:`summarize_gpu_events` of ``steps`` steps of ``c`` under ``torch.profiler`` (none
+    where the profiler fails: the timings stand without it)."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            c.fn()
+    try:
         torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                c.fn()
+            torch.cuda.synchronize(device)
+    except Exception as exc:  # noqa: BLE001 - recorded as no activities
+        log(f"      (profiler failed for {c.name}: {type(exc).__name__}: {exc})")
+        return {}
     c.steps += steps
     return summarize_gpu_events(prof.events(), steps)
 
@@ -410,27 +347,26 @@ def summarize_gpu_events(events, steps: int) -> dict:
                 or evt.name.startswith("Optimizer."):
             continue
         name = evt.name.lower()
-        kind = "memcpy" if name.startswith("memcpy") else \
-            "memset" if name.startswith("memset") else "kernel"
-        kinds[kind] += 1
+        kinds[next((k for k in ("memcpy", "memset") if name.startswith(k)), "kernel")] += 1
         device_us += evt.time_range.elapsed_us()
     return {"device_ms": device_us / 1e3 / steps,
             "gpu_activities_per_step": sum(kinds.values()) / steps,
             **{f"gpu_{k}s_per_step": v / steps for k, v in kinds.items()}}
 
 
-# ---------------------------------------------------------------------------------------------
-# Records
-# ---------------------------------------------------------------------------------------------
-
-def record_of(c: Contender, group: dict, device: torch.device, dtype: torch.dtype) -> dict:
-    """The JSON record of one contender in one group (ratios filled in later)."""
+# --- Records -----------------------------------------------------------------------------------
+def record_of(c: Contender, group: dict, device: torch.device, dtype: torch.dtype,
+              params_finite: bool = True, gpu: Optional[dict] = None) -> dict:
+    """The JSON record of one contender in one group (ratios filled in later); ``gpu``: its
+    :func:`summarize_gpu_events`."""
     rec = {"device": device.type, "device_name": common.device_name(device), **group,
            "contender": c.name, "family": c.family, "call": c.call, "backend": c.backend,
            "check_finite": c.check_finite, "grad_scaler": c.scaler, "settings": c.settings,
            "emcl_step": EMCL_STEP.get(c.bytes_kind) if c.family in ("emcl", "floor") else None,
            "bytes_per_element": bytes_per_element(c.bytes_kind, dtype),
-           "error": c.error, "steps_taken": c.steps}
+           "error": c.error, "steps_taken": c.steps, "device_ms": None,
+           "gpu_activities_per_step": None, **(gpu or {}),
+           "finite": params_finite and finite_state([], c.optimizer)}
     if c.error or not c.wall:
         return rec
     wall = timing.Stats.of(c.wall)
@@ -447,8 +383,8 @@ def record_of(c: Contender, group: dict, device: torch.device, dtype: torch.dtyp
 
 def add_ratios(records: list) -> None:
     """Within each group (device, threads, layout, dtype): every record's ``ratio_to_*``, an
-    EMCL record's ``peer``, ``goal``, ``verdict`` (SPEC section 7, :data:`PEERS`) and floor
-    ratios (:func:`add_floor_ratios`); what each means: benchmarks/README.md, ``step``."""
+    EMCL record's ``peer``, ``goal``, ``verdict`` (SPEC section 7, :data:`PEERS`) and, without
+    the check or a GradScaler, ``ratio_to_floor``; what each means: benchmarks/README.md."""
     groups = {}
     for r in records:
         groups.setdefault((r["device"], r["threads"], r["layout"], r["dtype"]), []).append(r)
@@ -470,107 +406,51 @@ def add_ratios(records: list) -> None:
                       "ratio_to_peer_min": r.get(f"ratio_to_{name}_min"), "verdict": None})
             if ratio is None:
                 continue
-            p = base[name]
-            spread = (r["wall_ms_q25"] / p["wall_ms_q75"]
-                      if r.get("wall_ms_q25") and p.get("wall_ms_q75") else None)
-            r["ratio_to_peer_spread"] = spread
-            r["verdict"] = ("met" if ratio <= goal else
-                            "tie" if spread is not None and spread <= goal else "missed")
-            if floors and not r.get("check_finite") and not r.get("grad_scaler"):
-                add_floor_ratios(r, p, floors)
+            spread = r["ratio_to_peer_spread"] = r["wall_ms_q25"] / base[name]["wall_ms_q75"]
+            r["verdict"] = "met" if ratio <= goal else "tie" if spread <= goal else "missed"
+            floor = floors.get(STREAMS_FLOOR.get(r.get("emcl_step")))
+            if floor and not r.get("check_finite") and not r.get("grad_scaler"):
+                r.update(floor=floor["contender"], ratio_to_floor=r["wall_ms"] / floor["wall_ms"],
+                         ratio_to_floor_spread=r["wall_ms_q25"] / floor["wall_ms_q75"])
 
 
-def add_floor_ratios(r: dict, peer: dict, floors: dict) -> None:
-    """``floor_ratio_to_peer``, ``floor``, ``ratio_to_floor`` and ``ratio_to_floor_spread``
-    of ``r`` from the floors of its step timed in its group."""
-    mine = {n: f for n, f in floors.items() if f.get("emcl_step") == r.get("emcl_step")}
-    if not mine:
-        return
-    r["floor_ratio_to_peer"] = {n: f["wall_ms"] / peer["wall_ms"] for n, f in mine.items()}
-    streams = mine.get(STREAMS_FLOOR.get(r.get("emcl_step")))
-    if streams:
-        r["floor"] = streams["contender"]
-        r["ratio_to_floor"] = r["wall_ms"] / streams["wall_ms"]
-        r["ratio_to_floor_spread"] = r["wall_ms_q25"] / streams["wall_ms_q75"]
-
-
-# ---------------------------------------------------------------------------------------------
-# The run
-# ---------------------------------------------------------------------------------------------
-
-def run_layout(device, choice, dtype, thread_counts, emcl_backends, args, settings, roofs, log):
+# --- The run -----------------------------------------------------------------------------------
+def run_layout(device, choice, dname, thread_counts, emcl_backends, settings, roofs, log):
     """Every contender on one layout and dtype, at every thread count; returns the records."""
     name, shapes, source = layout_shapes(choice)
-    numel = numel_of(shapes)
-    dname = {v: k for k, v in common.DTYPE_NAMES.items()}[dtype]
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    params = make_params(shapes, dtype, device, gen)
+    numel, dtype = sum(torch.Size(s).numel() for s in shapes), common.DTYPE_NAMES[dname]
+    params = make_params(shapes, dtype, device, torch.Generator(device=device).manual_seed(0))
     backends = [b for b in emcl_backends if b != "reference" or numel <= REFERENCE_CAP]
     log(f"   {name} ({len(shapes)} tensors, {numel:,} elements, {source}) {dname}")
-    contenders, errors = make_contenders(params, backends, log)
-    contenders += floor_contenders(numel, dtype, device)
+    contenders = make_contenders(params, backends, log) + floor_contenders(numel, dtype, device)
     records = []
     for threads in thread_counts:
         if threads is not None:
             torch.set_num_threads(threads)
         load_before = common.load_average()
         rounds = time_group(contenders, device, settings, log)
-        profile = {}
-        if device.type == "cuda":
-            for c in (c for c in contenders if not c.error):
-                try:
-                    profile[c.name] = gpu_activities(c, device, settings.profile_steps)
-                except Exception as exc:  # noqa: BLE001 - the timings stand without it
-                    log(f"      (profiler failed for {c.name}: {type(exc).__name__}: {exc})")
-        roof = roofs.get(torch.get_num_threads())
+        profile = {c.name: gpu_activities(c, device, settings.profile_steps, log)
+                   for c in contenders if device.type == "cuda" and not c.error}
+        roof = roofs.get(torch.get_num_threads()) or {}
         group = {"threads": torch.get_num_threads(), "layout": name, "layout_source": source,
                  "n_tensors": len(shapes), "numel": numel, "dtype": dname,
                  "load_average_before": load_before, "load_average_after": common.load_average(),
-                 "group_rounds": rounds,
-                 "roof_gbps": roof["roof_gbps"] if roof else None,
-                 "copy_gbps": roof["copy_gbps"] if roof else None}
-        params_finite, new = finite_state(params, None), []
-        for c in contenders:
-            rec = record_of(c, group, device, dtype)
-            rec.update(profile.get(c.name, {"device_ms": None, "gpu_activities_per_step": None}))
-            rec["finite"] = params_finite and finite_state([], c.optimizer)
-            new.append(rec)
-            c.wall, c.host, c.blocks = [], [], 0   # the samples restart at the next thread count
-        new += [{"device": device.type, **group, "contender": key,
-                 "family": "emcl" if key.startswith("emcl") else key,
-                 "backend": key[5:].split("]")[0] if key.startswith("emcl[") else None,
-                 "error": err} for key, err in errors.items()]
+                 "group_rounds": rounds, "roof_gbps": roof.get("roof_gbps"),
+                 "copy_gbps": roof.get("copy_gbps")}
+        finite = finite_state(params, None)
+        new = [record_of(c, group, device, dtype, finite, profile.get(c.name)) for c in contenders]
         add_ratios(new)
-        for r in new:
-            log(_progress_line(r))
+        log("\n".join(summary_tables(new).values()))
         records += new
-    del contenders, params
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return records
-
-
-def _progress_line(r: dict) -> str:
-    if r.get("error"):
-        return f"      {r['contender']:<34} error: {r['error']}"
-    peer = (f", {r['ratio_to_peer']:.2f}x {r['peer']} (goal {r['goal']}: {r['verdict']})"
-            if r.get("ratio_to_peer") is not None else "")
-    gpu = (f", host {r['host_ms']:.3f} device {r['device_ms']:.3f} ms"
-           if r.get("device_ms") is not None else "")
-    return (f"      {r['threads']}t {r['contender']:<34} {r['wall_ms']:10.4f} ms "
-            f"[{r['wall_ms_q25']:.4f}, {r['wall_ms_q75']:.4f}]{peer}{gpu}"
-            f"{'' if r['finite'] else '  NOT FINITE'}")
 
 
 def run(args, argv, settings: Settings, device: torch.device, log) -> dict:
     """The benchmark: the roof at every thread count, then every layout and dtype; the
     results file saved after every group, so that a run cut short keeps its groups."""
     started = time.perf_counter()
-    if device.type == "cuda":
-        thread_counts = [None] if args.threads is None else args.threads[:1]
-    else:
-        thread_counts = args.threads or [1, 2]
+    # on a GPU one thread count (torch's by default), on CPU each in turn
+    thread_counts = (args.threads or [None])[:1] if device.type == "cuda" else args.threads or [1, 2]
     emcl_backends, skipped = common.backends_for(device, only=args.backends)
     if not emcl_backends:
         raise SystemExit(f"no EMCL backend to time on {device}: " +
@@ -587,115 +467,36 @@ def run(args, argv, settings: Settings, device: torch.device, log) -> dict:
     for line in [f"not timed: emcl[{k}]: {v}" for k, v in skipped.items()] + \
             [f"warning: {note}" for note in result["notes"]]:
         log("   " + line)
-    roofs = {}
     for threads in () if args.no_roof else thread_counts:
         if threads is not None:
             torch.set_num_threads(threads)
         roof = common.device_roof(
             device, settings.roof_reps, backends=emcl_backends,
-            largest=max(1, int(args.roof_mb * 2 ** 20) // 4) if args.roof_mb else None,
-            rotate_bytes=int(args.rotate_mb * 2 ** 20) if args.rotate_mb else None)
+            largest=max(1, int(args.roof_mb * 2 ** 20) // 4) if args.roof_mb else None)
         log(f"   roof at {roof['threads']} thread(s): {roof['roof_gbps']:.1f} GB/s "
             f"({roof['roof_kernel']}); copy {roof['copy_gbps']:.1f} GB/s")
-        roofs[roof["threads"]] = roof
         result["roofs"].append(roof)
+    roofs = {roof["threads"]: roof for roof in result["roofs"]}
     stem = args.name or f"step_{common.utc_stamp()}_{device.type}"
-    for choice in args.layouts or LAYOUT_CHOICES:
-        for dname in args.dtypes or ("fp32", "bf16"):
-            result["records"] += run_layout(device, choice, common.DTYPE_NAMES[dname],
-                                            thread_counts, emcl_backends, args, settings,
-                                            roofs, log)
-            harness.save(result, os.path.join(args.out, stem + ".json"))
+    for choice, dname in itertools.product(args.layouts or LAYOUT_CHOICES,
+                                           args.dtypes or ("fp32", "bf16")):
+        result["records"] += run_layout(device, choice, dname, thread_counts, emcl_backends,
+                                        settings, roofs, log)
+        harness.save(result, os.path.join(args.out, stem + ".json"))
+        gc.collect()     # the layout's tensors and optimizers, before the next one's
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     bad = [r for r in result["records"] if r.get("finite") is False]
     if bad:
         result["notes"].append(f"{len(bad)} record(s) ended with non-finite parameters or "
                                "state: their timings may be distorted")
-    # A step whose bytes fit in the last-level cache may beat the memory roof; one that
-    # streams several caches' worth cannot.
-    llc = common.last_level_cache_bytes(device)
-    above = [r for r in result["records"] if r.get("ratio_to_roof") and r["ratio_to_roof"] > 1.0
-             and r["bytes_per_element"] * r["numel"] >= 4 * llc]
-    if above:
-        result["notes"].append(f"BUG: {len(above)} step(s) that stream more than 4 x the "
-                               "last-level cache ran above the memory roof: find why")
     result["wall_time_s"] = time.perf_counter() - started
     result["complete"] = True
-    return harness.finish(result, args.out, stem, plot=plot, no_plot=args.no_plot,
+    return harness.finish(result, args.out, stem,
                           table=lambda res: tables(res, source=res["paths"]["json"]))
 
 
-# ---------------------------------------------------------------------------------------------
-# --host-only: the host's part of a step
-# ---------------------------------------------------------------------------------------------
-
-def host_times(choice: str, device: torch.device, settings: Settings, backend: str,
-               seed: int) -> dict:
-    """The host time of ``step()`` (µs per call) on layout ``choice`` in fp32, the backend's
-    ``step`` a no-op while timed, with the same and with changing gradients (the record:
-    benchmarks/README.md, ``--host-only``)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    params = make_params(layout_shapes(choice)[1], torch.float32, device, gen)
-    pool = [[p.grad for p in params]] + [
-        [torch.randn(p.shape, generator=gen, device=device).mul_(GRAD_SCALE) for p in params]
-        for _ in range(2)]
-    sets = itertools.cycle(pool)
-    opt = FusedEMCLOptimizer(params, meta_every=1, backend=backend)
-    opt.step()
-
-    def assign():
-        for p, g in zip(params, next(sets)):
-            p.grad = g
-
-    def changing():
-        assign()
-        opt.step()
-    calls = settings.host_calls if choice == "mlp" else max(40, settings.host_calls // 10)
-    fns = {"same": opt.step, "changing": changing, "assign": assign}
-
-    def median_us(key: str, _) -> float:
-        if key == "same":
-            for p, g in zip(params, pool[0]):
-                p.grad = g
-        # host time on any device: time_calls' CPU clock, perf_counter around each call
-        return statistics.median(timing.time_calls([fns[key]] * calls, torch.device("cpu"))) * 1e6
-    kernels = opt._runtime.plans[0].backend
-    real, kernels.step = kernels.step, (lambda *a, **k: None)
-    rounds = {key: [] for key in fns}
-    try:
-        for _, _, key, us in harness.interleave(list(fns), settings.min_rounds, median_us):
-            rounds[key].append(us)
-    finally:
-        kernels.step = real
-    median = {k: statistics.median(v) for k, v in rounds.items()}
-    return {"same_grads_us": median["same"],
-            "changing_grads_us": median["changing"] - median["assign"],
-            "same_grads_fastest_us": min(rounds["same"]),
-            "changing_grads_fastest_us": min(rounds["changing"]) - min(rounds["assign"]),
-            **{f"{k}_rounds_us": v for k, v in rounds.items()}}
-
-
-def run_host_only(args, argv, settings: Settings, device: torch.device) -> dict:
-    """``--host-only``: :func:`host_times` per layout, written to ``OUT/host_*.json``."""
-    torch.set_num_threads((args.threads or [1])[0])
-    backend = (args.backends or ["auto"])[0]
-    result = harness.head("step", argv, device, schema=HOST_SCHEMA, note=args.note)
-    result.update(backend=backend, threads=torch.get_num_threads(), rounds=settings.min_rounds,
-                  load_before=common.load_average(), layouts={})
-    for choice in args.layouts or ("mlp", "many"):
-        result["layouts"][choice] = host_times(choice, device, settings, backend, args.seed)
-    result["load_after"] = common.load_average()
-    keys = ("same_grads_us", "changing_grads_us", "same_grads_fastest_us",
-            "changing_grads_fastest_us")
-    return harness.finish(
-        result, args.out, args.name or f"host_{common.utc_stamp()}_{device.type}",
-        table=lambda res: harness.table(["layout", *keys], [
-            (name, *(r[k] for k in keys)) for name, r in res["layouts"].items()]))
-
-
-# ---------------------------------------------------------------------------------------------
-# Output: the tables (the terminal's at the end of a run, docs/performance.md's from a file)
-# ---------------------------------------------------------------------------------------------
-
+# --- Output: the tables (the terminal's at the end of a run, docs/performance.md's from a file) ---
 BASELINE_TITLES = {"adam_fused": "Adam fused", "adam_fused_checked": "Adam fused, checked",
                    "adam_fused_scaler": "Adam fused + GradScaler", "adam_foreach": "Adam foreach",
                    "sgd_foreach": "SGD foreach"}
@@ -749,19 +550,13 @@ def step_goals(records: list) -> list:
     return lines
 
 
-def _markdown(head: list, rows: list) -> str:
-    """A markdown table, layout, dtype and contender left-aligned."""
-    return harness.table(head, rows, markdown=True, align="".join(
-        "<" if h in ("layout", "dtype", "contender") else ">" for h in head))
-
-
 def _summary_cell(r: Optional[dict], baseline: bool) -> str:
     """A baseline's "ms [quartiles]", or an EMCL row's ratio to its peer and verdict; "n/a"
-    where torch cannot run the contender, "error" where it failed, "-" where it is absent."""
+    where torch has no kernel for the contender, "error" where it failed, "-" where absent."""
     if r is None:
         return "-"
     if r.get("error"):
-        return "n/a" if r["error"].startswith("not timed") else "error"
+        return "n/a" if r["error"].startswith(("not timed", "NotImplementedError")) else "error"
     if baseline:
         return f"{r['wall_ms']:.3g} [{r['wall_ms_q25']:.3g}-{r['wall_ms_q75']:.3g}]"
     if r.get("ratio_to_peer") is None:
@@ -797,137 +592,76 @@ def tables(result: dict, *, backends=None, layouts=None, dtypes=None, source: st
              if l]
     roofs = "; ".join(f"{r['threads']} thread(s) {r['roof_gbps']:.1f} GB/s ({r['roof_kernel']})"
                       for r in result.get("roofs", []))
-    emcl_backends = [b for b in dict.fromkeys(r.get("backend") for r in recs
-                                              if r["family"] == "emcl") if b]
-    floors = any(r["family"] == "floor" for r in recs)
     lines = [f"**{result['device_name']}**, torch {machine.get('torch', '?')}; "
              f"{result['settings']['mode']} run of {result['created_utc']}"
              + (f", from `{source}`" if source else "") + "." + CAPTION
              + (f" 1-minute load average during the run: {min(l[0] for l in loads):.1f} to "
                 f"{max(l[0] for l in loads):.1f} on {machine.get('cpu_count', '?')} cores."
                 if loads else "")
-             + (f" Memory roof: {roofs}." if roofs else "") + (FLOOR_CAPTION if floors else "")]
+             + (f" Memory roof: {roofs}." if roofs else "")
+             + (FLOOR_CAPTION if any(r["family"] == "floor" for r in recs) else "")]
+    for threads, table in summary_tables(recs).items():
+        title = f"{threads} thread(s)" if result["device"] == "cpu" else result["device_name"]
+        lines += ["", f"*{title}*", "", table]
+    errors = {(r["contender"], r["error"]) for r in recs if r.get("error")}
+    goals = step_goals(recs)
+    lines += ([""] if goals or errors else []) + goals
+    return "\n".join(lines + [f"- {_title(n)}: {e}" for n, e in sorted(errors)])
+
+
+def summary_tables(recs: list) -> dict:
+    """Per thread count, the table of ``recs``: per layout and dtype the three Adam peers'
+    times, each EMCL backend's SPEC section 7 rows over their peers, and the floors."""
+    emcl_backends = [b for b in dict.fromkeys(r.get("backend") for r in recs
+                                              if r["family"] == "emcl") if b]
+    floors = any(r["family"] == "floor" for r in recs)
     head = ["layout", "dtype"] + [f"{BASELINE_TITLES[b]} (ms)" for b in BASELINES[:3]]
     for backend in emcl_backends:
         prefix = f"EMCL `{backend}` " if len(emcl_backends) > 1 else "EMCL "
         head += [prefix + title for title in PEER_TITLES.values()]
     head += ["floor / Adam fused"] if floors else []
+    out = {}
     for threads in dict.fromkeys(r["threads"] for r in recs):
         sub = [r for r in recs if r["threads"] == threads]
         rows = []
-        for layout in dict.fromkeys(r["layout"] for r in sub):
-            for dtype in dict.fromkeys(r["dtype"] for r in sub):
-                here = [r for r in sub if r["layout"] == layout and r["dtype"] == dtype]
-                if not here:
-                    continue
-                cells = [layout, dtype] + [
-                    _summary_cell(next((r for r in here if r["family"] == b), None), True)
-                    for b in BASELINES[:3]]
-                cells += [_summary_cell(next((r for r in here if r["family"] == "emcl"
-                                              and r.get("backend") == backend
-                                              and _pair_key(r) == key), None), False)
-                          for backend in emcl_backends for key in PEER_TITLES]
-                rows.append(cells + ([_floor_cell(here)] if floors else []))
-        title = f"{threads} thread(s)" if result["device"] == "cpu" else result["device_name"]
-        lines += ["", f"*{title}*", "", _markdown(head, rows)]
-    errors = {(r["contender"], r["error"]) for r in recs if r.get("error")}
-    goals = step_goals(recs)
-    lines += ([""] if goals or errors else []) + goals
-    lines += [f"- {_title(n)}: {e}" for n, e in sorted(errors)]
-    return "\n".join(lines + ["", _contender_table(recs, gpu=result["device"] != "cpu")])
-
-
-def _contender_table(recs: list, gpu: bool) -> str:
-    """Every timed contender's times, one row each."""
-    head = ["layout", "dtype"] + ([] if gpu else ["threads"]) + ["contender", "wall ms"]
-    head += ["host ms", "device ms", "GPU activities / step"] if gpu else []
-    rows = []
-    for r in recs:
-        if r.get("error") or (gpu and r.get("device_ms") is None):
-            continue
-        cells = [r["layout"], r["dtype"]] + ([] if gpu else [str(r["threads"])])
-        cells += [_title(r["contender"]), f"{r['wall_ms']:.3g}"]
-        if gpu:
-            cells += [f"{r['host_ms']:.3g}", f"{r['device_ms']:.3g}",
-                      f"{r['gpu_activities_per_step']:.3g}"]
-        rows.append(cells + ["-" if r.get(k) is None else f"{r[k]:.2f}x"
-                             for k in ("ratio_to_adam_fused", "ratio_to_peer")])
-    return _markdown(head + ["x Adam fused", "x peer"], rows)
-
-
-def plot(result: dict, path: str) -> None:
-    """One panel per (thread count, dtype): per layout, each EMCL SPEC section 7 row's wall
-    time over its peer's, log scale, lines at the goals 1.0 and 0.8."""
-    recs = [r for r in result["records"] if r.get("ratio_to_peer")]
-    if not recs:
-        return
-    import matplotlib
-
-    threads = list(dict.fromkeys(r["threads"] for r in recs))
-    dtypes = list(dict.fromkeys(r["dtype"] for r in recs))
-    layouts = list(dict.fromkeys(r["layout"] for r in recs))
-    peer = {r["contender"]: r["peer"] for r in recs}
-    names = list(peer)
-    width, height = 0.8 / len(names), 4.0 * len(threads) + 1.2
-    title = (f"EMCL's step over its peer's on {result['device_name']} "
-             f"({result['settings']['mode']} run, {result['created_utc']})")
-    with harness.figure(path, title, nrows=len(threads), ncols=len(dtypes), legend=4,
-                        size=(max(7.0, 2.2 * len(layouts)) * len(dtypes), height),
-                        rect=(0, 0.8 / height, 1, 1 - 0.4 / height)) as axes:
-        for (i, t), (j, dt) in itertools.product(enumerate(threads), enumerate(dtypes)):
-            ax = axes[i][j]
-            for k, name in enumerate(names):
-                mine = {r["layout"]: r for r in recs
-                        if (r["threads"], r["dtype"], r["contender"]) == (t, dt, name)}
-                xs = [x for x, lay in enumerate(layouts) if lay in mine]
-                ax.bar([x - 0.4 + width * (k + 0.5) for x in xs],
-                       [mine[layouts[x]]["ratio_to_peer"] for x in xs], width,
-                       label=f"{name} / {peer[name]}",
-                       color=matplotlib.colormaps["tab20"](k % 20))
-            for goal, style in ((1.0, "-"), (0.8, ":")):
-                ax.axhline(goal, color="k", lw=1, ls=style)
-            ax.set_yscale("log")
-            ax.set_xticks(range(len(layouts)))
-            ax.set_xticklabels(layouts, fontsize=8)
-            ax.set_ylabel("wall time / peer's")
-            where = result["device"] if result["device"] == "cuda" else f"{t} thread(s)"
-            ax.set_title(f"{where}, {dt}", fontsize=10)
+        for layout, dtype in itertools.product(dict.fromkeys(r["layout"] for r in sub),
+                                               dict.fromkeys(r["dtype"] for r in sub)):
+            here = [r for r in sub if r["layout"] == layout and r["dtype"] == dtype]
+            if not here:
+                continue
+            cells = [layout, dtype] + [
+                _summary_cell(next((r for r in here if r["family"] == b), None), True)
+                for b in BASELINES[:3]]
+            cells += [_summary_cell(next((r for r in here if r["family"] == "emcl"
+                                          and r.get("backend") == backend
+                                          and _pair_key(r) == key), None), False)
+                      for backend in emcl_backends for key in PEER_TITLES]
+            rows.append(cells + ([_floor_cell(here)] if floors else []))
+        out[threads] = harness.table(head, rows, markdown=True, align="<<" + ">" * (len(head) - 2))
+    return out
 
 
 def main(argv: Optional[list] = None) -> dict:
     """Run the benchmark; return the results dict (also written to ``--out``)."""
     p = harness.parser("step", __doc__, "device", "threads", "out", "name", "note", "quick",
-                       "plot", "quiet", many_threads=True,
-                       threads_default="on CPU: 1 2; on a GPU: torch's; --host-only: 1",
+                       "quiet", many_threads=True,
+                       threads_default="on CPU: 1 2; on a GPU: torch's",
                        quick="fewer rounds and warm-up steps")
     p.add_argument("--layouts", nargs="+", default=None, choices=LAYOUT_CHOICES,
-                   help="default: every one (--table: every one in the file; --host-only: "
-                        "mlp many)")
+                   help="default: every one")
     p.add_argument("--dtypes", nargs="+", default=None, choices=["fp32", "bf16"],
-                   help="default: both (--table: every one in the file)")
+                   help="default: both")
     p.add_argument("--backends", nargs="+", default=None,
-                   help="EMCL backends (default: every one available on the device; --table: "
-                        "every one in the file; --host-only: the first, default auto)")
-    p.add_argument("--rounds", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
-                   help="rounds per group (full 5 60, quick 3 15; --host-only: MIN)")
+                   help="EMCL backends (default: every one available on the device)")
     p.add_argument("--budget", type=float, default=None,
-                   help="seconds of rounds per group, about (full 20, quick 3)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps per contender")
+                   help="seconds of rounds per group, about (full 20, quick 3; rounds >= 5, 3)")
     p.add_argument("--roof-mb", type=float, default=None,
-                   help="MiB per tensor of the roof's largest size (default: 256 on CPU, 1 GiB on "
-                        "a GPU)")
-    p.add_argument("--rotate-mb", type=float, default=None,
-                   help="MiB of the roof's rotated tensor sets per size (default: 4 x the "
-                        "last-level cache)")
+                   help="MiB per tensor of the roof's largest size (CPU 256, GPU 1024)")
     p.add_argument("--no-roof", action="store_true", help="skip the roof measurement")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--host-only", action="store_true",
-                   help="the host's part of step() alone, the backend's kernels a no-op, fp32, "
-                        "same and changing gradients (host_<stamp>_<device>.json)")
     p.add_argument("--table", nargs="*", metavar="RESULTS_JSON", default=None,
                    help="print the tables of these results files (none: the newest "
                         "benchmarks/results/step_*.json) and exit; --backends, --layouts and "
-                        "--dtypes select")
+                        "--dtypes select (default: every one in the files)")
     args = p.parse_args(argv)
     if args.table is not None:
         text = "\n\n".join(tables(result, backends=args.backends, layouts=args.layouts,
@@ -936,17 +670,8 @@ def main(argv: Optional[list] = None) -> dict:
         print(text)
         return {"table": text}
     settings = Settings(**(QUICK if args.quick else {}))
-    if args.rounds:
-        settings.min_rounds, settings.max_rounds = args.rounds
-        if not 1 <= settings.min_rounds <= settings.max_rounds:
-            raise SystemExit("--rounds: need 1 <= MIN <= MAX")
     if args.budget is not None:
         settings.budget_s = args.budget
-    if args.warmup is not None:
-        settings.warmup = args.warmup
     log = (lambda *_: None) if args.quiet else (lambda msg: print(msg, flush=True))
     with harness.threads(None):
-        device = harness.device_of(args.device)
-        if args.host_only:
-            return run_host_only(args, argv, settings, device)
-        return run(args, argv, settings, device, log)
+        return run(args, argv, settings, harness.device_of(args.device), log)

@@ -28,10 +28,9 @@ class Benchmark:
 REGISTRY = {b.name: b for b in (
     Benchmark("step", "bench_step",
               "What does FusedEMCLOptimizer.step() cost against torch's Adam and SGD, host "
-              "time included, on real layouts (MLP, ResNet-18, GPT-2)? And how much host "
-              "time does a step spend outside the kernels (--host-only)?",
+              "time included, on real layouts (MLP, ResNet-18, GPT-2)?",
               ("--quick", "--layouts", "mlp", "--dtypes", "fp32", "--threads", "1",
-               "--budget", "0.2", "--no-roof", "--no-plot", "--out", "{out}"),
+               "--budget", "0.2", "--no-roof", "--out", "{out}"),
               mode_smoke=("--table", "benchmarks/results/step_epyc-2core.json",
                           "--backends", "cpu")),
     Benchmark("kernels", "bench_kernels",

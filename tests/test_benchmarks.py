@@ -8,6 +8,7 @@ file takes seconds.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -730,17 +731,21 @@ def test_rotation_always_takes_the_least_recently_used_set():
 # The optimizer-step benchmark
 # ---------------------------------------------------------------------------------------------
 
+def _numel(shapes) -> int:
+    return sum(math.prod(s) for s in shapes)
+
+
 def test_step_layouts_have_the_published_sizes():
     name, shapes, _ = bench_step.layout_shapes("mlp")
     assert shapes == [(100, 784), (100,), (100, 100), (100,), (10, 100), (10,)]
-    assert bench_step.numel_of(shapes) == 89_610
+    assert _numel(shapes) == 89_610
     gpt2 = bench_step.gpt2_shapes()
-    assert len(gpt2) == 148 and bench_step.numel_of(gpt2) == 124_439_808
+    assert len(gpt2) == 148 and _numel(gpt2) == 124_439_808
     assert gpt2[:4] == [(50257, 768), (1024, 768), (768,), (768,)]
     _, many, _ = bench_step.layout_shapes("many")
     assert many == [(4096,)] * 1000
     _, resnet, _ = bench_step.layout_shapes("resnet18")
-    assert len(resnet) == 62 and bench_step.numel_of(resnet) == 11_689_512
+    assert len(resnet) == 62 and _numel(resnet) == 11_689_512
     with pytest.raises(ValueError, match="unknown layout"):
         bench_step.layout_shapes("vgg")
 
@@ -853,10 +858,10 @@ def test_a_contender_that_fails_mid_run_is_recorded_and_the_rest_go_on():
 
     params = bench_step.make_params([(4, 4)], torch.float32, torch.device("cpu"),
                                     torch.Generator().manual_seed(0))
-    ok = bench_step.Contender("sgd_foreach", "sgd_foreach", torch.optim.SGD(params, lr=1e-3),
-                              "step()", "sgd")
-    bad = bench_step.Contender("flaky", "sgd_foreach", FailsOnThirdStep(params, lr=1e-3),
-                               "step()", "sgd")
+    ok = bench_step.Contender("sgd_foreach", "sgd_foreach",
+                              torch.optim.SGD(params, lr=1e-3).step, "sgd")
+    bad = bench_step.Contender("flaky", "sgd_foreach", FailsOnThirdStep(params, lr=1e-3).step,
+                               "sgd")
     settings = bench_step.Settings(**bench_step.QUICK)
     settings.min_rounds = settings.max_rounds = 4
     settings.block_s, settings.warmup = 0.0, 1   # one step per block
@@ -903,8 +908,7 @@ def step_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("step")
     result = bench_step.main(["--quick", "--device", "cpu", "--layouts", "mlp", "--dtypes", "fp32",
                               "bf16", "--threads", "1", "--backends", "foreach", "cpu",
-                              "--rounds", "2", "2", "--warmup", "1", "--budget", "0.01",
-                              "--roof-mb", "1", "--rotate-mb", "2", "--out", str(out),
+                              "--budget", "0.001", "--roof-mb", "1", "--out", str(out),
                               "--name", "step", "--quiet"])
     return result, out
 
@@ -931,7 +935,6 @@ def test_step_run_times_every_contender_on_every_dtype(step_run):
         saved = json.load(f)
     assert saved["schema"] == bench_step.SCHEMA and saved["complete"] is True
     assert saved["records"] == json.loads(json.dumps(result["records"]))
-    assert (out / "step.png").read_bytes()[:8] == PNG_MAGIC
     emcl = [b for b in ("foreach", "cpu") if b in result["emcl_backends"]]
     expected = {"adam_fused", "adam_fused_checked", "adam_fused_scaler", "adam_foreach",
                 "sgd_foreach"} | {
@@ -945,17 +948,15 @@ def test_step_run_times_every_contender_on_every_dtype(step_run):
     assert len(saved["roofs"]) == 1 and saved["roofs"][0]["threads"] == 1
 
 
-@pytest.mark.parametrize("dtype, nbytes, inner_floors", [
-    ("fp32", {"floor: step streams": 28, "floor: inner streams": 20, "floor: inner reads": 16},
-     {"floor: inner streams", "floor: inner reads"}),
-    ("bf16", {"floor: step streams": 22, "floor: inner streams": 14},
-     {"floor: inner streams"})])
-def test_steps_without_the_check_carry_their_floors(step_run, dtype, nbytes, inner_floors):
-    """A step without the check carries its own floors' times over Adam fused's in the same
-    group (inner_step(): the inner streams, and on fp32 their reads; step(): the step's
-    streams), and ratio_to_floor, its own time over the floor with all its streams; a checked
-    step or one with a GradScaler carries none (the floors read no check). bf16's floors move
-    the bf16 steps' bytes (θ and g bf16, θ₀ and h fp32)."""
+@pytest.mark.parametrize("dtype, nbytes", [
+    ("fp32", {"floor: step streams": 28, "floor: inner streams": 20, "floor: inner reads": 16}),
+    ("bf16", {"floor: step streams": 22, "floor: inner streams": 14})])
+def test_steps_without_the_check_carry_their_floors(step_run, dtype, nbytes):
+    """The floors are timed in the same group, each with its time over Adam fused's; a step
+    without the check carries ratio_to_floor, its own time over the floor with all its
+    streams (inner_step(): the inner streams; step(): the step's); a checked step or one with
+    a GradScaler carries none (the floors read no check). bf16's floors move the bf16 steps'
+    bytes (θ and g bf16, θ₀ and h fp32)."""
     result, _ = step_run
     recs = [r for r in result["records"] if r["dtype"] == dtype]
     floors = {r["contender"]: r for r in recs if r["family"] == "floor"}
@@ -963,22 +964,18 @@ def test_steps_without_the_check_carry_their_floors(step_run, dtype, nbytes, inn
         pytest.skip("the cpu backend's probes are not built")
     adam = next(r for r in recs if r["family"] == "adam_fused")
     assert {n: f["bytes_per_element"] for n, f in floors.items()} == nbytes
-    mine = {"inner_step()": ("floor: inner streams", inner_floors),
-            "step()": ("floor: step streams", {"floor: step streams"})}
+    for f in floors.values():
+        assert f["ratio_to_adam_fused"] == pytest.approx(f["wall_ms"] / adam["wall_ms"])
+    mine = {"inner_step()": "floor: inner streams", "step()": "floor: step streams"}
     emcl = [r for r in recs if r["family"] == "emcl"]
-    for call, (streams, names) in mine.items():
+    for call, streams in mine.items():
         plain = [r for r in emcl if r["call"] == call and r["check_finite"] is False
                  and not r["grad_scaler"]]
         assert plain
         for r in plain:
-            assert set(r["floor_ratio_to_peer"]) == names and r["floor"] == streams
-            for name in names:
-                assert r["floor_ratio_to_peer"][name] == pytest.approx(
-                    floors[name]["wall_ms"] / adam["wall_ms"])
-            assert r["ratio_to_floor"] == pytest.approx(r["wall_ms"] /
-                                                        floors[streams]["wall_ms"])
-    assert all("floor_ratio_to_peer" not in r for r in emcl
-               if r["check_finite"] or r["grad_scaler"])
+            assert r["floor"] == streams
+            assert r["ratio_to_floor"] == pytest.approx(r["wall_ms"] / floors[streams]["wall_ms"])
+    assert all("floor" not in r for r in emcl if r["check_finite"] or r["grad_scaler"])
 
 
 def test_step_records_are_consistent(step_run):
@@ -989,8 +986,8 @@ def test_step_records_are_consistent(step_run):
         assert r["finite"] is True
         assert r["wall_ms_min"] <= r["wall_ms_q25"] <= r["wall_ms"] <= r["wall_ms_q75"]
         assert r["host_ms"] == r["wall_ms"]          # on CPU the whole step is host work
-        assert r["rounds"] == 2 and r["samples"] == 2 * r["steps_per_block"]
-        assert r["steps_taken"] >= 1 + r["samples"]     # warm-up, timed
+        assert r["rounds"] == 3 and r["samples"] == 3 * r["steps_per_block"]   # quick's least
+        assert r["steps_taken"] == 2 + r["samples"]     # warm-up, timed
         assert r["device_ms"] is None and r["gpu_activities_per_step"] is None
         assert r["gbps"] == pytest.approx(r["bytes_per_element"] * r["numel"] / r["wall_ms"] / 1e6)
         assert r["roof_gbps"] == result["roofs"][0]["roof_gbps"]
@@ -1019,8 +1016,7 @@ def test_step_readme_table_comes_from_the_results_file(step_run):
     result, out = step_run
     text = bench_step.main(["--table", str(out / "step.json"), "--backends", "cpu"])["table"]
     assert result["device_name"] in text and "step.json" in text
-    summary, contenders = text.split("\n\n| layout | dtype | threads | contender |")
-    rows = [l for l in summary.splitlines() if l.startswith("| mlp")]
+    rows = [l for l in text.splitlines() if l.startswith("| mlp")]
     assert len(rows) == 2
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
@@ -1046,16 +1042,6 @@ def test_step_readme_table_comes_from_the_results_file(step_run):
     assert "emcl[foreach]" not in text and "EMCL `foreach`" not in text
     assert any(l.startswith("- EMCL `cpu` `step()`") for l in text.splitlines()) or \
         "cpu" not in result["emcl_backends"]
-    # then every timed contender of the selection, one row each, with its wall time
-    timed = [r for r in result["records"] if not r.get("error")
-             and (r["family"] != "emcl" or r["backend"] == "cpu")]
-    lines = contenders.splitlines()[2:]
-    assert len(lines) == len(timed)
-    for line, r in zip(lines, timed):
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        assert cells[:3] == [r["layout"], r["dtype"], str(r["threads"])]
-        assert cells[4] == f"{r['wall_ms']:.3g}"
-        assert cells[5] == f"{r['ratio_to_adam_fused']:.2f}x"
 
 
 def test_a_table_of_another_benchmarks_file_is_refused(step_run):
@@ -1067,31 +1053,21 @@ def test_a_table_of_another_benchmarks_file_is_refused(step_run):
 def test_step_script_runs_from_the_command_line(tmp_path):
     cmd = [sys.executable, "-m", "benchmarks", "step", "--quick",
            "--device", "cpu", "--layouts", "mlp", "--dtypes", "fp32", "--threads", "1",
-           "--backends", "foreach", "--rounds", "1", "1", "--warmup", "1", "--budget", "0.001",
-           "--no-roof", "--no-plot", "--out", str(tmp_path)]
+           "--backends", "foreach", "--budget", "0.001",
+           "--no-roof", "--out", str(tmp_path)]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the suite finds the repo itself
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = list(tmp_path.glob("step_*_cpu.json"))
-    assert len(files) == 1 and "adam_fused" in proc.stdout
+    assert len(files) == 1 and "| mlp-784-100-100-10 | fp32 |" in proc.stdout
     assert json.loads(files[0].read_text())["roofs"] == []
-
-
-def test_step_benchmark_writes_its_results_without_matplotlib(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)   # import matplotlib now fails
-    result = bench_step.main(["--device", "cpu", "--layouts", "mlp", "--dtypes", "fp32",
-                              "--threads", "1", "--backends", "foreach", "--rounds", "1", "1",
-                              "--warmup", "1", "--budget", "0.001", "--no-roof",
-                              "--out", str(tmp_path), "--name", "noplot", "--quiet"])
-    assert "png" not in result["paths"] and (tmp_path / "noplot.json").exists()
-    assert "no plot: matplotlib is not importable" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_step_benchmark_on_the_gpu(tmp_path):
     result = bench_step.main(["--quick", "--device", "cuda", "--layouts", "mlp", "--dtypes", "fp32",
-                              "--rounds", "2", "2", "--warmup", "1", "--roof-mb", "16",
-                              "--out", str(tmp_path), "--name", "gpu", "--quiet", "--no-plot"])
+                              "--budget", "0.01", "--roof-mb", "16",
+                              "--out", str(tmp_path), "--name", "gpu", "--quiet"])
     ok = [r for r in result["records"] if not r.get("error")]
     assert {"adam_fused", "adam_foreach", "sgd_foreach"} <= {r["contender"] for r in ok}
     for r in ok:
@@ -1137,72 +1113,36 @@ def test_training_benchmark_rejects_missing_methods():
         bench_training.main(["--methods", "nope"])
 
 
-def test_step_host_only_times_the_host_part_of_a_step(tmp_path, monkeypatch):
-    """step --host-only: the backend's kernels a no-op while timed (and put back after), the
-    same and changing gradients timed per layout, the file written; a GPU asked for where
-    there is none refused."""
-    from emcl_testing import child_env
-    calls = []
-    real = bench_step.host_times
-
-    def spy(choice, device, settings, backend, seed):
-        out = real(choice, device, settings, backend, seed)
-        calls.append((choice, settings.min_rounds, settings.host_calls))
-        return out
-    monkeypatch.setattr(bench_step, "host_times", spy)
-    result = bench_step.main(["--host-only", "--quick", "--device", "cpu", "--rounds", "1", "1",
-                              "--out", str(tmp_path), "--name", "host", "--note", "test"])
-    assert calls == [("mlp", 1, 200), ("many", 1, 200)]
-    data = json.loads((tmp_path / "host.json").read_text())
-    assert data["schema"] == bench_step.HOST_SCHEMA and data["note"] == "test"
-    assert data["device"] == "cpu" and data["threads"] == 1
-    assert data["command"].startswith("python -m benchmarks step --host-only")
-    for layout in ("mlp", "many"):
-        rec = data["layouts"][layout]
-        assert rec["same_grads_us"] > 0 and len(rec["same_rounds_us"]) == 1
-        assert rec["same_grads_fastest_us"] == rec["same_rounds_us"][0]
-        assert rec["changing_grads_us"] == pytest.approx(
-            rec["changing_rounds_us"][0] - rec["assign_rounds_us"][0])
-    assert result["layouts"] == data["layouts"] and ROOT not in json.dumps(data)
-    # the no-op only while timed: a step afterwards moves the parameters
-    params = bench_step.make_params([(4, 4)], torch.float32, torch.device("cpu"),
-                                    torch.Generator().manual_seed(0))
-    opt = bench_step.FusedEMCLOptimizer(params, meta_every=1)
-    before = params[0].detach().clone()
-    settings = bench_step.Settings(**bench_step.QUICK)
-    settings.min_rounds, settings.host_calls = 1, 2
-    real("mlp", torch.device("cpu"), settings, "auto", 0)
-    opt.step()
-    assert not torch.equal(params[0], before)
-    if not torch.cuda.is_available():
-        proc = subprocess.run([sys.executable, "-m", "benchmarks", "step", "--host-only",
-                               "--device", "cuda"], capture_output=True, text=True,
-                              env=child_env(), cwd=ROOT, timeout=300)
-        assert proc.returncode != 0 and "no CUDA device" in proc.stderr
-
-
-def test_step_contenders_without_torchs_finite_check_are_named_not_timed(monkeypatch):
+def test_step_contenders_torch_cannot_check_are_recorded_not_timed(monkeypatch):
     """Where torch's finite check has no kernel for the gradients' dtype (bf16 on CUDA in torch
-    2.11), the checked and GradScaler contenders are recorded as not timed, with the reason;
-    the others are built as usual."""
-    params = [torch.nn.Parameter(torch.randn(5, 3))]
-    names = lambda cs: sorted(c.name for c in cs)  # noqa: E731
-    assert bench_step.torch_check_missing(params) is None
-    with_check, errors = bench_step.make_contenders(params, ["reference"], lambda m: None)
-    assert not errors and "adam_fused_checked" in names(with_check)
+    2.11), the checked and GradScaler contenders fail on their first step with torch's error,
+    which they keep (a table shows them as n/a); the others are timed as usual."""
+    params = bench_step.make_params([(5, 3), (7,)], torch.float32, torch.device("cpu"),
+                                    torch.Generator().manual_seed(0))
 
     def no_kernel(grads, found_inf, inv_scale):
         raise NotImplementedError('"_amp_foreach_non_finite_check_and_unscale_cuda" not '
                                   "implemented for 'BFloat16'")
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", no_kernel)
-    why = bench_step.torch_check_missing(params)
-    assert "no kernel for torch.float32 gradients on cpu" in why and "BFloat16" in why
-    lines = []
-    out, errors = bench_step.make_contenders(params, ["reference"], lines.append)
+    contenders = bench_step.make_contenders(params, ["reference"], lambda m: None)
+    settings = bench_step.Settings(**bench_step.QUICK)
+    settings.min_rounds = settings.max_rounds = 1
+    settings.block_s, settings.warmup = 0.0, 1
+    assert bench_step.time_group(contenders, torch.device("cpu"), settings, lambda m: None) == 1
+    errors = {c.name: c.error for c in contenders if c.error}
     assert sorted(errors) == ["adam_fused_checked", "adam_fused_scaler",
                               "emcl[reference] step() scaler"]
-    assert set(errors.values()) == {why} and any(why in line for line in lines)
-    assert names(out) == sorted(n for n in names(with_check) if n not in errors)
+    assert all(e.startswith("NotImplementedError") and "BFloat16" in e for e in errors.values())
+    assert all(c.blocks == 1 for c in contenders if not c.error) and len(contenders) == 10
+    records = [bench_step.record_of(c, {"numel": 111, "threads": 1, "layout": "x",
+                                        "dtype": "fp32"}, torch.device("cpu"), torch.float32)
+               for c in contenders]
+    bench_step.add_ratios(records)
+    cells = {r["contender"]: bench_step._summary_cell(r, r["family"] != "emcl") for r in records}
+    assert [cells[n] for n in sorted(errors)] == ["n/a"] * 3
+    assert cells["adam_fused"].endswith("]")
+    assert re.match(r"\d+\.\d\dx \(", cells["emcl[reference] step() nocheck"])
+    assert cells["emcl[reference] step()"].endswith("ms (no peer)")    # its peer is not timed
 
 
 # ---------------------------------------------------------------------------------------------

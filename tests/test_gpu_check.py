@@ -189,9 +189,9 @@ def test_stage_selection():
     # stage 2: what only a GPU tells first, the test files CI also runs last
     assert sel("--stage", "2") == ["env", "deps", "build", "big_tests", "sanitizer",
                                    "bench_step", "bench_arrays", "bench_kernels", "triton_sweep",
-                                   "plan_key", "main_job", "rest_tests"]
-    assert sel("--stage", "2", "--skip", "sanitizer,rest_tests")[-6:] == [
-        "bench_step", "bench_arrays", "bench_kernels", "triton_sweep", "plan_key", "main_job"]
+                                   "main_job", "rest_tests"]
+    assert sel("--stage", "2", "--skip", "sanitizer,rest_tests")[-5:] == [
+        "bench_step", "bench_arrays", "bench_kernels", "triton_sweep", "main_job"]
 
 
 def test_every_test_file_runs_in_one_of_the_two_stages():
@@ -254,8 +254,6 @@ def test_a_staged_dry_run_prints_its_steps(tmp_path):
     out = _run("--stage", "2", "--dry-run", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "-k past_2_31" in out.stdout and "--ignore=tests/test_cuda_backend.py" in out.stdout
-    assert "-m benchmarks step --host-only --device cuda --quick" in out.stdout
-    assert "_plan_key_cuda\n" in out.stdout
     assert "-m benchmarks step --device cuda" in out.stdout and "--backends cuda triton\n" in out.stdout
     # run in the stage set's order: what only a GPU tells first, the CPU's test files last
     order = [out.stdout.index(f"  {name}:") for name in gpu_check.STAGE_SETS[2]]

