@@ -32,7 +32,6 @@ GRAPH_MODES = {"on": [True], "off": [False], "both": [True, False]}  # --emcl-gr
 # that vary the visits per sample (emcl_continual.reports.tables: "headline" and "visits")
 HELDOUT_ROWS = ("sgd", "ewc", "agem", "er", "gem", "mer", "lamaml/own-script", "lamaml", "emcl",
                 "emcl/glances=2", "emcl/glances=5", "lamaml/glances=1")
-HELDOUT_SAMPLES = 2000  # incoming samples timed per stream (2 tasks of 1,000; 10 of 200)
 
 
 def label(method: str, backend: str | None, graph: bool | None = None) -> str:
@@ -47,11 +46,10 @@ def make_stream(name: str, seed: int, root: str | None, n_tasks: int, per_task: 
 
     if name not in IMAGE_STREAMS or root is not None:
         return streams.make_stream(name, seed, data_root=root, n_tasks=n_tasks, samples_per_task=per_task)
-    side = 32 if name == "split-cifar100" else 84
-    x = torch.rand(per_task + 10, 3 * side * side, generator=torch.Generator().manual_seed(seed))
-    y = torch.arange(per_task + 10) % 5
-    return streams.stream_from_tasks(name, [(x[:per_task], y[:per_task])], [(x[per_task:], y[per_task:])],
-                                     seed, source="random pixels in the stream's shape")
+    features, g = 3 * (32 * 32 if name == "split-cifar100" else 84 * 84), torch.Generator().manual_seed(seed)
+    train, test = [(torch.rand(n, features, generator=g), torch.arange(n) % 5) for n in (per_task, 10)]
+    return streams.stream_from_tasks(name, [train], [test], seed,
+                                     source="random pixels in the stream's shape")
 
 
 # --- The run machinery -------------------------------------------------------------------------
@@ -69,11 +67,10 @@ def run_prefix(method: str, overrides: dict, stream, seed: int, n_tasks: int, ba
     from emcl_continual.training.config import RUN_DEFAULTS, build_config
     from emcl_continual.training.cost import CostCounter
 
-    info = stream.info
-    config = build_config(method, info.name, seed, overrides)
+    config = build_config(method, stream.info.name, seed, overrides)
     torch.manual_seed(int(seed))
-    model = build_model(info, init=config.get("init", RUN_DEFAULTS["init"])).to(device)
-    learner = get_method(method)(model, info, config, device)
+    model = build_model(stream.info, init=config.get("init", RUN_DEFAULTS["init"])).to(device)
+    learner = get_method(method)(model, stream.info, config, device)
     counter = CostCounter().attach(learner) if count else None
     wall, cpu, batch_s, samples = [], [], [], 0
 
@@ -88,21 +85,14 @@ def run_prefix(method: str, overrides: dict, stream, seed: int, n_tasks: int, ba
             counter.flush()  # an update the call made after its last forward
         return wall[-1]
 
-    try:
-        for t in range(n_tasks):
-            timed(learner.begin_task, t)
-            for x, y in stream.batches(t, batch_size, device=device):
-                batch_s.append(timed(learner.observe, x, y, t))
-                samples += x.shape[0]
-            timed(learner.end_task, t)
-    finally:
-        if counter is not None:
-            counter.detach()
-    out = {"train_time_s": sum(wall), "cpu_time_s": sum(cpu), "batch_s": batch_s,
-           "incoming_samples": samples}
-    if counter is not None:
-        out["counts"] = counter.counts(samples)
-    return out
+    for t in range(n_tasks):
+        timed(learner.begin_task, t)
+        for x, y in stream.batches(t, batch_size, device=device):
+            batch_s.append(timed(learner.observe, x, y, t))
+            samples += x.shape[0]
+        timed(learner.end_task, t)
+    out = {"train_time_s": sum(wall), "cpu_time_s": sum(cpu), "batch_s": batch_s, "incoming_samples": samples}
+    return out if counter is None else dict(out, counts=counter.counts(samples))
 
 
 def _one_run(method, backend, graph, stream, warm, seed, device, batch_size, first) -> dict:
@@ -120,19 +110,17 @@ def _one_run(method, backend, graph, stream, warm, seed, device, batch_size, fir
     if stream.info.name in IMAGE_STREAMS:
         secs = run_prefix(method, overrides, stream, seed, 1, batch_size, device)["batch_s"]
         steady = secs[STEADY_SKIP:] if len(secs) > STEADY_SKIP else secs[-1:]
-        rec.update(train_time_s=sum(secs), eval_time_s=None, n_batches=len(secs),
-                   ms_per_batch=1e3 * sum(secs) / len(secs),
-                   ms_per_batch_steady=1e3 * statistics.median(steady),
-                   batch_ms=[round(1e3 * s, 3) for s in secs], acc=None, bwt=None)
+        rec.update(train_time_s=sum(secs), eval_time_s=None, n_batches=len(secs), acc=None, bwt=None,
+                   ms_per_batch=1e3 * statistics.mean(secs), batch_ms=[round(1e3 * s, 3) for s in secs],
+                   ms_per_batch_steady=1e3 * statistics.median(steady))
     else:
         r = train.run(method, stream, seed, **kw)
         rec.update(train_time_s=r["train_time_s"], eval_time_s=r["eval_time_s"],
                    ms_per_batch=1e3 * r["train_time_s"] / max(1, rec["n_batches"]),
                    ms_per_batch_steady=None, acc=r["acc"], bwt=r["bwt"])
-    shown = {"train s": rec["train_time_s"], "ms/batch": rec["ms_per_batch"],
-             "steady": rec["ms_per_batch_steady"], "ACC": rec["acc"]}
-    print(f"{rec['stream']:<18} {device.type:<4} {rec['label']:<26} seed {seed}: "
-          + ", ".join(f"{k} {v:.2f}" for k, v in shown.items() if v is not None), flush=True)
+    print(f"{rec['stream']:<18} {device.type:<4} {rec['label']:<26} seed {seed}: " + ", ".join(
+        f"{k} {rec[k]:.2f}" for k in ("train_time_s", "ms_per_batch", "ms_per_batch_steady", "acc")
+        if rec[k] is not None), flush=True)
     return rec
 
 
@@ -147,16 +135,13 @@ def run_devices(args, argv) -> dict:
     notes = [] if args.device != "auto" or len(devices) > 1 else \
         ["--device auto: no GPU here, timing the CPU only"]
     methods = args.methods or list(METHODS)
-    if set(methods) - set(METHODS):
-        raise SystemExit(f"unknown --methods {sorted(set(methods) - set(METHODS))}; "
-                         f"registered: {', '.join(METHODS)}")
     n_tasks = args.n_tasks or (2 if args.quick else 5)
     per_task = args.samples_per_task or (50 if args.quick else 200)
     image_batches = args.image_batches or (3 if args.quick else 8)
     plans, skipped_backends = {}, {}
     for device in devices:
-        only = args.backends and [auto_backend(device) if b == "auto" else b for b in args.backends]
-        backends, skipped = common.backends_for(device, include_cpu_triton=args.cpu_triton, only=only)
+        only = [auto_backend(device) if b == "auto" else b for b in args.backends or ()]
+        backends, skipped = common.backends_for(device, include_cpu_triton="triton" in only, only=only)
         if "emcl" in methods and not backends:
             raise SystemExit(f"no EMCL backend available on {device}: {skipped}")
         skipped_backends.update({f"{b} on {device.type}" if len(devices) > 1 else b: why
@@ -208,13 +193,12 @@ def summarize(records: list) -> list:
     backend, graph), in the order first seen."""
     groups = {}
     for r in records:
-        groups.setdefault((r["stream"], r["device"], r["method"], r["backend"], r["graph"]), []).append(r)
+        groups.setdefault((r["stream"], r["device"], r["label"]), []).append(r)
     out = []
-    for (stream, device, method, backend, graph), rs in groups.items():
+    for rs in groups.values():
         times = [r["train_time_s"] for r in rs]
-        out.append({"stream": stream, "device": device, "method": method, "backend": backend,
-                    "graph": graph, "label": label(method, backend, graph), "seeds": [r["seed"] for r in rs],
-                    "train_time_s": statistics.mean(times),
+        out.append({**{k: rs[0][k] for k in ("stream", "device", "method", "backend", "graph", "label")},
+                    "seeds": [r["seed"] for r in rs], "train_time_s": statistics.mean(times),
                     "train_time_s_std": statistics.stdev(times) if len(times) > 1 else 0.0,
                     **{k: None if any(r[k] is None for r in rs) else statistics.mean(r[k] for r in rs)
                        for k in ("ms_per_batch", "acc", "bwt", "ms_per_batch_steady")}})
@@ -228,13 +212,6 @@ def _fmt(v):
 def _num(v: float) -> str:
     """Three significant digits without exponents: 0.736, 19.8, 456, 3,280."""
     return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
-
-
-def _headline(rows: list, method: str, device: str, auto: dict) -> dict | None:
-    """The row that stands for ``method`` on ``device``: for EMCL the backend ``auto`` picks
-    there (what ``python -m emcl_continual`` runs), graphed on a GPU; for a baseline its row."""
-    return next((r for r in rows if r["method"] == method and r["device"] == device and (
-        method != "emcl" or r["backend"] == auto.get(device) and r["graph"] in (None, True))), None)
 
 
 # the table of every row: header -> the summary's key (numbers from "train s" on)
@@ -274,7 +251,11 @@ def tables(results: list) -> str:
             + ([] if image else [f"ACC {n}" for n in names.values()])
         by_method = []
         for method in dict.fromkeys(r["method"] for r in srows):
-            picks = {d: _headline(srows, method, d, auto) for d in names}
+            # the row that stands for the method on each device: for EMCL the backend ``auto``
+            # picks there (what python -m emcl_continual runs), graphed on a GPU
+            picks = {d: next((r for r in srows if r["method"] == method and r["device"] == d and (
+                method != "emcl" or r["backend"] == auto.get(d) and r["graph"] in (None, True))), None)
+                for d in names}
             # an image stream's steady ms per batch, else the training time
             vals = {d: r and ((r["ms_per_batch_steady"] or r["ms_per_batch"]) if image else r["train_time_s"])
                     for d, r in picks.items()}
@@ -372,14 +353,12 @@ def run_heldout(args, argv) -> dict:
     for (name, row), c in zip(items, counts):
         mine = [r for r in records if r["stream"] == name and r["row"] == row["name"]]
         times, cpus = [r["train_time_s"] for r in mine], [r["cpu_time_s"] for r in mine]
-        med, cpu_med = statistics.median(times), statistics.median(cpus)
+        med, cpu_med, n = statistics.median(times), statistics.median(cpus), c["incoming_samples"]
         summary.append({"stream": name, "row": row["name"], "same_as": row["same_as"],
                         "method": row["method"], "overrides": row["overrides"], "rounds": len(times),
                         "train_time_s_median": med, "train_time_s_min": min(times),
-                        "train_time_s_max": max(times), "train_times_s": times,
-                        "cpu_time_s_median": cpu_med, "cpu_times_s": cpus, "counts": c,
-                        "ms_per_sample": 1e3 * med / c["incoming_samples"],
-                        "cpu_ms_per_sample": 1e3 * cpu_med / c["incoming_samples"]})
+                        "train_time_s_max": max(times), "cpu_time_s_median": cpu_med, "counts": c,
+                        "ms_per_sample": 1e3 * med / n, "cpu_ms_per_sample": 1e3 * cpu_med / n})
     result["machine"]["load_average_after"] = common.load_average()
     result.update({
         "settings": {"heldout": args.heldout, "streams": list(args.streams), "rounds": args.rounds,
@@ -395,29 +374,32 @@ def run_heldout(args, argv) -> dict:
 # --- The command line --------------------------------------------------------------------------
 
 def build_parser():
+    from emcl_continual.data.streams import STREAMS
+    from emcl_continual.methods import METHODS
+
     p = harness.parser("training", __doc__, "threads", "out", "name", "note", "quick",
                        threads=1, quick="2 tasks x 50 samples; 3 image batches")
     add = p.add_argument
     add("--device", default="cpu", help="cpu (default), cuda, or auto (the CPU, and the GPU if any)")
-    add("--streams", "--stream", dest="streams", nargs="+", default=["permuted-mnist"])
+    add("--streams", nargs="+", choices=list(STREAMS), metavar="STREAM", default=["permuted-mnist"],
+        help="of %(choices)s (default permuted-mnist)")
     add("--n-tasks", type=int, help="permutation streams: default 5 (quick 2)")
     add("--samples-per-task", type=int, help="permutation streams: default 200 (quick 50)")
     add("--image-batches", type=int, help="image streams: one task's batches, timed (default 8, quick 3)")
     add("--batch-size", type=int, default=10)
     add("--seeds", nargs="+", type=int, default=[0])
-    add("--methods", nargs="+",
-        help=f"default: emcl and every baseline (image streams: {' '.join(IMAGE_METHODS)})")
+    add("--methods", nargs="+", choices=list(METHODS), metavar="METHOD",
+        help=f"of %(choices)s; default: emcl and every baseline (image streams: {' '.join(IMAGE_METHODS)})")
     add("--backends", nargs="+", help="EMCL backends (default: every one available on the device; 'auto': "
         "the one FusedEMCLOptimizer picks there, as python -m emcl_continual runs)")
     add("--emcl-graph", choices=list(GRAPH_MODES), default="both",
         help="on a GPU: EMCL's glances from CUDA graphs (on), eagerly (off) or both")
-    add("--cpu-triton", action="store_true", help="also time interpreted Triton on CPU")
     add("--data-root", default=None, help="data sets on disk; without it image streams are random pixels")
     add("--heldout", metavar="DIR", help="time the held-out report rows of DIR/STREAM/plan.json (e.g. "
         "results/heldout) like for like: a counted pass, then interleaved rounds")
     add("--rows", nargs="+", help=f"--heldout: the rows to time (default {' '.join(HELDOUT_ROWS)})")
-    add("--heldout-samples", type=int, default=HELDOUT_SAMPLES,
-        help=f"--heldout: incoming samples per stream, whole tasks (default {HELDOUT_SAMPLES})")
+    add("--heldout-samples", type=int, default=2000,
+        help="--heldout: incoming samples per stream, whole tasks (default %(default)s)")
     add("--rounds", type=int, default=3, help="--heldout: timed rounds (default 3)")
     add("--table", nargs="+", metavar="RESULTS_JSON", help="print these files' tables, merged, and exit")
     return p
@@ -432,18 +414,5 @@ def main(argv: list | None = None) -> dict:
         return {"table": text}
     if args.heldout and args.device != "cpu":
         raise SystemExit("--heldout times the CPU (--device cpu): the held-out sweeps ran there")
-    if args.cpu_triton:
-        if args.device != "cpu":
-            raise SystemExit("--cpu-triton runs Triton through its interpreter; use it with --device cpu")
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton backend is imported
-    try:
-        from emcl_continual.data.streams import STREAMS
-    except ImportError as exc:
-        raise SystemExit(f"bench_training.py needs the emcl_continual package (python/emcl_continual), "
-                         f"which could not be imported: {exc}; run python -m benchmarks training "
-                         "from a full checkout") from exc
-    unknown = [s for s in args.streams if s not in STREAMS]
-    if unknown:
-        raise SystemExit(f"unknown stream(s) {unknown}; choose from {', '.join(STREAMS)}")
     with harness.threads(args.threads or None):
         return (run_heldout if args.heldout else run_devices)(args, argv)

@@ -116,13 +116,16 @@ def test_cuda_without_a_gpu_is_one_line(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_bad_device_and_stream_are_clear():
+def test_bad_device_stream_and_method_are_clear(capsys):
     with pytest.raises(SystemExit, match="--device: cpu, cuda or auto, got 'tpu'"):
         bench_training.main(["--device", "tpu"])
-    with pytest.raises(SystemExit, match="unknown stream"):
-        bench_training.main(["--streams", "nope"])
-    with pytest.raises(SystemExit, match="unknown --methods"):
-        bench_training.main(["--streams", "split-cifar100", "--methods", "nope"])
+    for argv, option, choices in ((["--streams", "nope"], "--streams", streams.STREAMS),
+                                  (["--streams", "split-cifar100", "--methods", "emcl", "nope"],
+                                   "--methods", METHODS)):
+        with pytest.raises(SystemExit):
+            bench_training.main(argv)
+        err = capsys.readouterr().err
+        assert f"argument {option}: invalid choice: 'nope'" in err and all(c in err for c in choices)
     with pytest.raises(SystemExit, match="not a training results file"):
         bench_training.main(["--table", os.path.join(bench_training.common.REPO, "results", "efficiency",
                                                      "controlled_cpu.json")])

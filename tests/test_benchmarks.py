@@ -1100,17 +1100,10 @@ def test_training_benchmark_times_emcl_per_backend(tmp_path):
         assert json.load(f)["settings"]["per_stream"]["permuted-mnist"]["n_tasks"] == 1
 
 
-def test_training_benchmark_fails_clearly_without_emcl_continual(monkeypatch):
-    for name in [m for m in sys.modules if m == "emcl_continual" or m.startswith("emcl_continual.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "emcl_continual", None)
-    with pytest.raises(SystemExit, match="needs the emcl_continual package"):
-        bench_training.main(["--quick"])
-
-
-def test_training_benchmark_rejects_missing_methods():
-    with pytest.raises(SystemExit, match="unknown --methods"):
+def test_training_benchmark_rejects_missing_methods(capsys):
+    with pytest.raises(SystemExit):
         bench_training.main(["--methods", "nope"])
+    assert "argument --methods: invalid choice: 'nope'" in capsys.readouterr().err
 
 
 def test_step_contenders_torch_cannot_check_are_recorded_not_timed(monkeypatch):
