@@ -7,6 +7,7 @@ is a bug in the benchmark or the byte model, never a result: the run says so.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import gc
@@ -40,13 +41,10 @@ ROTATE_FACTOR = 4.0    # the rotated sets total at least this many last-level ca
 
 
 class Layout(NamedTuple):
-    """A list of parameter shapes that is timed as one call."""
+    """A list of parameter shapes that is timed as one call, and their elements."""
     name: str
     shapes: list
-
-    @property
-    def numel(self) -> int:
-        return sum(math.prod(s) for s in self.shapes)
+    numel: int
 
 
 def resnet18_shapes() -> list:
@@ -64,43 +62,17 @@ def build_layouts(choices, sizes) -> list:
     """The layouts of ``--layouts`` in order, ``single`` once per size of ``sizes`` (log2)."""
     shapes = {"single": lambda: [[(2 ** k,)] for k in sizes], "mlp": lambda: [common.mlp_shapes()],
               "resnet18": lambda: [resnet18_shapes()], "many": lambda: [[(4096,)] * 1000]}
-    return [Layout(LAYOUT_NAMES[c], shape_list) for c in choices for shape_list in shapes[c]()]
-
-
-def n_sets_for(set_bytes: int, rotate_bytes: int, max_sets: int = MAX_SETS) -> int:
-    """Enough input sets of ``set_bytes`` to total ``rotate_bytes`` (at most ``max_sets``)."""
-    return int(max(1, min(max_sets, -(-rotate_bytes // max(1, set_bytes)))))
-
-
-class Rotation:
-    """Which input set each call uses: always the least recently used one, counted over every
-    call on the same sets (warm-up, estimate, repeats, every backend and op), so that between
-    two uses of a set all the others were touched and no call finds its inputs in cache."""
-
-    def __init__(self, n_sets: int):
-        self.n_sets, self.position = n_sets, 0
-
-    def upcoming(self, k: int) -> list:
-        """The indices of the next ``k`` sets (call :meth:`advance` with how many were used)."""
-        return [(self.position + i) % self.n_sets for i in range(k)]
-
-    def advance(self, k: int) -> None:
-        self.position = (self.position + k) % self.n_sets
-
-    def take(self) -> int:
-        """The next set's index, marked used."""
-        i = self.position
-        self.advance(1)
-        return i
+    return [Layout(LAYOUT_NAMES[c], shape_list, sum(math.prod(s) for s in shape_list))
+            for c in choices for shape_list in shapes[c]()]
 
 
 def triton_config(text: str) -> str:
     """``--triton-configs``' ``BLOCKxWARPS`` (e.g. ``4096x8``), checked: BLOCK a power of two
-    >= 16, WARPS a power of two."""
+    >= 16, WARPS a power of two (an ArgumentTypeError: argparse prints its message)."""
     block, warps = (int(x) if x.isdigit() else 0 for x in (text.lower().partition("x")[::2]))
     if block < 16 or block & (block - 1) or warps < 1 or warps & (warps - 1):
-        raise ValueError(f"{text!r}: a Triton config is BLOCKxWARPS, BLOCK a power of two >= 16 "
-                         "and WARPS a power of two, e.g. 4096x8")
+        raise argparse.ArgumentTypeError(f"{text!r}: a Triton config is BLOCKxWARPS, BLOCK a "
+                                         "power of two >= 16 and WARPS a power of two, e.g. 4096x8")
     return f"{block}x{warps}"
 
 
@@ -162,21 +134,24 @@ def run_device(device: torch.device, args, s: dict, log, timed: Callable) -> tup
         dtype, first = common.DTYPE_NAMES[dname], len(records)
         new_set = functools.partial(common.make_input_set, layout.shapes, dtype, device, gen,
                                     with_meta_lrs=args.lr_mode == "recurrent")
-        sets = [new_set()]
-        sets += [new_set() for _ in range(n_sets_for(sets[0].nbytes, rotate, s["max_sets"]) - 1)]
-        rotation = Rotation(len(sets))
+        sets = [new_set()]   # and more, to total ``rotate`` bytes (at most ``max_sets`` sets)
+        sets += [new_set() for _ in range(min(s["max_sets"], -(-rotate // sets[0].nbytes)) - 1)]
         for op, (backend, config) in itertools.product(args.ops, variants):
             if backend == "reference" and layout.numel > s["reference_cap"]:
                 continue
             hyper = common.hyperparameters(op, args.lr_mode)
-            calls = [common.step_fn(op, backend, x, hyper) for x in sets]
+            # every call on these sets (warm-up, estimate, repeats, of every backend and step)
+            # takes the least recently used one, the first of ``sets``: between two uses of a
+            # set all the others were touched, so no call finds its inputs in cache
+            ring = itertools.cycle([common.step_fn(op, backend, x, hyper) for x in sets])
             with triton_tunables(config):
-                common.time_once(calls[rotation.take()], device)   # warm-up (compilation, tuning)
-                estimate = common.time_once(calls[rotation.take()], device)
+                common.time_once(next(ring), device)   # warm-up (compilation, tuning)
+                estimate = common.time_once(next(ring), device)
                 reps = common.repeats_for(estimate, s["budget_s"], s["min_reps"], s["max_reps"])
-                secs = common.time_calls([calls[i] for i in rotation.upcoming(reps)], device,
+                secs = common.time_calls([next(ring) for _ in range(reps)], device,
                                          max_total_s=4 * s["budget_s"], min_calls=s["min_reps"])
-                rotation.advance(len(secs))
+            used = (2 + len(secs)) % len(sets)
+            sets = sets[used:] + sets[:used]   # the least recently used first again
             st, bpe = common.Stats.of(secs), common.bytes_per_element(op, dtype, args.lr_mode)
             records.append({
                 "device": device.type, "device_name": info["name"], "backend": backend,
@@ -201,7 +176,7 @@ def run_device(device: torch.device, args, s: dict, log, timed: Callable) -> tup
                                  f"{layout.numel} {dname}: its timings may be distorted")
         info["load_averages"].append((f"after {layout.name} {layout.numel} {dname}",
                                       common.load_average()))
-        sets = calls = None   # freed before the next layout's sets are made
+        sets = ring = None   # freed before the next layout's sets are made
         timed(info, records)
         gc.collect()
         if gpu:
@@ -212,7 +187,15 @@ def run_device(device: torch.device, args, s: dict, log, timed: Callable) -> tup
     pooled = info["roof"] = common.pool_roofs(info["roof_runs"])
     info.update(roof_gbps=pooled["roof_gbps"], copy_gbps=pooled["copy_gbps"])
     _log_roof(pooled, log, "roof, start and end pooled")
-    _finish_records(records, pooled)
+    by_key = {(r["layout"], r["numel"], r["dtype"], r["op"], _label(r)): r for r in records}
+    for r in records:   # the copy and the roof, the ratios to them, the speed-ups over the bases
+        r.update(copy_gbps=pooled["copy_gbps"], ratio_to_copy=r["gbps"] / pooled["copy_gbps"],
+                 roof_gbps=pooled["roof_gbps"], roof_kernel=pooled["roof_kernel"],
+                 ratio_to_roof=r["gbps"] / pooled["roof_gbps"],
+                 ratio_to_roof_best=r["gbps_best"] / pooled["roof_gbps"])
+        for base in ("reference", "foreach"):
+            other = by_key.get((r["layout"], r["numel"], r["dtype"], r["op"], base))
+            r[f"speedup_vs_{base}"] = other["time_ms"] / r["time_ms"] if other else None
     info["notes"].extend(above_roof_notes(records, pooled))
     return info, records
 
@@ -251,20 +234,6 @@ def _log_roof(roof: dict, log, what: str = "roof") -> None:
 def _label(r: dict) -> str:
     """A record's backend, with its Triton config where it has one: a column of the tables."""
     return r["backend"] + (f" {r['config']}" if r.get("config") else "")
-
-
-def _finish_records(records: list, roof: dict) -> None:
-    """Fill in the copy bandwidth and the roof, the ratios to them and the speed-ups over
-    reference and foreach."""
-    by_key = {(r["layout"], r["numel"], r["dtype"], r["op"], _label(r)): r for r in records}
-    for r in records:
-        r.update(copy_gbps=roof["copy_gbps"], ratio_to_copy=r["gbps"] / roof["copy_gbps"],
-                 roof_gbps=roof["roof_gbps"], roof_kernel=roof["roof_kernel"],
-                 ratio_to_roof=r["gbps"] / roof["roof_gbps"],
-                 ratio_to_roof_best=r["gbps_best"] / roof["roof_gbps"])
-        for base in ("reference", "foreach"):
-            other = by_key.get((r["layout"], r["numel"], r["dtype"], r["op"], base))
-            r[f"speedup_vs_{base}"] = other["time_ms"] / r["time_ms"] if other else None
 
 
 # The tables (the terminal's at the end of a run, docs/performance.md's from a file), the plot

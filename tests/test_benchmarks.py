@@ -200,24 +200,13 @@ def test_layouts_come_from_the_project_models():
     assert len(many.shapes) == 1000 and many.numel == 1000 * 4096
 
 
-def test_rotated_sets_exceed_the_last_level_cache():
-    rotate = int(bench_kernels.ROTATE_FACTOR * (32 << 20))
-    for set_bytes in (16 << 10, 1 << 20, 7_000_003, 64 << 20, 1 << 30):
-        n = bench_kernels.n_sets_for(set_bytes, rotate)
-        assert 1 <= n <= bench_kernels.MAX_SETS
-        assert n * set_bytes >= rotate or n == bench_kernels.MAX_SETS
-        assert n == 1 or (n - 1) * set_bytes < rotate  # no more than needed
-    assert bench_kernels.n_sets_for(16, 1 << 20, max_sets=7) == 7
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_input_sets_never_share_memory(dtype):
     # The old make_input_set took θ.to(dtype) as the parameter (θ itself for fp32) and made the
     # anchor with θ.add_(noise): parameter and anchor were one tensor, and the fp32 "GB/s" was
     # above the memory's (141 % of copy on the H100).
-    layout = bench_kernels.Layout("x", [(64, 3), (5,), (1000,)])
     gen = torch.Generator().manual_seed(0)
-    s = common.make_input_set(layout.shapes, dtype, torch.device("cpu"), gen, with_meta_lrs=True)
+    s = common.make_input_set([(64, 3), (5,), (1000,)], dtype, torch.device("cpu"), gen, with_meta_lrs=True)
     tensors = s.params + s.grads + s.anchors + s.importances + s.meta_lrs
     assert common.overlapping(tensors) == []
     assert len({t.data_ptr() for t in tensors}) == len(tensors)
@@ -238,9 +227,8 @@ def test_overlapping_finds_shared_memory_and_only_that():
 
 
 def test_input_sets_are_random_and_shaped_like_the_layout():
-    layout = bench_kernels.Layout("x", [(3, 5), (7,)])
     gen = torch.Generator().manual_seed(0)
-    s = common.make_input_set(layout.shapes, torch.bfloat16, torch.device("cpu"), gen,
+    s = common.make_input_set([(3, 5), (7,)], torch.bfloat16, torch.device("cpu"), gen,
                                with_meta_lrs=True)
     assert [tuple(t.shape) for t in s.params] == [(3, 5), (7,)]
     assert all(t.dtype == torch.bfloat16 for t in s.params + s.grads)
@@ -681,11 +669,12 @@ def test_above_roof_records_are_called_a_bug():
     assert bench_kernels.above_roof_notes(recs[:1], {"records": roof["records"][:1]}) == []
 
 
-def test_triton_configs_are_checked_and_set_for_the_block():
+def test_triton_configs_are_checked_and_set_for_the_block(capsys):
     assert bench_kernels.triton_config("4096X8") == "4096x8"
     for bad in ("4096", "1000x8", "8x4", "4096x3", "ax8"):
-        with pytest.raises(ValueError):
-            bench_kernels.triton_config(bad)
+        with pytest.raises(SystemExit):
+            bench_kernels.build_parser().parse_args(["--triton-configs", "2048x4", bad])
+        assert f"{bad!r}: a Triton config is BLOCKxWARPS" in capsys.readouterr().err
     pytest.importorskip("triton")
     from emcl_kernels.backends import triton as TB
     before = (TB.BLOCK_SIZE, TB.NUM_WARPS)
@@ -719,12 +708,39 @@ def test_triton_configs_mode_times_each_config_as_a_column(tmp_path):
     assert by_config["1024x4"]["time_ms_min"] > by_config["4096x8"]["time_ms_min"]
 
 
-def test_rotation_always_takes_the_least_recently_used_set():
-    rot = bench_kernels.Rotation(3)
-    assert [rot.take(), rot.take()] == [0, 1]
-    assert rot.upcoming(4) == [2, 0, 1, 2]
-    rot.advance(2)                 # only two of them were used
-    assert rot.take() == 1
+def test_every_kernel_call_takes_the_least_recently_used_input_set(tmp_path, monkeypatch):
+    """The input sets total the rotated bytes with none more than needed, at most MAX_SETS of
+    them, and every call on them (warm-up, estimate and repeats, of every backend and step)
+    takes the least recently used one: call i of a layout takes set i mod the number of sets."""
+    used, step_fn = [], common.step_fn
+
+    def recording(op, backend, x, hyper):
+        fn = step_fn(op, backend, x, hyper)
+        if x.meta_lrs is None:   # the roof's own input set (lr_mode "inverse")
+            return fn
+
+        def call():
+            used.append((x.params[0].numel(), id(x)))
+            fn()
+        return call
+    monkeypatch.setattr(common, "step_fn", recording)
+    monkeypatch.setattr(bench_kernels, "MAX_SETS", 4)
+    result = bench_kernels.main(["--quick", "--sizes", "10", "12", "--layouts", "single",
+                                 "--dtypes", "fp32", "--ops", "inner_step", "meta_step",
+                                 "--backends", "cpu", "foreach", "--lr-mode", "recurrent",
+                                 "--device", "cpu", "--rotate-mb", "0.1", "--roof-mb", "0.01",
+                                 "--threads", "1", "--out-dir", str(tmp_path), "--quiet",
+                                 "--no-plot"])
+    rotate = int(0.1 * 2 ** 20)
+    for numel, n in ((2 ** 10, 4), (2 ** 12, 2)):   # 6 sets of 2**10 elements capped at 4
+        rec = [r for r in result["records"] if r["numel"] == numel][0]
+        assert rec["rotation_sets"] == n
+        set_bytes = rec["rotation_bytes"] // n
+        assert n == 4 or rec["rotation_bytes"] >= rotate > rec["rotation_bytes"] - set_bytes
+        calls = [i for size, i in used if size == numel]
+        sets = list(dict.fromkeys(calls))
+        assert len(sets) == n and len(calls) > 2 * n
+        assert calls == [sets[k % n] for k in range(len(calls))]
 
 
 # ---------------------------------------------------------------------------------------------
