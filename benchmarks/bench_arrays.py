@@ -107,7 +107,7 @@ def measure(n: int, op: str, device, threads: int, rounds: int, log) -> list:
     floor = stats.get("floor", {}).get("median_ms")
     return [{"runs": n, "op": op, "threads": threads, "contender": name, **s,
              "elements": numel, "bytes_per_element": nbytes,
-             "gbps": numel * nbytes / (s["median_ms"] / 1e3) / 1e9,
+             "gbps": common.gbps(numel * nbytes, s["median_ms"] / 1e3),
              "ratio_to_separate": s["median_ms"] / stats["separate"]["median_ms"],
              "ratio_to_floor": s["median_ms"] / floor if floor else None}
             for name, s in stats.items()]

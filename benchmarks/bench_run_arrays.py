@@ -122,8 +122,8 @@ def _width(method, w, data, warm, batches, repeats, device, alone) -> dict:
 def plot(result: dict, path: str) -> None:
     """Run-samples per second against width, per method (log-log), the run alone as a dashed
     line; and the speed-up over the run alone."""
-    where = result.get("device_name") or result["machine"].get("summary")
-    title = f"Run arrays, Permuted MNIST MLP, {result['device']} ({where}; {result['timer']})"
+    title = (f"Run arrays, Permuted MNIST MLP, {result['device']} ({result['device_name']}; "
+             f"{result['timer']})")
     with harness.figure(path, title, ncols=2, size=(11, 4.2), title_size=8, dpi=120) as axes:
         rates, speedups = axes[0]
         for res in result["methods"]:
@@ -173,13 +173,11 @@ def main(argv: Optional[list] = None) -> dict:
     threadpool_limits(limits=1)     # MER's NumPy stepper: BLAS on one thread too
     with harness.threads(args.threads):
         result = harness.head("run-arrays", argv, device, schema=SCHEMA, note=args.note)
-        result.update({"what": "run-samples per second of run arrays against their width",
-                       "timer": TIMERS[device.type], "threads": torch.get_num_threads(),
-                       "stream": STREAM, "batch_size": BS, "widths": args.widths, "methods": []})
+        result.update(timer=TIMERS[device.type], threads=torch.get_num_threads(), stream=STREAM,
+                      batch_size=BS, widths=args.widths, methods=[])
         data = _data(max(args.widths), args.warm, max(batches.values()) * repeats)
         for m in args.methods:
             result["methods"].append(measure(m, args.widths, data, args.warm, batches[m], repeats, device))
             result["load_average_after"] = common.load_average()
             harness.save(result, os.path.join(args.out, stem + ".json"))
-    result["finished_utc"] = common.utc_now()
     return harness.finish(result, args.out, stem, plot=plot, no_plot=args.no_plot, table=table)

@@ -4,6 +4,7 @@ memory roof, inputs that share no memory and the machine record of a results fil
 from __future__ import annotations
 
 import datetime
+import glob
 import os
 import platform
 import sys
@@ -22,7 +23,8 @@ import torch  # noqa: E402
 
 from emcl_continual.core import provenance  # noqa: E402
 from emcl_kernels import functional as F  # noqa: E402
-from emcl_kernels.backends import BACKENDS, backend_status, get_backend  # noqa: E402
+from emcl_kernels.backends import (BACKENDS, BackendUnavailableError, backend_status,  # noqa: E402
+                                   get_backend)
 
 from benchmarks.timing import (Stats, gbps, repeats_for, synchronize, time_calls,  # noqa: E402,F401
                                time_once, timer_name)
@@ -66,33 +68,24 @@ def hyperparameters(op: str, lr_mode: str) -> dict:
 def backends_for(device: torch.device, *, include_cpu_triton: bool = False,
                  only: Optional[Sequence[str]] = None) -> tuple[list, dict]:
     """The backends available for ``device``'s tensors at run time (those of ``only``), and
-    for every other one why it is left out; Triton on CPU tensors (the interpreter) only with
-    ``include_cpu_triton``."""
+    for every other one why it is left out (``get_backend``'s reason); Triton on CPU tensors
+    (the interpreter) only with ``include_cpu_triton``."""
     device = torch.device(device)
     unknown = [b for b in only or () if b not in BACKENDS]
     if unknown:
         raise ValueError(f"unknown backend(s) {unknown}; the backends are {list(BACKENDS)}")
-    status = backend_status()
     chosen, skipped = [], {}
     for name in BACKENDS:
         if only and name not in only:
             skipped[name] = "not asked for (--backends)"
-            continue
-        reason = None
-        try:
-            get_backend(name, device)
-        except Exception as exc:  # BackendUnavailableError: the message says why
-            reason = str(exc)
-            general = status.get(name, "available")
-            if general != "available" and "tensors, not on" in reason:
-                reason = f"{reason}; and here: {general}"
-        if name == "triton" and device.type == "cpu" and not include_cpu_triton:
-            reason = ("excluded on CPU by default (interpreter only; --cpu-triton)"
-                      + (f": {reason}" if reason else ""))
-        if reason:
-            skipped[name] = reason
+        elif name == "triton" and device.type == "cpu" and not include_cpu_triton:
+            skipped[name] = "excluded on CPU by default (interpreter only; --cpu-triton)"
         else:
-            chosen.append(name)
+            try:
+                get_backend(name, device)
+                chosen.append(name)
+            except BackendUnavailableError as exc:
+                skipped[name] = str(exc)
     return chosen, skipped
 
 
@@ -129,10 +122,9 @@ FOREACH_CHUNKS = 64
 
 
 def stream_probes_available(device: torch.device) -> bool:
-    """Whether the extension's prefetching memory probes run on ``device`` (CPU builds)."""
-    if torch.device(device).type != "cpu" or backend_status().get("cpu") != "available":
-        return False
-    return hasattr(torch.ops.emcl, "stream_probe_")
+    """Whether the extension's prefetching memory probes run on ``device``: on CPU tensors
+    wherever the cpu backend does (csrc/emcl_cpu.cpp registers them with its kernels)."""
+    return torch.device(device).type == "cpu" and backend_status()["cpu"] == "available"
 
 
 def _stream_probes(device: torch.device) -> tuple:
@@ -321,9 +313,9 @@ class InputSet:
 
 def make_input_set(shapes: Sequence[tuple], dtype: torch.dtype, device: torch.device, gen, *,
                    with_meta_lrs: bool) -> InputSet:
-    """Fresh random inputs of ``shapes`` (never zeros), every tensor with memory of its own:
-    θ ~ N(0,1), g ~ N(0,1), θ₀ = θ + 0.3·N(0,1), h ~ 0.1 + U(0,1), α ~ 0.05 + 0.1·U(0,1).
-    Raises if two of them share memory (a step on aliased inputs finds half of them in cache)."""
+    """Fresh random inputs of ``shapes`` (never zeros), every tensor a new allocation of its own
+    (a step on aliased inputs would find half of them in cache): θ ~ N(0,1), g ~ N(0,1),
+    θ₀ = θ + 0.3·N(0,1), h ~ 0.1 + U(0,1), α ~ 0.05 + 0.1·U(0,1)."""
     s = InputSet([], [], [], [], [] if with_meta_lrs else None)
 
     def draw(shape, fn=torch.randn):
@@ -337,10 +329,6 @@ def make_input_set(shapes: Sequence[tuple], dtype: torch.dtype, device: torch.de
         if with_meta_lrs:
             s.meta_lrs.append(draw(shape, torch.rand).mul_(0.1).add_(0.05))
     tensors = s.params + s.grads + s.anchors + s.importances + (s.meta_lrs or [])
-    shared = overlapping(tensors)
-    if shared:
-        raise RuntimeError(f"make_input_set: {len(shared)} pair(s) of input tensors share "
-                           "memory; every θ, g, θ₀, h and α must be a tensor of its own")
     s.nbytes = sum(t.numel() * t.element_size() for t in tensors)
     return s
 
@@ -353,27 +341,6 @@ def step_fn(op: str, backend: str, s: InputSet, hyper: dict, check_finite: bool 
     if op != "inner_step":
         lists.append(s.meta_lrs if hyper.get("lr_mode") == "recurrent" else None)
     return lambda: fn(*lists, backend=backend, check_finite=check_finite, **hyper)
-
-
-def overlapping(tensors: Sequence[torch.Tensor]) -> list:
-    """Pairs of positions in ``tensors`` whose memory spans (first to last byte) overlap: the
-    same tensor twice, views of one buffer that share bytes (or interleave)."""
-    spans = []
-    for i, t in enumerate(tensors):
-        if t.numel() == 0:
-            continue
-        start = t.data_ptr()
-        last = start + t.element_size() * (
-            sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1)
-        spans.append((start, last, i))
-    spans.sort()
-    out, reach, owner = [], None, None
-    for start, last, i in spans:
-        if reach is not None and start < reach:
-            out.append((owner, i))
-        if reach is None or last > reach:
-            reach, owner = last, i
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,14 +357,12 @@ def last_level_cache_bytes(device: torch.device) -> int:
     or 32 MiB (CPU) when the system does not say."""
     if device.type == "cuda":
         return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)) or 64 << 20
-    best, base = 0, "/sys/devices/system/cpu/cpu0/cache"
+    best = 0
     try:
-        for entry in os.listdir(base):
-            path = os.path.join(base, entry, "size")
-            if os.path.exists(path):
-                text = open(path).read().strip().upper()
-                mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-                best = max(best, int(text.rstrip("KMG")) * mult)
+        for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+            text = open(path).read().strip().upper()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            best = max(best, int(text.rstrip("KMG")) * mult)
     except (OSError, ValueError):
         best = 0
     return best or 32 << 20
@@ -417,18 +382,14 @@ def machine_info() -> dict:
     """What the results came from (SPEC section 7: the processor, its family and model, and what
     torch and EMCL dispatch on it), from ``emcl_continual.core.provenance``; ``git_commit`` the
     short commit, ``-dirty`` when code differs from it (None outside git)."""
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
-        if torch.cuda.is_available() else []
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     try:
         import triton
         triton_version = triton.__version__
     except Exception:  # noqa: BLE001 - optional
         triton_version = None
-    try:   # the copy of the cpu backend's kernels that runs here: AVX-512, AVX2 or portable
-        import emcl_kernels.backends.extension  # noqa: F401  (loads torch.ops.emcl)
-        cpu_kernel = str(torch.ops.emcl.cpu_kernel())
-    except Exception:  # noqa: BLE001 - where the extension is not built
-        cpu_kernel = None
+    # the copy of the cpu backend's kernels that runs here (AVX-512, AVX2 or portable)
+    cpu_kernel = str(torch.ops.emcl.cpu_kernel()) if backend_status()["cpu"] == "available" else None
     version = provenance.code_version()
     commit = version["commit"] and version["commit"][:7] + ("-dirty" if version["dirty"] else "")
     try:

@@ -200,30 +200,53 @@ def test_layouts_come_from_the_project_models():
     assert len(many.shapes) == 1000 and many.numel == 1000 * 4096
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_input_sets_never_share_memory(dtype):
-    # The old make_input_set took θ.to(dtype) as the parameter (θ itself for fp32) and made the
-    # anchor with θ.add_(noise): parameter and anchor were one tensor, and the fp32 "GB/s" was
-    # above the memory's (141 % of copy on the H100).
-    gen = torch.Generator().manual_seed(0)
-    s = common.make_input_set([(64, 3), (5,), (1000,)], dtype, torch.device("cpu"), gen, with_meta_lrs=True)
-    tensors = s.params + s.grads + s.anchors + s.importances + s.meta_lrs
-    assert common.overlapping(tensors) == []
-    assert len({t.data_ptr() for t in tensors}) == len(tensors)
-    for p, a in zip(s.params, s.anchors):
-        assert not torch.equal(p.float(), a)  # θ₀ = θ + 0.3·noise, a tensor of its own
+def _overlapping(tensors):
+    """Pairs of positions in ``tensors`` whose memory spans (first to last byte) overlap: the
+    same tensor twice, views of one buffer that share bytes (or interleave)."""
+    spans = []
+    for i, t in enumerate(tensors):
+        if t.numel():
+            last = t.data_ptr() + t.element_size() * (
+                sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1)
+            spans.append((t.data_ptr(), last, i))
+    spans.sort()
+    out, reach, owner = [], None, None
+    for start, last, i in spans:
+        if reach is not None and start < reach:
+            out.append((owner, i))
+        if reach is None or last > reach:
+            reach, owner = last, i
+    return out
 
 
-def test_overlapping_finds_shared_memory_and_only_that():
+def test_the_span_overlap_check_finds_shared_memory_and_only_that():
     buf = torch.zeros(100)
     a, b = buf[:50], buf[50:]
-    assert common.overlapping([a, b]) == []
-    assert common.overlapping([buf, a]) != []
-    assert common.overlapping([a, torch.zeros(3), a]) != []
-    assert common.overlapping([buf[40:60], b, torch.zeros(5)]) != []
+    assert _overlapping([a, b]) == []
+    assert _overlapping([buf, a]) != []
+    assert _overlapping([a, torch.zeros(3), a]) != []
+    assert _overlapping([buf[40:60], b, torch.zeros(5)]) != []
     strided = torch.zeros(10, 10)
-    assert common.overlapping([strided[:, 0], strided[9, 1:]]) == []   # spans end at the last element
-    assert common.overlapping([torch.zeros(0), torch.zeros(0)]) == []
+    assert _overlapping([strided[:, 0], strided[9, 1:]]) == []   # spans end at the last element
+    assert _overlapping([strided[:, 0], strided[:, 1]]) != []    # interleaved columns
+    assert _overlapping([torch.zeros(0), torch.zeros(0)]) == []
+
+
+@pytest.mark.parametrize("with_meta_lrs", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_input_sets_never_share_memory(dtype, with_meta_lrs):
+    # A parameter taken as θ.to(dtype) is θ itself in fp32: an anchor made in place from θ would
+    # be the same tensor, read from cache, and the fp32 "GB/s" above the memory's (141 % of
+    # copy on an H100). make_input_set allocates every tensor afresh; this checks it.
+    shapes = [(64, 3), (5,), (1000,)]
+    gen = torch.Generator().manual_seed(0)
+    s = common.make_input_set(shapes, dtype, torch.device("cpu"), gen, with_meta_lrs=with_meta_lrs)
+    tensors = s.params + s.grads + s.anchors + s.importances + (s.meta_lrs or [])
+    assert len(tensors) == (5 if with_meta_lrs else 4) * len(shapes)
+    assert _overlapping(tensors) == []
+    assert s.nbytes == sum(t.numel() * t.element_size() for t in tensors)
+    for p, a in zip(s.params, s.anchors):
+        assert not torch.equal(p.float(), a)  # θ₀ = θ + 0.3·noise, a tensor of its own
 
 
 def test_input_sets_are_random_and_shaped_like_the_layout():
@@ -783,7 +806,7 @@ def test_step_parameters_and_gradients_are_distinct_and_nonzero():
     params = bench_step.make_params([(3, 4), (7,)], torch.bfloat16, torch.device("cpu"),
                                     torch.Generator().manual_seed(0))
     tensors = [t for p in params for t in (p, p.grad)]
-    assert common.overlapping(tensors) == []
+    assert _overlapping(tensors) == []
     assert all(t.dtype == torch.bfloat16 and bool((t != 0).all()) for t in tensors)
     assert all(p.is_leaf and p.requires_grad for p in params)
 
