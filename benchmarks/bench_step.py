@@ -414,6 +414,19 @@ def add_ratios(records: list) -> None:
                          ratio_to_floor_spread=r["wall_ms_q25"] / floor["wall_ms_q75"])
 
 
+def run_notes(records: list, llc_bytes: int) -> list:
+    """The notes a run's records call for: steps that ended non-finite, and steps above the
+    memory roof that stream more than 4 x the last-level cache of ``llc_bytes`` (one whose bytes
+    fit in the cache may beat the roof; one that streams several caches' worth cannot: a bug)."""
+    bad = sum(r.get("finite") is False for r in records)
+    above = sum((r.get("ratio_to_roof") or 0) > 1 and r["bytes_per_element"] * r["numel"]
+                > 4 * llc_bytes for r in records)
+    return ([f"{bad} record(s) ended with non-finite parameters or state: their timings may be "
+             "distorted"] if bad else []) + \
+        ([f"BUG: {above} step(s) that stream more than 4 x the last-level cache ran above the "
+          "memory roof: find why"] if above else [])
+
+
 # --- The run -----------------------------------------------------------------------------------
 def run_layout(device, choice, dname, thread_counts, emcl_backends, settings, roofs, log):
     """Every contender on one layout and dtype, at every thread count; returns the records."""
@@ -486,10 +499,7 @@ def run(args, argv, settings: Settings, device: torch.device, log) -> dict:
         gc.collect()     # the layout's tensors and optimizers, before the next one's
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    bad = [r for r in result["records"] if r.get("finite") is False]
-    if bad:
-        result["notes"].append(f"{len(bad)} record(s) ended with non-finite parameters or "
-                               "state: their timings may be distorted")
+    result["notes"] += run_notes(result["records"], common.last_level_cache_bytes(device))
     result["wall_time_s"] = time.perf_counter() - started
     result["complete"] = True
     return harness.finish(result, args.out, stem,

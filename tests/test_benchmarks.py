@@ -817,6 +817,22 @@ def test_step_peers_and_verdicts_follow_spec_section_7():
     assert "peer" not in inner_checked
 
 
+def test_step_notes_a_step_above_the_roof_that_streams_more_than_the_cache():
+    """A step whose bytes fit in the last-level cache may run above the memory roof; one that
+    streams more than 4 x the cache cannot, and a run notes it as a BUG, as it notes records
+    that ended non-finite."""
+    llc = 32 << 20
+
+    def rec(numel, ratio, finite=True):
+        return {"bytes_per_element": 4, "numel": numel, "ratio_to_roof": ratio, "finite": finite}
+    fine = [rec(llc + 1, 0.9), rec(llc, 1.5), rec(llc // 8, 3.0), rec(llc + 1, None),
+            {"bytes_per_element": 4, "numel": 4 * llc, "error": "boom"}]
+    assert bench_step.run_notes(fine, llc) == []
+    notes = bench_step.run_notes(fine + [rec(llc + 1, 1.01), rec(2 * llc, 1.2, finite=False)], llc)
+    assert len(notes) == 2 and notes[0].startswith("1 record(s) ended with non-finite")
+    assert notes[1].startswith("BUG: 2 step(s) that stream more than 4 x the last-level cache")
+
+
 def test_checked_adam_skips_non_finite_steps_as_grad_scaler_does():
     """The ``adam_fused_checked`` contender is torch's own skip: the same result as
     ``GradScaler.step`` with a scale of 1, a bad gradient skips the update and the step count,
