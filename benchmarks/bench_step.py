@@ -21,23 +21,25 @@ import torch
 from emcl_kernels import FusedEMCLOptimizer
 
 SCHEMA = "emcl-kernels/bench_step/1"
-LAYOUT_CHOICES = ("mlp", "resnet18", "many", "gpt2")
-BASELINES = ("adam_fused", "adam_fused_checked", "adam_fused_scaler", "adam_foreach",
-             "sgd_foreach")
-# SPEC section 7: each EMCL call and setting, its like-for-like torch peer and the goal of the
-# ratio of their wall times (keys: call, check_finite, under a GradScaler).
-PEERS = {("step()", False, False): ("adam_fused", 1.0),
-         ("step()", True, False): ("adam_fused_checked", 1.0),
-         ("step()", True, True): ("adam_fused_scaler", 1.0),
-         ("inner_step()", False, False): ("adam_fused", 0.8)}
+# torch's contenders (their families) and their titles; the first three are the peers
+BASELINES = {"adam_fused": "Adam fused", "adam_fused_checked": "Adam fused, checked",
+             "adam_fused_scaler": "Adam fused + GradScaler", "adam_foreach": "Adam foreach",
+             "sgd_foreach": "SGD foreach"}
+# SPEC section 7: each EMCL call and setting (call, check_finite, under a GradScaler), its
+# like-for-like torch peer, the goal of the ratio of their wall times, its title in the tables
+PEERS = {("step()", False, False): ("adam_fused", 1.0, "`step()`, check off / Adam fused"),
+         ("step()", True, False): ("adam_fused_checked", 1.0, "`step()` / Adam fused, checked"),
+         ("step()", True, True): ("adam_fused_scaler", 1.0,
+                                  "`step()` + GradScaler / Adam fused + GradScaler"),
+         ("inner_step()", False, False): ("adam_fused", 0.8,
+                                          "`inner_step()`, check off / Adam fused")}
 PARAM_SCALE, GRAD_SCALE = 0.1, 1e-3   # θ ~ 0.1·N(0,1), g ~ 1e-3·N(0,1): finite over many steps
 REFERENCE_CAP = 2 ** 20               # EMCL's reference backend only up to this many elements
 
 
 # --- Layouts: parameter shapes, nothing downloaded ---------------------------------------------
 def resnet18_shapes() -> list:
-    """torchvision's ``resnet18()`` parameter shapes in its parameter order, written out from
-    the architecture (tested equal to torchvision's): 62 tensors, 11,689,512 elements."""
+    """torchvision's ``resnet18()`` parameter shapes in its order, from the architecture."""
     def conv_bn(cout: int, cin: int, k: int) -> list:
         return [(cout, cin, k, k), (cout,), (cout,)]
     shapes = conv_bn(64, 3, 7)                                    # conv1, bn1
@@ -50,8 +52,7 @@ def resnet18_shapes() -> list:
 
 
 def gpt2_shapes(n_layer: int = 12, d: int = 768, vocab: int = 50257, ctx: int = 1024) -> list:
-    """GPT-2-124M's parameter shapes (Hugging Face's layout, the LM head tied to wte): wte,
-    wpe, the blocks, ln_f (weights and biases). 148 tensors, 124,439,808 elements."""
+    """GPT-2-124M's parameter shapes in Hugging Face's order (the LM head tied to wte)."""
     block = [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,),    # ln_1, attn.c_attn, attn.c_proj
              (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]  # ln_2, mlp.c_fc, mlp.c_proj
     return [(vocab, d), (ctx, d)] + block * n_layer + [(d,), (d,)]
@@ -64,48 +65,32 @@ LAYOUTS = {"mlp": ("mlp-784-100-100-10", common.mlp_shapes, "784-100-100-10"),
            "gpt2": ("gpt2-124m", gpt2_shapes, "GPT-2-124M shapes, written out")}
 
 
-def layout_shapes(choice: str) -> tuple:
-    """(name, shapes, where the shapes come from) of a ``--layouts`` choice."""
-    if choice not in LAYOUTS:
-        raise ValueError(f"unknown layout {choice!r}; the layouts are {LAYOUT_CHOICES}")
-    name, shapes, source = LAYOUTS[choice]
-    return name, shapes(), source
-
-
 def make_params(shapes, dtype: torch.dtype, device: torch.device, gen) -> list:
     """One leaf parameter per shape, θ ~ 0.1·N(0,1), each with its own gradient
     g ~ 1e-3·N(0,1) (never zeros) that stays for the whole run (no backward in the timed
-    loop). Raises if any two of these tensors share memory."""
+    loop); each tensor fresh from ``torch.randn``, so none shares memory with another."""
     params = []
     for shape in shapes:
         p = torch.nn.Parameter(torch.randn(shape, generator=gen, device=device)
                                .mul_(PARAM_SCALE).to(dtype))
         p.grad = torch.randn(shape, generator=gen, device=device).mul_(GRAD_SCALE).to(dtype)
         params.append(p)
-    shared = common.overlapping([t for p in params for t in (p, p.grad)])
-    if shared:
-        raise RuntimeError(f"make_params: {len(shared)} pair(s) of tensors share memory")
     return params
 
 
 # --- Contenders --------------------------------------------------------------------------------
 def bytes_per_element(kind: str, dtype: torch.dtype) -> int:
-    """Bytes read + written per parameter element by one step of ``kind`` (``emcl_step``,
-    ``emcl_inner``, ``adam``, ``sgd``, ``inner_reads``), the least any implementation of the
-    update must move (the byte model: benchmarks/README.md, ``bytes_per_element``)."""
+    """Bytes read + written per parameter element by one step of ``kind``, the least any
+    implementation of the update must move (benchmarks/README.md, ``bytes_per_element``)."""
     p = torch.empty((), dtype=dtype).element_size()
     inner = common.bytes_per_element("inner_step", dtype)
-    sizes = {"emcl_step": common.bytes_per_element("inner_meta_step", dtype),
-             "emcl_inner": inner, "adam": 7 * p, "sgd": 5 * p, "inner_reads": inner - p}
-    if kind not in sizes:
-        raise ValueError(f"no byte model for {kind!r}")
-    return sizes[kind]
+    return {"emcl_step": common.bytes_per_element("inner_meta_step", dtype),
+            "emcl_inner": inner, "adam": 7 * p, "sgd": 5 * p, "inner_reads": inner - p}[kind]
 
 
 @dataclass(eq=False)
 class Contender:
-    """One timed call (hashed by identity): one step ``fn``, what its record says of it, and
-    its samples."""
+    """One timed call (hashed by identity): its step ``fn``, what its record says of it, its samples."""
     name: str                      # e.g. "emcl[cpu] step() nocheck"
     family: str                    # a BASELINES name | emcl | floor
     fn: Callable[[], object]       # one step
@@ -117,8 +102,7 @@ class Contender:
     scaler: bool = False           # stepped through a torch.amp.GradScaler
     settings: dict = field(default_factory=dict)
     wall: list = field(default_factory=list)     # s per step (CPU: every step; GPU: per block)
-    host: list = field(default_factory=list)     # s per step() call (GPU; CPU: = wall)
-    blocks: int = 0                              # blocks timed (one per round)
+    host: list = field(default_factory=list)     # s per timed step() call (CPU: = wall)
     steps: int = 0
     estimate_s: float = 0.0                      # wall time per step of its last steps run
     block: int = 1
@@ -146,9 +130,8 @@ def checked_step(optimizer) -> Callable[[], object]:
                 for grads in per_dtype.values():
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
                 found.append(found_inf)
-        first = found[0].device if found else torch.device("cpu")
         optimizer.grad_scale = None
-        optimizer.found_inf = sum(t.to(first, non_blocking=True) for t in found)
+        optimizer.found_inf = sum(t.to(found[0].device, non_blocking=True) for t in found)
         try:
             return optimizer.step()
         finally:
@@ -171,17 +154,14 @@ def scaler_step(optimizer, device: torch.device) -> Callable[[], object]:
 # torch's optimizers (name, class, settings); Adam fused also as the checked and GradScaler peers
 TORCH_OPTIMIZERS = (("adam_fused", torch.optim.Adam, {"lr": 1e-3, "fused": True}),
                     ("adam_foreach", torch.optim.Adam, {"lr": 1e-3, "foreach": True}),
-                    ("sgd_foreach", torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9,
-                                                      "foreach": True}))
+                    ("sgd_foreach", torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9, "foreach": True}))
 SCALER = {"grad_scaler": "default"}
 
 
 def make_contenders(params: list, emcl_backends: list, log) -> list:
-    """torch's optimizers and, per EMCL backend, its contenders (which they are:
-    benchmarks/README.md, ``step``); a constructor that raises is a contender with its error,
-    not timed."""
-    out = []
-    device = params[0].device if params else torch.device("cpu")
+    """torch's optimizers and, per EMCL backend, its contenders (benchmarks/README.md,
+    ``step``); a constructor that raises is a contender with its error, not timed."""
+    out, device = [], params[0].device
 
     def build(key: str, family: str, kind: str, cls, settings: dict, **what):
         try:
@@ -275,13 +255,12 @@ QUICK = dict(mode="quick", min_rounds=3, max_rounds=15, budget_s=3.0, block_s=0.
 
 
 def time_group(contenders: list, device: torch.device, settings: Settings, log) -> int:
-    """Warm-up rounds of one step of every contender (the last one's time sizes its blocks),
-    then interleaved rounds of one block of every contender (:func:`harness.interleave`; how
-    each is timed: benchmarks/README.md, ``step``). A contender whose step raises keeps the
-    error and sits out the remaining rounds. Returns the number of timed rounds."""
+    """Warm-up rounds of one step of every contender (the last one's time sizes its blocks), then
+    rounds of one block of each (:func:`harness.interleave`; benchmarks/README.md, ``step``); a
+    contender whose step raises keeps its error and sits out the rest. Returns the timed rounds."""
     errors = {c: c.error for c in contenders if c.error}
     for c in contenders:    # the samples of this group only (the thread counts share contenders)
-        c.wall, c.host, c.blocks = [], [], 0
+        c.wall, c.host = [], []
 
     def run(c: Contender, steps: int, timed: bool) -> None:
         """``steps`` steps of ``c`` back to back between two synchronizations."""
@@ -294,7 +273,6 @@ def time_group(contenders: list, device: torch.device, settings: Settings, log) 
         if timed:   # wall: on CPU every step, on a GPU the block's (the steps pipelined)
             c.wall += host if device.type == "cpu" else [c.estimate_s]
             c.host += host
-            c.blocks += 1
 
     def interleave(rounds: int, steps: Optional[int]) -> int:
         harness.interleave(contenders, rounds, lambda c, _: run(c, steps or c.block, not steps),
@@ -302,7 +280,7 @@ def time_group(contenders: list, device: torch.device, settings: Settings, log) 
         for c, error in errors.items():
             c.error = error
         return rounds
-    interleave(max(1, settings.warmup), 1)
+    interleave(settings.warmup, 1)
     alive = [c for c in contenders if not c.error]
     if not alive:
         return 0
@@ -362,7 +340,7 @@ def record_of(c: Contender, group: dict, device: torch.device, dtype: torch.dtyp
     rec = {"device": device.type, "device_name": common.device_name(device), **group,
            "contender": c.name, "family": c.family, "call": c.call, "backend": c.backend,
            "check_finite": c.check_finite, "grad_scaler": c.scaler, "settings": c.settings,
-           "emcl_step": EMCL_STEP.get(c.bytes_kind) if c.family in ("emcl", "floor") else None,
+           "emcl_step": EMCL_STEP.get(c.bytes_kind),
            "bytes_per_element": bytes_per_element(c.bytes_kind, dtype),
            "error": c.error, "steps_taken": c.steps, "device_ms": None,
            "gpu_activities_per_step": None, **(gpu or {}),
@@ -372,7 +350,7 @@ def record_of(c: Contender, group: dict, device: torch.device, dtype: torch.dtyp
     wall = timing.Stats.of(c.wall)
     rec.update({
         "wall_ms": wall.median_ms, "wall_ms_min": wall.min_ms, "wall_ms_q25": wall.q25_ms,
-        "wall_ms_q75": wall.q75_ms, "samples": wall.repeats, "rounds": c.blocks,
+        "wall_ms_q75": wall.q75_ms, "samples": wall.repeats, "rounds": len(c.host) // c.block,
         "steps_per_block": c.block, "host_ms": timing.Stats.of(c.host).median_ms,
         "gbps": timing.gbps(rec["bytes_per_element"] * group["numel"], wall.median_ms / 1e3),
     })
@@ -395,12 +373,10 @@ def add_ratios(records: list) -> None:
             for b in BASELINES:
                 ok = bool(r.get("wall_ms")) and b in base
                 r[f"ratio_to_{b}"] = r["wall_ms"] / base[b]["wall_ms"] if ok else None
-                r[f"ratio_to_{b}_min"] = (r["wall_ms_min"] / base[b]["wall_ms_min"]
-                                          if ok else None)
-            peer = PEERS.get(_pair_key(r)) if r.get("family") == "emcl" else None
-            if peer is None:
+                r[f"ratio_to_{b}_min"] = r["wall_ms_min"] / base[b]["wall_ms_min"] if ok else None
+            if r.get("family") != "emcl" or _pair_key(r) not in PEERS:
                 continue
-            name, goal = peer
+            name, goal, _ = PEERS[_pair_key(r)]
             ratio = r.get(f"ratio_to_{name}")
             r.update({"peer": name, "goal": goal, "ratio_to_peer": ratio,
                       "ratio_to_peer_min": r.get(f"ratio_to_{name}_min"), "verdict": None})
@@ -414,10 +390,24 @@ def add_ratios(records: list) -> None:
                          ratio_to_floor_spread=r["wall_ms_q25"] / floor["wall_ms_q75"])
 
 
+def run_notes(records: list, llc_bytes: int) -> list:
+    """The notes a run's records call for: steps that ended non-finite, and steps above the
+    memory roof that stream more than 4 x the last-level cache of ``llc_bytes`` (one whose bytes
+    fit in the cache may beat the roof; one that streams several caches' worth cannot: a bug)."""
+    bad = sum(r.get("finite") is False for r in records)
+    above = sum((r.get("ratio_to_roof") or 0) > 1 and r["bytes_per_element"] * r["numel"]
+                > 4 * llc_bytes for r in records)
+    return ([f"{bad} record(s) ended with non-finite parameters or state: their timings may be "
+             "distorted"] if bad else []) + \
+        ([f"BUG: {above} step(s) that stream more than 4 x the last-level cache ran above the "
+          "memory roof: find why"] if above else [])
+
+
 # --- The run -----------------------------------------------------------------------------------
 def run_layout(device, choice, dname, thread_counts, emcl_backends, settings, roofs, log):
     """Every contender on one layout and dtype, at every thread count; returns the records."""
-    name, shapes, source = layout_shapes(choice)
+    name, shapes_of, source = LAYOUTS[choice]
+    shapes = shapes_of()
     numel, dtype = sum(torch.Size(s).numel() for s in shapes), common.DTYPE_NAMES[dname]
     params = make_params(shapes, dtype, device, torch.Generator(device=device).manual_seed(0))
     backends = [b for b in emcl_backends if b != "reference" or numel <= REFERENCE_CAP]
@@ -425,14 +415,13 @@ def run_layout(device, choice, dname, thread_counts, emcl_backends, settings, ro
     contenders = make_contenders(params, backends, log) + floor_contenders(numel, dtype, device)
     records = []
     for threads in thread_counts:
-        if threads is not None:
-            torch.set_num_threads(threads)
-        load_before = common.load_average()
-        rounds = time_group(contenders, device, settings, log)
-        profile = {c.name: gpu_activities(c, device, settings.profile_steps, log)
-                   for c in contenders if device.type == "cuda" and not c.error}
-        roof = roofs.get(torch.get_num_threads()) or {}
-        group = {"threads": torch.get_num_threads(), "layout": name, "layout_source": source,
+        with harness.threads(threads):
+            load_before, count = common.load_average(), torch.get_num_threads()
+            rounds = time_group(contenders, device, settings, log)
+            profile = {c.name: gpu_activities(c, device, settings.profile_steps, log)
+                       for c in contenders if device.type == "cuda" and not c.error}
+        roof = roofs.get(count) or {}
+        group = {"threads": count, "layout": name, "layout_source": source,
                  "n_tensors": len(shapes), "numel": numel, "dtype": dname,
                  "load_average_before": load_before, "load_average_after": common.load_average(),
                  "group_rounds": rounds, "roof_gbps": roof.get("roof_gbps"),
@@ -468,17 +457,16 @@ def run(args, argv, settings: Settings, device: torch.device, log) -> dict:
             [f"warning: {note}" for note in result["notes"]]:
         log("   " + line)
     for threads in () if args.no_roof else thread_counts:
-        if threads is not None:
-            torch.set_num_threads(threads)
-        roof = common.device_roof(
-            device, settings.roof_reps, backends=emcl_backends,
-            largest=max(1, int(args.roof_mb * 2 ** 20) // 4) if args.roof_mb else None)
+        with harness.threads(threads):
+            roof = common.device_roof(
+                device, settings.roof_reps, backends=emcl_backends,
+                largest=max(1, int(args.roof_mb * 2 ** 20) // 4) if args.roof_mb else None)
         log(f"   roof at {roof['threads']} thread(s): {roof['roof_gbps']:.1f} GB/s "
             f"({roof['roof_kernel']}); copy {roof['copy_gbps']:.1f} GB/s")
         result["roofs"].append(roof)
     roofs = {roof["threads"]: roof for roof in result["roofs"]}
     stem = args.name or f"step_{common.utc_stamp()}_{device.type}"
-    for choice, dname in itertools.product(args.layouts or LAYOUT_CHOICES,
+    for choice, dname in itertools.product(args.layouts or LAYOUTS,
                                            args.dtypes or ("fp32", "bf16")):
         result["records"] += run_layout(device, choice, dname, thread_counts, emcl_backends,
                                         settings, roofs, log)
@@ -486,10 +474,7 @@ def run(args, argv, settings: Settings, device: torch.device, log) -> dict:
         gc.collect()     # the layout's tensors and optimizers, before the next one's
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    bad = [r for r in result["records"] if r.get("finite") is False]
-    if bad:
-        result["notes"].append(f"{len(bad)} record(s) ended with non-finite parameters or "
-                               "state: their timings may be distorted")
+    result["notes"] += run_notes(result["records"], common.last_level_cache_bytes(device))
     result["wall_time_s"] = time.perf_counter() - started
     result["complete"] = True
     return harness.finish(result, args.out, stem,
@@ -497,15 +482,7 @@ def run(args, argv, settings: Settings, device: torch.device, log) -> dict:
 
 
 # --- Output: the tables (the terminal's at the end of a run, docs/performance.md's from a file) ---
-BASELINE_TITLES = {"adam_fused": "Adam fused", "adam_fused_checked": "Adam fused, checked",
-                   "adam_fused_scaler": "Adam fused + GradScaler", "adam_foreach": "Adam foreach",
-                   "sgd_foreach": "SGD foreach"}
-# the column title of each SPEC section 7 row (:data:`PEERS`), in the table's order
-PEER_TITLES = {("step()", False, False): "`step()`, check off / Adam fused",
-               ("step()", True, False): "`step()` / Adam fused, checked",
-               ("step()", True, True): "`step()` + GradScaler / Adam fused + GradScaler",
-               ("inner_step()", False, False): "`inner_step()`, check off / Adam fused"}
-VERDICT_MARK = {"met": "", "tie": " (tie)", "missed": " **(missed)**", None: ""}
+VERDICT_MARK = {"tie": " (tie)", "missed": " **(missed)**"}
 CAPTION = (" The three Adam peers: median wall time of one step in ms [quartiles] (checked: "
            "torch's finite check `_amp_foreach_non_finite_check_and_unscale_` feeding "
            "`found_inf` to the fused step; + GradScaler: `scaler.step(opt); scaler.update()`). "
@@ -521,10 +498,8 @@ FLOOR_CAPTION = (" Floors over Adam fused (`torch.ops.emcl.stream_probe_` on fou
 
 
 def _title(name: str) -> str:
-    if name in BASELINE_TITLES:
-        return BASELINE_TITLES[name]
-    return (name.replace("emcl[", "EMCL ").replace("]", "")
-            .replace(" nocheck", ", check off").replace(" scaler", " + GradScaler"))
+    return BASELINES.get(name) or (name.replace("emcl[", "EMCL ").replace("]", "")
+                                   .replace(" nocheck", ", check off").replace(" scaler", " + GradScaler"))
 
 
 def _pair_key(r: dict) -> tuple:
@@ -536,7 +511,7 @@ def step_goals(records: list) -> list:
     its goal, tied with it or missed it (``verdict``), and the worst cell."""
     lines = []
     emcl = [r for r in records if r.get("family") == "emcl" and r.get("ratio_to_peer")]
-    for key, title in PEER_TITLES.items():
+    for key, (_, _, title) in PEERS.items():
         rs = [r for r in emcl if _pair_key(r) == key]
         for backend in dict.fromkeys(r["backend"] for r in rs):
             mine = [r for r in rs if r["backend"] == backend]
@@ -569,24 +544,19 @@ def _summary_cell(r: Optional[dict], baseline: bool) -> str:
 def _floor_cell(here: list) -> str:
     """"step 1.01x, inner 0.86x (0.74x)": the floors' median times over Adam fused's in one
     group ("-" without)."""
-    ratio = {r["contender"]: r.get("ratio_to_adam_fused") for r in here if r["family"] == "floor"}
-    step, streams = ratio.get("floor: step streams"), ratio.get("floor: inner streams")
-    reads = ratio.get("floor: inner reads")
-    parts = [] if step is None else [f"step {step:.2f}x"]
-    if streams is not None:
-        parts.append(f"inner {streams:.2f}x" + (f" ({reads:.2f}x)" if reads is not None else ""))
+    ratio = {r["contender"][len("floor: "):]: f"{r['ratio_to_adam_fused']:.2f}x" for r in here
+             if r["family"] == "floor" and r.get("ratio_to_adam_fused") is not None}
+    reads = f" ({ratio['inner reads']})" if "inner reads" in ratio else ""
+    parts = [f"step {ratio['step streams']}"] if "step streams" in ratio else []
+    parts += [f"inner {ratio['inner streams']}{reads}"] if "inner streams" in ratio else []
     return ", ".join(parts) or "-"
 
 
-def tables(result: dict, *, backends=None, layouts=None, dtypes=None, source: str = "") -> str:
-    """The markdown of a results file, its records selected by ``backends``, ``layouts`` and
-    ``dtypes`` (what it shows: benchmarks/README.md, ``step``)."""
+def tables(result: dict, *, backends=None, source: str = "") -> str:
+    """The markdown of a results file, its EMCL records those of ``backends`` (None: every one;
+    what it shows: benchmarks/README.md, ``step``)."""
     recs = [r for r in result["records"]
-            if (not layouts or any(r["layout"].startswith(l) for l in layouts))
-            and (not dtypes or r["dtype"] in dtypes)
-            and (r["family"] != "emcl" or not backends or r.get("backend") in backends)]
-    if not recs:
-        raise SystemExit("no records match the selection")
+            if r["family"] != "emcl" or not backends or r.get("backend") in backends]
     machine = result.get("machine", {})
     loads = [l for r in recs for l in (r.get("load_average_before"), r.get("load_average_after"))
              if l]
@@ -615,27 +585,25 @@ def summary_tables(recs: list) -> dict:
     emcl_backends = [b for b in dict.fromkeys(r.get("backend") for r in recs
                                               if r["family"] == "emcl") if b]
     floors = any(r["family"] == "floor" for r in recs)
-    head = ["layout", "dtype"] + [f"{BASELINE_TITLES[b]} (ms)" for b in BASELINES[:3]]
+    peers = list(BASELINES)[:3]
+    head = ["layout", "dtype"] + [f"{BASELINES[b]} (ms)" for b in peers]
     for backend in emcl_backends:
         prefix = f"EMCL `{backend}` " if len(emcl_backends) > 1 else "EMCL "
-        head += [prefix + title for title in PEER_TITLES.values()]
+        head += [prefix + title for _, _, title in PEERS.values()]
     head += ["floor / Adam fused"] if floors else []
     out = {}
     for threads in dict.fromkeys(r["threads"] for r in recs):
         sub = [r for r in recs if r["threads"] == threads]
         rows = []
-        for layout, dtype in itertools.product(dict.fromkeys(r["layout"] for r in sub),
-                                               dict.fromkeys(r["dtype"] for r in sub)):
+        for layout, dtype in dict.fromkeys((r["layout"], r["dtype"]) for r in sub):
             here = [r for r in sub if r["layout"] == layout and r["dtype"] == dtype]
-            if not here:
-                continue
             cells = [layout, dtype] + [
                 _summary_cell(next((r for r in here if r["family"] == b), None), True)
-                for b in BASELINES[:3]]
+                for b in peers]
             cells += [_summary_cell(next((r for r in here if r["family"] == "emcl"
                                           and r.get("backend") == backend
                                           and _pair_key(r) == key), None), False)
-                      for backend in emcl_backends for key in PEER_TITLES]
+                      for backend in emcl_backends for key in PEERS]
             rows.append(cells + ([_floor_cell(here)] if floors else []))
         out[threads] = harness.table(head, rows, markdown=True, align="<<" + ">" * (len(head) - 2))
     return out
@@ -644,28 +612,23 @@ def summary_tables(recs: list) -> dict:
 def main(argv: Optional[list] = None) -> dict:
     """Run the benchmark; return the results dict (also written to ``--out``)."""
     p = harness.parser("step", __doc__, "device", "threads", "out", "name", "note", "quick",
-                       "quiet", many_threads=True,
-                       threads_default="on CPU: 1 2; on a GPU: torch's",
+                       "quiet", many_threads=True, threads_default="on CPU: 1 2; on a GPU: torch's",
                        quick="fewer rounds and warm-up steps")
-    p.add_argument("--layouts", nargs="+", default=None, choices=LAYOUT_CHOICES,
-                   help="default: every one")
-    p.add_argument("--dtypes", nargs="+", default=None, choices=["fp32", "bf16"],
-                   help="default: both")
-    p.add_argument("--backends", nargs="+", default=None,
+    p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), help="default: every one")
+    p.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], help="default: both")
+    p.add_argument("--backends", nargs="+",
                    help="EMCL backends (default: every one available on the device)")
-    p.add_argument("--budget", type=float, default=None,
+    p.add_argument("--budget", type=float,
                    help="seconds of rounds per group, about (full 20, quick 3; rounds >= 5, 3)")
-    p.add_argument("--roof-mb", type=float, default=None,
+    p.add_argument("--roof-mb", type=float,
                    help="MiB per tensor of the roof's largest size (CPU 256, GPU 1024)")
     p.add_argument("--no-roof", action="store_true", help="skip the roof measurement")
     p.add_argument("--table", nargs="*", metavar="RESULTS_JSON", default=None,
                    help="print the tables of these results files (none: the newest "
-                        "benchmarks/results/step_*.json) and exit; --backends, --layouts and "
-                        "--dtypes select (default: every one in the files)")
+                        "benchmarks/results/step_*.json), --backends' alone if given, and exit")
     args = p.parse_args(argv)
     if args.table is not None:
-        text = "\n\n".join(tables(result, backends=args.backends, layouts=args.layouts,
-                                   dtypes=args.dtypes, source=source)
+        text = "\n\n".join(tables(result, backends=args.backends, source=source)
                             for source, result in harness.load_results(args.table, "step", SCHEMA))
         print(text)
         return {"table": text}

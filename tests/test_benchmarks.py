@@ -775,18 +775,16 @@ def _numel(shapes) -> int:
 
 
 def test_step_layouts_have_the_published_sizes():
-    name, shapes, _ = bench_step.layout_shapes("mlp")
-    assert shapes == [(100, 784), (100,), (100, 100), (100,), (10, 100), (10,)]
-    assert _numel(shapes) == 89_610
-    gpt2 = bench_step.gpt2_shapes()
+    shapes = {choice: make() for choice, (_, make, _) in bench_step.LAYOUTS.items()}
+    assert shapes["mlp"] == [(100, 784), (100,), (100, 100), (100,), (10, 100), (10,)]
+    assert _numel(shapes["mlp"]) == 89_610
+    gpt2 = shapes["gpt2"]
     assert len(gpt2) == 148 and _numel(gpt2) == 124_439_808
     assert gpt2[:4] == [(50257, 768), (1024, 768), (768,), (768,)]
-    _, many, _ = bench_step.layout_shapes("many")
-    assert many == [(4096,)] * 1000
-    _, resnet, _ = bench_step.layout_shapes("resnet18")
-    assert len(resnet) == 62 and _numel(resnet) == 11_689_512
-    with pytest.raises(ValueError, match="unknown layout"):
-        bench_step.layout_shapes("vgg")
+    assert shapes["many"] == [(4096,)] * 1000
+    assert len(shapes["resnet18"]) == 62 and _numel(shapes["resnet18"]) == 11_689_512
+    with pytest.raises(SystemExit):
+        bench_step.main(["--layouts", "vgg"])
 
 
 def test_resnet18_shapes_are_torchvisions():
@@ -796,18 +794,20 @@ def test_resnet18_shapes_are_torchvisions():
 
 
 @pytest.mark.parametrize("kind, fp32, bf16", [
-    ("emcl_step", 28, 22), ("emcl_inner", 20, 14), ("adam", 28, 14), ("sgd", 20, 10)])
+    ("emcl_step", 28, 22), ("emcl_inner", 20, 14), ("adam", 28, 14), ("sgd", 20, 10),
+    ("inner_reads", 16, 12)])
 def test_step_byte_models(kind, fp32, bf16):
     assert bench_step.bytes_per_element(kind, torch.float32) == fp32
     assert bench_step.bytes_per_element(kind, torch.bfloat16) == bf16
 
 
-def test_step_parameters_and_gradients_are_distinct_and_nonzero():
-    params = bench_step.make_params([(3, 4), (7,)], torch.bfloat16, torch.device("cpu"),
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_parameters_and_gradients_are_distinct_and_nonzero(dtype):
+    params = bench_step.make_params([(3, 4), (7,), (2, 2)], dtype, torch.device("cpu"),
                                     torch.Generator().manual_seed(0))
     tensors = [t for p in params for t in (p, p.grad)]
     assert _overlapping(tensors) == []
-    assert all(t.dtype == torch.bfloat16 and bool((t != 0).all()) for t in tensors)
+    assert all(t.dtype == dtype and bool((t != 0).all()) for t in tensors)
     assert all(p.is_leaf and p.requires_grad for p in params)
 
 
@@ -854,6 +854,22 @@ def test_step_peers_and_verdicts_follow_spec_section_7():
     assert (scaled["peer"], scaled["verdict"]) == ("adam_fused_scaler", "missed")
     assert (inner["peer"], inner["goal"], inner["verdict"]) == ("adam_fused", 0.8, "met")
     assert "peer" not in inner_checked
+
+
+def test_step_notes_a_step_above_the_roof_that_streams_more_than_the_cache():
+    """A step whose bytes fit in the last-level cache may run above the memory roof; one that
+    streams more than 4 x the cache cannot, and a run notes it as a BUG, as it notes records
+    that ended non-finite."""
+    llc = 32 << 20
+
+    def rec(numel, ratio, finite=True):
+        return {"bytes_per_element": 4, "numel": numel, "ratio_to_roof": ratio, "finite": finite}
+    fine = [rec(llc + 1, 0.9), rec(llc, 1.5), rec(llc // 8, 3.0), rec(llc + 1, None),
+            {"bytes_per_element": 4, "numel": 4 * llc, "error": "boom"}]
+    assert bench_step.run_notes(fine, llc) == []
+    notes = bench_step.run_notes(fine + [rec(llc + 1, 1.01), rec(2 * llc, 1.2, finite=False)], llc)
+    assert len(notes) == 2 and notes[0].startswith("1 record(s) ended with non-finite")
+    assert notes[1].startswith("BUG: 2 step(s) that stream more than 4 x the last-level cache")
 
 
 def test_checked_adam_skips_non_finite_steps_as_grad_scaler_does():
@@ -906,9 +922,9 @@ def test_a_contender_that_fails_mid_run_is_recorded_and_the_rest_go_on():
     settings.block_s, settings.warmup = 0.0, 1   # one step per block
     logged = []
     assert bench_step.time_group([ok, bad], torch.device("cpu"), settings, logged.append) == 4
-    assert ok.error is None and ok.blocks == 4
+    assert ok.error is None and len(ok.host) == 4         # one step per block
     # warm-up, round 0's block, then round 1 starts with it and it fails
-    assert "out of memory" in bad.error and bad.blocks == 1 and bad.steps == 2
+    assert "out of memory" in bad.error and len(bad.host) == 1 and bad.steps == 2
     assert logged == [f"      flaky: failed in round 1: {bad.error}"]
     assert bench_step.time_group([bad], torch.device("cpu"), settings, logged.append) == 0
     rec = bench_step.record_of(bad, {"numel": 16}, torch.device("cpu"), torch.float32)
@@ -1043,7 +1059,7 @@ def test_step_records_are_consistent(step_run):
             assert r["grad_scaler"] is r["contender"].endswith("scaler")
             key = (r["call"], r["check_finite"], r["grad_scaler"])
             if key in bench_step.PEERS:
-                peer, goal = bench_step.PEERS[key]
+                peer, goal, _ = bench_step.PEERS[key]
                 assert r["peer"] == peer and r["goal"] == goal
                 assert r["ratio_to_peer"] == r[f"ratio_to_{peer}"]
                 assert r["verdict"] in ("met", "tie", "missed")
@@ -1165,7 +1181,7 @@ def test_step_contenders_torch_cannot_check_are_recorded_not_timed(monkeypatch):
     assert sorted(errors) == ["adam_fused_checked", "adam_fused_scaler",
                               "emcl[reference] step() scaler"]
     assert all(e.startswith("NotImplementedError") and "BFloat16" in e for e in errors.values())
-    assert all(c.blocks == 1 for c in contenders if not c.error) and len(contenders) == 10
+    assert all(len(c.host) == 1 for c in contenders if not c.error) and len(contenders) == 10
     records = [bench_step.record_of(c, {"numel": 111, "threads": 1, "layout": "x",
                                         "dtype": "fp32"}, torch.device("cpu"), torch.float32)
                for c in contenders]
