@@ -96,8 +96,7 @@ def run_device(device: torch.device, args, s: dict, log, timed: Callable) -> tup
     """Time every backend (every ``--triton-configs`` of Triton), step, dtype and layout on
     ``device`` against the roof measured at the start and the end, pooled: the device's entry
     of the results file and its records, handed to ``timed`` after every layout and dtype."""
-    backends, skipped = common.backends_for(device, only=args.backends,
-                                            include_cpu_triton="triton" in (args.backends or ()))
+    backends, skipped = common.backends_for(device, only=args.backends)
     if not backends:
         raise SystemExit(f"no backend to time on {device}: " +
                          "; ".join(f"{k}: {v}" for k, v in skipped.items()))

@@ -141,7 +141,7 @@ def run_devices(args, argv) -> dict:
     plans, skipped_backends = {}, {}
     for device in devices:
         only = [auto_backend(device) if b == "auto" else b for b in args.backends or ()]
-        backends, skipped = common.backends_for(device, include_cpu_triton="triton" in only, only=only)
+        backends, skipped = common.backends_for(device, only=only)
         if "emcl" in methods and not backends:
             raise SystemExit(f"no EMCL backend available on {device}: {skipped}")
         skipped_backends.update({f"{b} on {device.type}" if len(devices) > 1 else b: why

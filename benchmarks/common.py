@@ -65,11 +65,11 @@ def hyperparameters(op: str, lr_mode: str) -> dict:
     return {"inner_step": inner, "meta_step": meta}.get(op, {**inner, **meta})
 
 
-def backends_for(device: torch.device, *, include_cpu_triton: bool = False,
+def backends_for(device: torch.device, *,
                  only: Optional[Sequence[str]] = None) -> tuple[list, dict]:
     """The backends available for ``device``'s tensors at run time (those of ``only``), and
     for every other one why it is left out (``get_backend``'s reason); Triton on CPU tensors
-    (the interpreter) only with ``include_cpu_triton``."""
+    (the interpreter) only when ``only`` names it."""
     device = torch.device(device)
     unknown = [b for b in only or () if b not in BACKENDS]
     if unknown:
@@ -78,8 +78,8 @@ def backends_for(device: torch.device, *, include_cpu_triton: bool = False,
     for name in BACKENDS:
         if only and name not in only:
             skipped[name] = "not asked for (--backends)"
-        elif name == "triton" and device.type == "cpu" and not include_cpu_triton:
-            skipped[name] = "excluded on CPU by default (interpreter only; --cpu-triton)"
+        elif name == "triton" and device.type == "cpu" and not only:
+            skipped[name] = "excluded on CPU unless --backends names it (the Triton interpreter)"
         else:
             try:
                 get_backend(name, device)

@@ -169,8 +169,8 @@ def test_backends_for_cpu_picks_every_available_backend_but_interpreted_triton()
             assert (name in chosen) == _works_on_cpu(name), name
     if _works_on_cpu("triton"):
         assert "interpreter" in skipped["triton"]
-        with_triton, _ = common.backends_for(torch.device("cpu"), include_cpu_triton=True)
-        assert "triton" in with_triton
+        with_triton, _ = common.backends_for(torch.device("cpu"), only=["triton", "foreach"])
+        assert set(with_triton) == {"foreach", "triton"}
     assert skipped["cuda"]  # a reason, never empty
 
 
