@@ -28,15 +28,24 @@ def time_once(fn: Callable[[], None], device: torch.device, clock: Callable = ti
     return clock() - start
 
 
+#: GPU clock cycles (about 1 ms) the device spins before the first call :func:`time_calls` times:
+#: after a synchronization an idle GPU would start that call's event at once and wait for the
+#: host to prepare and launch the call, so a lone call (the roof's, one per round) would count the
+#: launch gap that a queued run of calls (the kernels') hides.
+LEAD_CYCLES = 2_000_000
+
+
 def time_calls(fns: Sequence[Callable[[], None]], device: torch.device, *,
                max_total_s: Optional[float] = None, min_calls: int = 1) -> list:
     """Seconds of each call of ``fns`` (in order): CUDA events on a GPU (device time between the
-    call's first and last launch), ``time.perf_counter`` around each call on CPU, where
+    call's first and last launch, the GPU kept busy while the host launches the first call:
+    :data:`LEAD_CYCLES`), ``time.perf_counter`` around each call on CPU, where
     ``max_total_s`` stops early (after at least ``min_calls`` calls) once the calls have taken
     that long, so a machine that turns slow mid-run cannot stretch the run."""
     if device.type == "cuda":
         events = [[torch.cuda.Event(enable_timing=True) for _ in range(2)] for _ in fns]
         torch.cuda.synchronize(device)
+        torch.cuda._sleep(LEAD_CYCLES)
         for fn, (start, end) in zip(fns, events):
             start.record()
             fn()

@@ -2,6 +2,7 @@
 benchmark of the suite shares."""
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -187,3 +188,30 @@ def test_load_results_takes_the_newest_and_refuses_another_schema(tmp_path, monk
         "benchmarks/results/step_epyc-2core.json"
     with pytest.raises(SystemExit, match="is not a kernels results file"):
         harness.load_results([inside], "kernels", "emcl-kernels/bench_kernels/1")
+
+
+def test_time_calls_times_each_call_on_the_cpu_and_stops_at_its_budget():
+    from benchmarks import timing
+
+    calls = []
+    secs = timing.time_calls([lambda: calls.append(time.sleep(2e-3))] * 5, torch.device("cpu"))
+    assert len(secs) == len(calls) == 5 and all(s >= 2e-3 for s in secs)
+    cut = timing.time_calls([lambda: time.sleep(2e-3)] * 50, torch.device("cpu"),
+                            max_total_s=5e-3, min_calls=2)
+    assert 2 <= len(cut) < 50
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_time_calls_on_a_gpu_leaves_out_the_hosts_launch_gap_of_a_lone_call():
+    # A lone call after a synchronization (the roof's, one per round): 0.2 ms of host work before
+    # its tiny kernel must not be counted as the call's device time, as in a queued run of calls.
+    from benchmarks import timing
+
+    x = torch.ones(1, device="cuda")
+
+    def host_then_kernel():
+        time.sleep(2e-4)
+        x.add_(1)
+    secs = timing.time_calls([host_then_kernel], torch.device("cuda"))
+    assert secs[0] < 1e-4, f"{secs[0] * 1e6:.0f} us: the host's gap counted"
+    assert x.item() == 2
