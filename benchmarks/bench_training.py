@@ -214,6 +214,15 @@ def _num(v: float) -> str:
     return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
 
 
+def _headline(rows: list, method: str, device: str, auto: dict) -> dict | None:
+    """The row that stands for ``method`` on ``device``: for EMCL the backend ``auto`` picks
+    there (what ``python -m emcl_continual`` runs), graphed on a GPU; a baseline's own row."""
+    mine = [r for r in rows if r["method"] == method and r["device"] == device]
+    if method == "emcl":
+        mine = [r for r in mine if r["backend"] == auto.get(device) and r["graph"] in (None, True)]
+    return mine[0] if mine else None
+
+
 # the table of every row: header -> the summary's key (numbers from "train s" on)
 EVERY = {"device": "device", "method (backend)": "label", "seeds": "seeds", "train s": "train_time_s",
          "±": "train_time_s_std", "ms/batch": "ms_per_batch", "steady ms/batch": "ms_per_batch_steady",
@@ -251,11 +260,7 @@ def tables(results: list) -> str:
             + ([] if image else [f"ACC {n}" for n in names.values()])
         by_method = []
         for method in dict.fromkeys(r["method"] for r in srows):
-            # the row that stands for the method on each device: for EMCL the backend ``auto``
-            # picks there (what python -m emcl_continual runs), graphed on a GPU
-            picks = {d: next((r for r in srows if r["method"] == method and r["device"] == d and (
-                method != "emcl" or r["backend"] == auto.get(d) and r["graph"] in (None, True))), None)
-                for d in names}
+            picks = {d: _headline(srows, method, d, auto) for d in names}
             # an image stream's steady ms per batch, else the training time
             vals = {d: r and ((r["ms_per_batch_steady"] or r["ms_per_batch"]) if image else r["train_time_s"])
                     for d, r in picks.items()}
